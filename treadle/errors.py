@@ -1,0 +1,12 @@
+"""The one exception type for bad user input.
+
+Anything raised as a ``UserError`` reaches the user as a single line on stderr
+and exit code 2, with no traceback (see ``treadle.cli.main``). Raise it *before*
+touching anything on disk, so that bad input never damages an earlier run.
+"""
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """Bad config, data, path or flag. The message names the culprit and what is accepted."""
