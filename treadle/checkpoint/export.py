@@ -1,0 +1,67 @@
+"""Export weights as a Hugging Face model directory (safetensors, config, tokenizer)."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel
+
+from treadle.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | None, out: Path,
+              dtype: str = "fp32", enabled: bool = True) -> Path:
+    """Write ``out`` atomically: a reader sees the old directory or the new one, never half of one."""
+    out = Path(out)
+    if not enabled:
+        return out
+    if dtype not in DTYPES:
+        raise UserError(f"export dtype {dtype!r} is unknown; accepted: {', '.join(DTYPES)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+    state_dict = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in state_dict.items()}
+    try:
+        # Training disables the KV cache for packed sequences; an exported model is for inference.
+        saved = model.config.use_cache, model.config.dtype
+        model.config.use_cache, model.config.dtype = True, DTYPES[dtype]
+        try:
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        finally:
+            model.config.use_cache, model.config.dtype = saved
+        if tokenizer_dir is not None:
+            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+        old = out.parent / f".old-{out.name}-{uuid.uuid4().hex[:8]}"
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export_checkpoint(source: Path, out: Path, dtype: str = "fp32") -> Path:
+    """``treadle export``: rebuild the model a checkpoint was trained as, load its weights, export."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from treadle.checkpoint.manager import CheckpointManager
+    from treadle.config import load_config
+    from treadle.models.hf import build_model
+
+    ckpt = CheckpointManager(source, keep_last=1).find_resume(str(source))
+    cfg = load_config(ckpt / "config.toml")
+    meta = json.loads((ckpt / "train_state.json").read_text())["meta"]
+    model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt / "state")  # only the model's entries: optimizer state stays on disk
+    model.load_state_dict(state["model"])
+    tokenizer = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
+    return export_hf(model, model.state_dict(), tokenizer if tokenizer and tokenizer.is_dir() else None, out, dtype=dtype)

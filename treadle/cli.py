@@ -1,0 +1,105 @@
+"""``treadle train | prepare | export``.
+
+Bad input ends as one line on stderr and exit code 2 (``UserError``); anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from treadle.errors import EXIT_USAGE, UserError
+
+
+def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    from treadle.config import load_config
+    from treadle.train.run import run_training
+
+    bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
+    if bad:
+        raise UserError(f"unexpected argument {bad[0]!r}; accepted: [config.toml] [--section.key=value ...]")
+    cfg = load_config(args.config, extra)
+    summary = run_training(cfg)
+    _print_summary(summary)
+    return 0
+
+
+def _print_summary(s) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"treadle run: {s.steps} steps, {s.parameters / 1e6:.1f}M parameters", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    if s.first_loss is not None:
+        table.add_row("train loss", f"{s.first_loss:.4f} (first step) -> {s.last_loss:.4f} (last step)")
+    if s.last_eval is not None:
+        first = s.first_eval
+        start = f"{first['eval_loss']:.4f} at step {first['step']} -> " if first and first is not s.last_eval else ""
+        table.add_row("val loss", f"{start}{s.last_eval['eval_loss']:.4f} at step {s.last_eval['step']}")
+        table.add_row("val perplexity", f"{math.exp(s.last_eval['eval_loss']):.2f}")
+    table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s ({s.tokens:,} tokens in {s.elapsed_s:.1f} s of training)")
+    table.add_row("run directory", str(s.output_dir))
+    table.add_row("metrics", str(s.output_dir / "metrics.jsonl"))
+    table.add_row("checkpoints", ", ".join(p.name for p in s.checkpoints) + f" in {s.output_dir / 'checkpoints'}")
+    if s.export_dir is not None:
+        table.add_row("exported model", f"{s.export_dir} (AutoModelForCausalLM.from_pretrained)")
+    Console().print(table)
+
+
+def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
+    from treadle.data import prepare
+
+    if extra:
+        raise UserError(f"unexpected argument {extra[0]!r} for treadle prepare")
+    return prepare.run(args)
+
+
+def _export(args: argparse.Namespace, extra: list[str]) -> int:
+    from treadle.checkpoint.export import export_checkpoint
+
+    if extra:
+        raise UserError(f"unexpected argument {extra[0]!r} for treadle export")
+    out = export_checkpoint(Path(args.source), Path(args.out), dtype=args.dtype)
+    print(f"exported {args.source} -> {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treadle", description="Train LLMs and their speculative-decoding draft models.", allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model (no config: the built-in default)", allow_abbrev=False,
+                           description="Config sources, in order: defaults, CONFIG, --section.key=value overrides.")
+    train.add_argument("config", nargs="?", help="TOML config file")
+    train.set_defaults(func=_train)
+
+    from treadle.data import prepare
+
+    prep = sub.add_parser("prepare", help="tokenize text / JSONL into a shard directory", allow_abbrev=False)
+    prepare.add_arguments(prep)
+    prep.set_defaults(func=_prepare)
+
+    export = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint", allow_abbrev=False)
+    export.add_argument("source", help="run directory or checkpoint directory")
+    export.add_argument("--to", choices=["hf"], default="hf", help="export format")
+    export.add_argument("out", help="output directory")
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    export.set_defaults(func=_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        return args.func(args, extra)
+    except UserError as exc:
+        print(f"treadle: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("treadle: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,231 @@
+"""Typed run configuration: built-in defaults < TOML file < ``--section.key=value``.
+
+Every section is a pydantic model that forbids unknown keys, so a typo is an
+error with a "did you mean" hint instead of a silently ignored setting. The
+resolved config is written into the run directory as TOML and can be passed
+back to ``treadle train`` unchanged (``load_config(path)`` round-trips).
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from treadle.errors import UserError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainConfig(Section):
+    micro_batch_size: int = Field(8, ge=1, description="sequences per micro-batch per rank")
+    grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    max_steps: int = Field(200, ge=1, description="optimizer steps of the whole run")
+    seed: int = Field(0, ge=0)
+    output_dir: str = Field("runs/default", description="run directory")
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(100, ge=0, description="0 = evaluate only at the start and the end")
+    eval_batches: int = Field(16, ge=1, description="validation batches per evaluation")
+    grad_clip: float = Field(1.0, ge=0.0, description="max global grad norm; 0 = no clipping")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = torch's default")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v not in ("auto", "cpu") and not v.startswith("cuda"):
+            raise ValueError("accepted: auto, cpu, cuda, cuda:N")
+        return v
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0.0)
+    decay_embeddings: bool = Field(False, description="apply weight decay to embedding tables")
+    decay_norms_and_biases: bool = False
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError("both betas must be in [0, 1)")
+        return v
+
+
+class ScheduleConfig(Section):
+    warmup_steps: int | None = Field(None, ge=0, description="linear warmup length in steps")
+    warmup_proportion: float | None = Field(None, ge=0.0, lt=1.0, description="warmup as a fraction of max_steps")
+    decay: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr / peak lr")
+    wsd_decay_proportion: float = Field(0.2, gt=0.0, le=1.0, description="wsd: fraction of the run spent decaying")
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> ScheduleConfig:
+        if self.warmup_steps is not None and self.warmup_proportion is not None:
+            raise ValueError("set schedule.warmup_steps or schedule.warmup_proportion, not both")
+        return self
+
+
+class CheckpointConfig(Section):
+    every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    keep_last: int = Field(2, ge=1)
+    resume: str = Field("auto", description="auto | none | <checkpoint path>")
+    export_hf: bool = Field(True, description="write <output_dir>/hf at the end")
+
+
+class ModelConfig(Section):
+    preset: str = Field("tiny", description="built-in architecture, used when model.path is unset")
+    path: str | None = Field(None, description="local Hugging Face model directory to load")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="bf16 = autocast with fp32 master weights")
+    compile: bool = Field(False, description="torch.compile each decoder layer")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="HF config fields set on top of the preset")
+
+
+class DataConfig(Section):
+    seq_len: int = Field(256, ge=8)
+    train: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs, or 'builtin'")
+    val: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs, 'builtin', or [] for no eval")
+    mask_cross_doc: bool = Field(True, description="no loss on predicting the first token of the next document")
+    tokenizer: str = Field("auto", description="tokenizer exported with the model: 'auto' (the shards' own) or a directory")
+
+    @field_validator("train", "val", mode="before")
+    @classmethod
+    def _listify(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class Config(Section):
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Config:
+        if self.schedule.warmup_steps is not None and self.schedule.warmup_steps >= self.train.max_steps:
+            raise ValueError(
+                f"schedule.warmup_steps={self.schedule.warmup_steps} is not shorter than "
+                f"train.max_steps={self.train.max_steps}; accepted: 0 <= warmup_steps < max_steps"
+            )
+        if not self.data.train:
+            raise ValueError("data.train is empty; accepted: 'builtin' or a list of shard directories")
+        return self
+
+    def warmup_steps(self) -> int:
+        s = self.schedule
+        if s.warmup_steps is not None:
+            return s.warmup_steps
+        if s.warmup_proportion is not None:
+            return int(s.warmup_proportion * self.train.max_steps)
+        return 0
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _all_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _all_keys(ann, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _suggest(key: str) -> str:
+    keys = _all_keys()
+    sections = sorted({k.split(".")[0] for k in keys})
+    pool = keys if "." in key else sections + keys
+    near = difflib.get_close_matches(key, pool, n=1, cutoff=0.5)
+    if not near:  # a right key in the wrong section: match on the last part alone
+        leaf = key.rsplit(".", 1)[-1]
+        near = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1]
+    return f"; did you mean {near[0]}?" if near else ""
+
+
+def _explain(err: ValidationError, source: str) -> UserError:
+    """Turn pydantic's report into one line naming key, value and what is accepted."""
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"])
+    where = f" ({source})" if source else ""
+    if e["type"] == "extra_forbidden":
+        return UserError(f"config error{where}: unknown key {key}{_suggest(key)}")
+    msg = e["msg"].removeprefix("Value error, ")
+    if not key or isinstance(e.get("input"), dict):  # a cross-field check names its keys itself
+        return UserError(f"config error{where}: {msg}")
+    return UserError(f"config error{where}: {key} = {e.get('input')!r} is invalid: {msg}")
+
+
+def parse_override(arg: str) -> tuple[list[str], Any]:
+    """``--section.key=value`` -> (["section", "key"], value), value read as a TOML literal.
+
+    A bare word that is not valid TOML (``--model.dtype=bf16``) is taken as a string.
+    """
+    body = arg.removeprefix("--")
+    if "=" not in body or not body.split("=", 1)[0]:
+        raise UserError(f"bad override {arg!r}; accepted form: --section.key=value (e.g. --train.max_steps=50)")
+    key, raw = body.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def _set_path(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"config error: {'.'.join(path)}: {part} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file, then the overrides; raise UserError on any bad input."""
+    tree: dict[str, Any] = {}
+    source = ""
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        try:
+            tree = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise UserError(f"config file {p} does not exist; accepted: a readable TOML file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"config file {p} cannot be read: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise UserError(f"config file {p} is not valid TOML: {exc}") from None
+    for arg in overrides:
+        keypath, value = parse_override(arg)
+        _set_path(tree, keypath, value)
+    if overrides:
+        source = f"{source} + overrides" if source else "overrides"
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise _explain(err, source) from None
+
+
+def to_toml(cfg: Config) -> str:
+    # TOML has no null: unset optional keys are left out and come back as None.
+    return tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(to_toml(cfg))
+    tmp.replace(path)

@@ -1,0 +1,392 @@
+"""``treadle prepare``: tokenize text files into a shard directory.
+
+Inputs are files, directories and glob patterns:
+
+* a **file** named explicitly (or matched by a glob) is always taken;
+* a **directory** is searched recursively for files ending in
+  ``.txt .md .py .jsonl .json`` (hidden files and directories, i.e. names
+  starting with ".", and ``__pycache__`` are skipped);
+* every input must match at least one file.
+
+A ``.jsonl`` file holds one JSON object per line and each object is one
+document, its text in ``obj[text_field]`` (blank lines are ignored). Any other
+file (``.json`` included) is one document: its whole UTF-8 text.
+
+The output directory holds
+
+* ``tokens.bin``  - every document's token ids back to back (uint16 when the
+  vocabulary fits, i.e. ``len(tokenizer) <= 65536``, else uint32), each
+  followed by the tokenizer's eos id unless ``--no-eos``;
+* ``offsets.npy`` - int64, ``num_documents + 1`` entries: document ``d`` is
+  ``tokens[offsets[d]:offsets[d+1]]`` and the last entry is ``num_tokens``;
+* ``meta.json``   - dtype, vocab size, tokenizer fingerprint and counts.
+
+Determinism: files are deduplicated and sorted, and worker results are
+reassembled in input order, so the output is byte-identical whatever the
+number of workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import glob
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from treadle.errors import UserError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+DIRECTORY_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".json")
+_GLOB_CHARS = set("*?[")
+# Aim for several chunks per worker so one slow chunk does not leave the
+# others idle at the end, but keep chunks big enough that the per-task
+# pickling overhead stays small.
+_CHUNKS_PER_WORKER = 8
+_MIN_CHUNK_BYTES = 1 << 20
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest dtype holding every id of a vocabulary: ids run 0..vocab_size-1, uint16 holds 0..65535."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def _is_wanted(path: Path) -> bool:
+    return path.suffix in DIRECTORY_SUFFIXES
+
+
+def _walk_dir(root: Path) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+        for name in filenames:
+            path = Path(dirpath) / name
+            if not name.startswith(".") and _is_wanted(path):
+                found.append(path)
+    return found
+
+
+def resolve_inputs(inputs: list[str]) -> list[Path]:
+    """Expand files, directories and globs into a sorted, deduplicated list of absolute file paths."""
+    if not inputs:
+        raise UserError("prepare: no inputs given (expected files, directories or glob patterns)")
+    files: set[Path] = set()
+    for spec in inputs:
+        path = Path(spec).expanduser()
+        if path.is_file():
+            matched = [path]
+        elif path.is_dir():
+            matched = _walk_dir(path)
+            if not matched:
+                raise UserError(
+                    f"input directory {spec}: holds no files ending in {' '.join(DIRECTORY_SUFFIXES)}"
+                )
+        elif _GLOB_CHARS & set(spec):
+            matched = []
+            for hit in sorted(glob.glob(str(path), recursive=True)):
+                hit_path = Path(hit)
+                matched.extend(_walk_dir(hit_path) if hit_path.is_dir() else [hit_path])
+            if not matched:
+                raise UserError(f"input pattern {spec!r}: matches no files")
+        else:
+            raise UserError(f"input {spec}: no such file or directory (expected a file, a directory or a glob pattern)")
+        files.update(p.resolve() for p in matched)
+    return sorted(files, key=str)
+
+
+def _chunk(files: list[Path], workers: int) -> list[list[Path]]:
+    """Split the (ordered) file list into contiguous chunks of roughly equal byte size."""
+    sizes = [f.stat().st_size for f in files]
+    target = max(_MIN_CHUNK_BYTES, sum(sizes) // max(1, workers * _CHUNKS_PER_WORKER))
+    chunks, current, current_bytes = [], [], 0
+    for f, size in zip(files, sizes):
+        current.append(f)
+        current_bytes += size
+        if current_bytes >= target:
+            chunks.append(current)
+            current, current_bytes = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+# --------------------------------------------------------------------------- worker side
+# These run in spawned worker processes. They import only numpy and tokenizers
+# (not transformers or torch), which keeps worker start-up well under a second.
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_dir: str, parallel_inside: bool) -> None:
+    global _worker_tokenizer
+    # With several worker processes the processes already use the cores; a
+    # Rust thread pool inside each one would only oversubscribe them. Setting
+    # the variable explicitly also silences tokenizers' fork warning.
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel_inside else "false"
+    from treadle.corpus import load_backend_tokenizer
+
+    _worker_tokenizer = load_backend_tokenizer(Path(tokenizer_dir))
+
+
+def _read_documents(path: Path, text_field: str) -> list[str]:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (bad byte at offset {e.start}); only UTF-8 input is accepted") from None
+    if path.suffix != ".jsonl":
+        return [text]
+    docs = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(
+                f"{path}:{lineno}: malformed JSON ({e.msg}); expected one JSON object per line "
+                f"with a string field {text_field!r}"
+            ) from None
+        if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+            what = "not a JSON object" if not isinstance(obj, dict) else (
+                f"field {text_field!r} is missing" if text_field not in obj
+                else f"field {text_field!r} is {type(obj[text_field]).__name__}, not a string"
+            )
+            raise UserError(
+                f"{path}:{lineno}: {what}; expected a JSON object with a string field {text_field!r} "
+                f"(choose the field with --text-field)"
+            )
+        docs.append(obj[text_field])
+    return docs
+
+
+def _tokenize_chunk(files: list[str], text_field: str, eos_id: int | None, vocab_size: int):
+    """Tokenize one chunk of files; returns (tokens uint32, per-document lengths int64, n_empty)."""
+    docs: list[str] = []
+    for f in files:
+        docs.extend(_read_documents(Path(f), text_field))
+    n_empty = sum(1 for d in docs if not d)
+    docs = [d for d in docs if d]
+    encodings = _worker_tokenizer.encode_batch_fast(docs, add_special_tokens=False) if docs else []
+    extra = 1 if eos_id is not None else 0
+    lengths = np.fromiter((len(e.ids) + extra for e in encodings), dtype=np.int64, count=len(encodings))
+    tokens = np.empty(int(lengths.sum()), dtype=np.uint32)
+    pos = 0
+    for enc in encodings:
+        n = len(enc.ids)
+        tokens[pos : pos + n] = enc.ids
+        pos += n
+        if eos_id is not None:
+            tokens[pos] = eos_id
+            pos += 1
+    if tokens.size and int(tokens.max()) >= vocab_size:
+        # The dtype and every model embedding are sized from vocab_size; an id
+        # past it would be silently truncated or crash much later in training.
+        raise UserError(f"tokenizer produced id {int(tokens.max())} >= its vocabulary size {vocab_size}")
+    return tokens, lengths, n_empty
+
+
+# --------------------------------------------------------------------------- main entry
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a directory (expected a new or empty directory)")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"--out {out}: directory exists and is not empty (pass --overwrite to replace it)")
+        if not (out / "meta.json").is_file():
+            # --overwrite replaces an earlier prepare output, never an arbitrary directory.
+            raise UserError(f"--out {out}: refusing to overwrite a directory that is not a shard directory (no meta.json)")
+
+
+def _load_tokenizer_info(tokenizer_dir: Path):
+    """(len(tokenizer), eos id or None, fingerprint) as transformers would see the tokenizer."""
+    from treadle.corpus import load_backend_tokenizer, tokenizer_fingerprint
+
+    backend = load_backend_tokenizer(tokenizer_dir)  # raises a UserError for a bad directory
+    try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        vocab_size, eos_id = len(hf), hf.eos_token_id
+    except Exception:
+        # A bare tokenizer.json without a tokenizer_config.json: no declared eos.
+        vocab_size, eos_id = backend.get_vocab_size(with_added_tokens=True), None
+    return vocab_size, eos_id, tokenizer_fingerprint(tokenizer_dir)
+
+
+def prepare(
+    inputs: list[str],
+    out: Path,
+    tokenizer_dir: Path,
+    text_field: str = "text",
+    workers: int | None = None,
+    overwrite: bool = False,
+    append_eos: bool = True,
+) -> dict:
+    """Tokenize ``inputs`` into the shard directory ``out``; returns the meta dict written there.
+
+    Nothing at ``out`` is touched unless the whole output was produced: it is
+    built in ``out.parent/.tmp-<name>-<pid>`` and renamed into place.
+    """
+    out = Path(out).expanduser().absolute()
+    tokenizer_dir = Path(tokenizer_dir).expanduser().absolute()
+    if workers is None:
+        workers = min(4, os.cpu_count() or 1)
+    if workers < 1:
+        raise UserError(f"--workers {workers}: expected a positive number of worker processes")
+
+    # All validation happens before anything is written.
+    _check_out(out, overwrite)
+    files = resolve_inputs(list(inputs))
+    vocab_size, eos_id, fingerprint = _load_tokenizer_info(tokenizer_dir)
+    if append_eos and eos_id is None:
+        raise UserError(f"tokenizer {tokenizer_dir}: has no eos token to append after documents (pass --no-eos)")
+    dtype = token_dtype(vocab_size)
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)  # leftover of an interrupted run with our pid
+        tmp.mkdir()
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write in {out.parent} ({e.strerror})") from None
+
+    try:
+        chunks = _chunk(files, workers)
+        workers = min(workers, len(chunks))
+        all_lengths: list[np.ndarray] = []
+        num_tokens = num_skipped = 0
+        # spawn, not fork: the parent may hold torch/tokenizers thread pools
+        # whose locks a forked child would inherit in an undefined state.
+        ctx = multiprocessing.get_context("spawn")
+        with cf.ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=ctx,
+            initializer=_init_worker,
+            initargs=(str(tokenizer_dir), workers == 1),
+        ) as pool, open(tmp / "tokens.bin", "wb") as fout:
+            futures = [
+                pool.submit(_tokenize_chunk, [str(f) for f in chunk], text_field,
+                            eos_id if append_eos else None, vocab_size)
+                for chunk in chunks
+            ]
+            try:
+                # Consume in submission order: the output is the input order,
+                # however the chunks were scheduled.
+                for fut in futures:
+                    tokens, lengths, n_empty = fut.result()
+                    fout.write(tokens.astype(dtype, copy=False).tobytes())
+                    all_lengths.append(lengths)
+                    num_tokens += int(tokens.size)
+                    num_skipped += n_empty
+            except BaseException:
+                for fut in futures:
+                    fut.cancel()
+                raise
+
+        lengths = np.concatenate(all_lengths) if all_lengths else np.zeros(0, dtype=np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        assert offsets[-1] == num_tokens
+        np.save(tmp / "offsets.npy", offsets)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "dtype": dtype.name,
+            "vocab_size": int(vocab_size),
+            "tokenizer_fingerprint": fingerprint,
+            "tokenizer_dir": str(tokenizer_dir),
+            "num_tokens": int(num_tokens),
+            "num_documents": int(len(lengths)),
+            "num_skipped_empty": int(num_skipped),
+            "sources": len(files),
+            "eos_id": None if eos_id is None else int(eos_id),
+            "append_eos": bool(append_eos),
+            "text_field": text_field,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _fsync_dir_files(tmp)
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+def _fsync_dir_files(d: Path) -> None:
+    # Make the content durable before the rename publishes it, so a crash
+    # cannot leave a complete-looking directory with truncated files.
+    for f in d.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    if out.is_dir() and any(out.iterdir()):
+        # --overwrite (checked earlier): move the old output aside first so
+        # there is never a moment with neither version on disk under its name.
+        old = out.parent / f".old-{out.name}-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        # rename(2) replaces an empty directory atomically.
+        try:
+            os.rename(tmp, out)
+        except OSError as e:
+            raise UserError(f"--out {out}: cannot create it ({e.strerror}); another process may have written it") from None
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                        help="files, directories (searched for " + " ".join(DIRECTORY_SUFFIXES) + ") or glob patterns")
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="output shard directory (must be new or empty)")
+    parser.add_argument("--tokenizer", default="builtin", metavar="DIR|builtin",
+                        help="Hugging Face tokenizer directory, or 'builtin' for treadle's own (default)")
+    parser.add_argument("--text-field", default="text", help="JSONL field holding the document text (default: text)")
+    parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: min(4, cpus))")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing shard directory at --out")
+    parser.add_argument("--no-eos", dest="append_eos", action="store_false", help="do not append eos after each document")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tokenizer == "builtin":
+        from treadle.corpus import builtin_tokenizer_dir
+
+        tokenizer_dir = builtin_tokenizer_dir()
+    else:
+        tokenizer_dir = Path(args.tokenizer)
+    meta = prepare(
+        args.inputs, args.out, tokenizer_dir,
+        text_field=args.text_field, workers=args.workers,
+        overwrite=args.overwrite, append_eos=args.append_eos,
+    )
+    print(
+        f"prepared {meta['num_documents']:,} documents ({meta['num_skipped_empty']:,} empty skipped) "
+        f"from {meta['sources']:,} files: {meta['num_tokens']:,} tokens, {meta['dtype']} -> {Path(args.out)}"
+    )
+    return 0

@@ -1,0 +1,69 @@
+"""The single-process engine: the reference every distributed engine must match.
+
+The loop talks only to this interface (DESIGN.md): ``no_sync``, ``backward``,
+``clip_grad_norm``, ``step``, ``zero_grad``, ``all_reduce_sum``, ``state_dict`` /
+``load_state_dict`` and ``export_state_dict``. DDP / FSDP2 / DeepSpeed engines
+implement the same methods, so the loop never branches on the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+# DCP's state-dict helpers warn about deprecated internals on every call; nothing for a user to act on.
+warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint")
+
+
+class LocalEngine:
+    rank = 0
+    world_size = 1
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.model = model
+        self.optimizer = optimizer
+        self.device = device
+
+    @contextlib.contextmanager
+    def no_sync(self, last: bool) -> Iterator[None]:
+        # One process: there is no gradient communication to defer.
+        yield
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_agree(self, ok: bool) -> bool:
+        """Every rank takes the same decision (true only if true everywhere)."""
+        return ok
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        # max_norm 0 means "measure, do not clip": an infinite bound never scales the gradients.
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        """Model and optimizer state keyed by parameter name (DCP's format, engine independent)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded weights for export (trivial here; gathered on other engines)."""
+        return self.model.state_dict()

@@ -1,0 +1,83 @@
+"""Build or load any Hugging Face ``AutoModelForCausalLM``.
+
+Models know nothing about parallelism or the loop: this module only turns a
+``[model]`` config section into an ``nn.Module``. Presets are data
+(``treadle/presets/<name>.json``, HF config fields), so adding one is adding a file.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from treadle.config import ModelConfig
+from treadle.errors import UserError
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name.removesuffix(".json") for p in resources.files("treadle.presets").iterdir() if p.name.endswith(".json"))
+
+
+def load_preset(name: str) -> dict:
+    if name not in preset_names():
+        raise UserError(f"model.preset = {name!r} is unknown; accepted: {', '.join(preset_names())}")
+    return json.loads(resources.files("treadle.presets").joinpath(f"{name}.json").read_text())
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None) -> PreTrainedModel:
+    """An fp32 model on CPU; the caller moves it and seeds torch beforehand (init is random)."""
+    if cfg.path is not None:
+        model = _load_local(Path(cfg.path))
+        if model.config.vocab_size < vocab_size:
+            raise UserError(
+                f"model.path {cfg.path} has vocab_size {model.config.vocab_size}, smaller than the data's "
+                f"{vocab_size}; accepted: a model whose vocabulary covers the tokenizer"
+            )
+    else:
+        fields = load_preset(cfg.preset) | {"vocab_size": vocab_size, "bos_token_id": bos_id, "eos_token_id": eos_id}
+        fields |= cfg.overrides
+        model_type = fields.pop("model_type")
+        try:
+            hf_config = AutoConfig.for_model(model_type, **fields)
+        except (ValueError, TypeError) as exc:
+            raise UserError(f"model.overrides / preset {cfg.preset!r} give an invalid HF config: {exc}") from None
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    # Packed sequences only stay isolated on CPU sdpa/eager without a KV cache (PLATFORM.md).
+    model.config.use_cache = False
+    return model
+
+
+def _load_local(path: Path) -> PreTrainedModel:
+    if not (path / "config.json").is_file():
+        raise UserError(f"model.path {path} is not a Hugging Face model directory (no config.json); accepted: a local directory written by save_pretrained")
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.path {path} cannot be loaded: {str(exc).splitlines()[0]}") from None
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of decoder blocks: the unit we compile (and, later, shard)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    candidates = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not candidates:
+        raise UserError(f"{type(model).__name__} has no list of decoder layers to compile; set model.compile = false")
+    return max(candidates, key=len)
+
+
+def compile_layers(model: nn.Module) -> None:
+    # In-place Module.compile keeps parameter names, so checkpoints and HF export are unchanged.
+    for layer in decoder_layers(model):
+        layer.compile()
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,161 @@
+"""Periodic work hangs off the loop as stateful callbacks, not ``if`` branches in it.
+
+A callback sees the trainer at three moments (start, after each step, end) and
+may keep state; ``state_dict`` is saved in every checkpoint (JSON) so a resumed
+run knows, e.g., its starting loss and the last step it evaluated.
+Order matters at the end of a run: metrics, eval, checkpoint, export.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from treadle.train.step import StepResult, loss_sum
+
+if TYPE_CHECKING:
+    from treadle.train.trainer import Trainer
+
+
+class Callback:
+    def on_train_start(self, trainer: Trainer) -> None: ...
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None: ...
+
+    def on_train_end(self, trainer: Trainer) -> None: ...
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class MetricsCallback(Callback):
+    """Every ``log_every`` steps: one metrics.jsonl record and a console update."""
+
+    def __init__(self, log_every: int):
+        self.log_every = log_every
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self._window_tokens = 0
+        self._window_seconds = 0.0
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        st = trainer.state
+        self._window_tokens += trainer.tokens_per_step
+        self._window_seconds += trainer.last_step_seconds
+        if self.first_loss is None:
+            self.first_loss = result.loss
+        self.last_loss = result.loss
+        trainer.console.step(st.step)
+        if st.step % self.log_every and st.step != trainer.max_steps:
+            return
+        record = {
+            "step": st.step,
+            "loss": result.loss,
+            "lr": trainer.current_lr(),
+            "grad_norm": result.grad_norm,
+            "tokens": st.tokens,
+            "tokens_per_s": self._window_tokens / max(self._window_seconds, 1e-9),
+            "elapsed_s": round(st.elapsed_s, 3),
+        }
+        if st.skipped_steps:
+            record["skipped_steps"] = st.skipped_steps
+        trainer.log(record)
+        self._window_tokens, self._window_seconds = 0, 0.0
+
+    def state_dict(self) -> dict:
+        return {"first_loss": self.first_loss, "last_loss": self.last_loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.first_loss, self.last_loss = state["first_loss"], state["last_loss"]
+
+
+@torch.no_grad()
+def evaluate(trainer: Trainer) -> tuple[float, int]:
+    """Token-weighted mean CE over the validation batches, summed over ranks."""
+    engine = trainer.engine
+    engine.model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    for batch in trainer.val_batches():
+        batch = {k: v.to(engine.device) for k, v in batch.items()}
+        with trainer.autocast():
+            total[0] += loss_sum(engine.model, batch).double()
+        total[1] += (batch["labels"] != -100).sum()
+    engine.model.train()
+    loss_total, tokens = engine.all_reduce_sum(total).tolist()
+    return loss_total / max(tokens, 1.0), int(tokens)
+
+
+class EvalCallback(Callback):
+    """Validation loss and perplexity at the start, every ``eval_every`` steps and at the end."""
+
+    def __init__(self, eval_every: int):
+        self.eval_every = eval_every
+        self.first: dict | None = None
+        self.last: dict | None = None
+
+    def _run(self, trainer: Trainer) -> None:
+        t0 = time.perf_counter()
+        loss, tokens = evaluate(trainer)
+        record = {"step": trainer.state.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)),
+                  "eval_tokens": tokens, "eval_s": round(time.perf_counter() - t0, 3)}
+        self.first = self.first or record
+        self.last = record
+        trainer.log(record, kind="eval")
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        if self.first is None:  # a fresh run: the starting point every later eval is compared to
+            self._run(trainer)
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        step = trainer.state.step
+        if self.eval_every and step % self.eval_every == 0 and step != trainer.max_steps:
+            self._run(trainer)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if self.last is None or self.last["step"] != trainer.state.step:
+            self._run(trainer)
+
+    def state_dict(self) -> dict:
+        return {"first": self.first, "last": self.last}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.first, self.last = state["first"], state["last"]
+
+
+class CheckpointCallback(Callback):
+    """Every ``every`` steps (0 = never in between) and at the end of the run."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.last_saved: int | None = None
+
+    def _save(self, trainer: Trainer) -> None:
+        trainer.save_checkpoint()
+        self.last_saved = trainer.state.step
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if self.every and trainer.state.step % self.every == 0:
+            self._save(trainer)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if self.last_saved != trainer.state.step:
+            self._save(trainer)
+
+
+class ExportCallback(Callback):
+    """At the end, a Hugging Face model directory that ``from_pretrained`` loads."""
+
+    def __init__(self, out_dir, tokenizer_dir):
+        self.out_dir = out_dir
+        self.tokenizer_dir = tokenizer_dir
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        from treadle.checkpoint.export import export_hf
+
+        export_hf(trainer.engine.model, trainer.engine.export_state_dict(), self.tokenizer_dir, self.out_dir,
+                  enabled=trainer.engine.rank == 0)

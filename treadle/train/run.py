@@ -1,0 +1,161 @@
+"""Assemble a run from a ``Config``: data, model, engine, schedule, callbacks; then fit.
+
+All input is validated before the run directory is touched, so a bad flag or a
+missing shard never damages an earlier run that lives there.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from treadle import corpus
+from treadle.checkpoint.manager import CheckpointManager
+from treadle.config import Config, save_config
+from treadle.data.packed import PackedDataset, StepLoader, eval_batches
+from treadle.engine import LocalEngine
+from treadle.errors import UserError
+from treadle.metrics.sinks import Console, JsonlSink
+from treadle.models.hf import build_model, compile_layers, count_parameters
+from treadle.train.callbacks import CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
+from treadle.train.optim import build_optimizer, build_schedule
+from treadle.train.trainer import Trainer
+
+
+@dataclass
+class RunSummary:
+    output_dir: Path
+    steps: int
+    first_loss: float | None
+    last_loss: float | None
+    first_eval: dict | None
+    last_eval: dict | None
+    tokens: int
+    tokens_per_s: float
+    elapsed_s: float
+    checkpoints: list[Path]
+    export_dir: Path | None
+    parameters: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")  # device-ok: chosen, not assumed
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"train.device = {name!r} but no CUDA device is available; accepted here: auto, cpu")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _shard_dirs(entries: list[str], split: str) -> list[Path]:
+    """'builtin' means the built-in corpus' split (prepared into the cache on first use)."""
+    return [corpus.builtin_shards(split, corpus.builtin_tokenizer_dir()) if e == "builtin" else Path(e) for e in entries]
+
+
+def _tokenizer_dir(cfg: Config, train: PackedDataset) -> Path | None:
+    """The tokenizer exported with the model: the configured one, else the one the shards were made with."""
+    if cfg.data.tokenizer == "auto":
+        recorded = Path(train.tokenizer_dir) if train.tokenizer_dir else None
+        return recorded if recorded is not None and recorded.is_dir() else None
+    path = Path(cfg.data.tokenizer)
+    if not (path / "tokenizer.json").is_file():
+        raise UserError(f"data.tokenizer = {cfg.data.tokenizer!r} is not a tokenizer directory (no tokenizer.json); accepted: 'auto' or a save_pretrained tokenizer directory")
+    if corpus.tokenizer_fingerprint(path) != train.tokenizer_fingerprint:
+        raise UserError(f"data.tokenizer {path} is not the tokenizer the data.train shards were made with (fingerprint {train.tokenizer_fingerprint})")
+    return path
+
+
+def _prepare_output_dir(out: Path, cfg: Config, checkpoints: CheckpointManager) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{uuid.uuid4().hex[:8]}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"train.output_dir = {str(out)!r} is not writable ({exc.strerror}); accepted: a directory you can write") from None
+    if cfg.checkpoint.resume == "none" and checkpoints.complete():
+        raise UserError(
+            f"train.output_dir {out} already holds checkpoints and checkpoint.resume = 'none'; "
+            "accepted: checkpoint.resume = 'auto' to continue it, or another train.output_dir"
+        )
+
+
+def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.train.device)
+    seq_len, mask = cfg.data.seq_len, cfg.data.mask_cross_doc
+    train_ds = PackedDataset(_shard_dirs(cfg.data.train, "train"), seq_len, mask)
+    val_ds = PackedDataset(_shard_dirs(cfg.data.val, "val"), seq_len, mask) if cfg.data.val else None
+    if val_ds is not None and val_ds.tokenizer_fingerprint != train_ds.tokenizer_fingerprint:
+        raise UserError("data.val shards were tokenized with another tokenizer than data.train; accepted: shards of one tokenizer")
+    tokenizer_dir = _tokenizer_dir(cfg, train_ds)
+
+    out = Path(cfg.train.output_dir)
+    checkpoints = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last)
+    resume_from = checkpoints.find_resume(cfg.checkpoint.resume)
+    _prepare_output_dir(out, cfg, checkpoints)
+
+    seed_everything(cfg.train.seed)
+    meta = {"vocab_size": train_ds.vocab_size, "eos_id": train_ds.meta.get("eos_id"),
+            "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_fingerprint": train_ds.tokenizer_fingerprint}
+    model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
+    model.to(device).train()
+    if cfg.model.compile:
+        compile_layers(model)
+    optimizer = build_optimizer(model, cfg)
+    engine = LocalEngine(model, optimizer, device)
+    t = cfg.train
+    loader = StepLoader(train_ds, t.micro_batch_size, t.grad_accum_steps, t.seed)
+    callbacks = [MetricsCallback(t.log_every), CheckpointCallback(cfg.checkpoint.every)]
+    if val_ds is not None:
+        callbacks.insert(1, EvalCallback(t.eval_every))
+    if cfg.checkpoint.export_hf:
+        callbacks.append(ExportCallback(out / "hf", tokenizer_dir))
+    bf16 = cfg.model.dtype == "bf16"
+    trainer = Trainer(
+        cfg, engine, build_schedule(optimizer, cfg), loader,
+        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches),
+        callbacks=callbacks,
+        checkpoints=checkpoints,
+        metrics=JsonlSink(out / "metrics.jsonl"),
+        console=Console(t.max_steps, live=live),
+        autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
+        meta=meta,
+    )
+    if resume_from is not None:
+        trainer.resume(resume_from)
+    save_config(cfg, out / "config.toml")
+    trainer.console.print(
+        f"treadle: {count_parameters(model) / 1e6:.1f}M parameters on {device}, {train_ds.num_tokens:,} train tokens, "
+        f"{loader.global_batch} x {seq_len} tokens per step, run directory {out}"
+    )
+    state = trainer.fit()
+
+    metrics_cb = callbacks[0]
+    eval_cb = next((cb for cb in callbacks if isinstance(cb, EvalCallback)), None)
+    return RunSummary(
+        output_dir=out,
+        steps=state.step,
+        first_loss=metrics_cb.first_loss,
+        last_loss=metrics_cb.last_loss,
+        first_eval=eval_cb.first if eval_cb else None,
+        last_eval=eval_cb.last if eval_cb else None,
+        tokens=state.tokens,
+        tokens_per_s=state.tokens / max(state.elapsed_s, 1e-9),
+        elapsed_s=state.elapsed_s,
+        checkpoints=checkpoints.complete(),
+        export_dir=out / "hf" if cfg.checkpoint.export_hf else None,
+        parameters=count_parameters(model),
+    )

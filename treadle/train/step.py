@@ -1,0 +1,74 @@
+"""One optimizer step: micro-batching and exact loss normalization.
+
+The loss of a step is the sum of token cross-entropies over every micro-batch on
+every rank, divided by the number of valid label tokens in that whole step.
+Each micro-batch therefore backpropagates ``sum_CE(mb) / N_step``, and the
+accumulated gradient equals the gradient of one big batch, whatever the split
+(a mean of micro-batch means would weight a token by how crowded its micro-batch was).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    loss: float  # token-weighted mean CE of the step, over all ranks
+    grad_norm: float  # before clipping
+    label_tokens: int  # valid label tokens in the step, over all ranks
+    applied: bool  # False when a non-finite loss or gradient made us skip the update
+
+
+def loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Summed next-token cross-entropy of a batch whose labels are already shifted."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    labels = batch["labels"]
+    # fp32 for the softmax: under bf16 autocast the logits arrive in bf16.
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def count_label_tokens(micro_batches: list[Batch]) -> int:
+    return sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+
+
+def optimizer_step(
+    engine,
+    micro_batches: list[Batch],
+    grad_clip: float,
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+    loss_fn: Callable[[nn.Module, Batch], torch.Tensor] = loss_sum,
+) -> StepResult:
+    # One all-reduce for the denominator, before any backward: every rank scales by the same N.
+    local = torch.tensor(float(count_label_tokens(micro_batches)), dtype=torch.float64)
+    n_tokens = engine.all_reduce_sum(local).item()
+    denom = max(n_tokens, 1.0)  # a step with no label tokens contributes zero gradient, not NaN
+
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
+    for i, mb in enumerate(micro_batches):
+        mb = {k: v.to(engine.device, non_blocking=True) for k, v in mb.items()}
+        with engine.no_sync(last=i == len(micro_batches) - 1):
+            with autocast():
+                summed = loss_fn(engine.model, mb)
+            engine.backward(summed / denom)
+        total += summed.detach()  # stays on the device: no host sync per micro-batch
+
+    loss = engine.all_reduce_sum(total).item() / denom
+    grad_norm = float(engine.clip_grad_norm(grad_clip))
+    # All ranks must agree, or one rank would step while another skips and the replicas drift.
+    applied = engine.all_agree(math.isfinite(loss) and math.isfinite(grad_norm))
+    if applied:
+        engine.step()
+    engine.zero_grad()
+    return StepResult(loss=loss, grad_norm=grad_norm, label_tokens=int(n_tokens), applied=applied)
