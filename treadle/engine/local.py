@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from typing import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-# DCP's state-dict helpers warn about deprecated internals on every call; nothing for a user to act on.
-warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint")
 
 
 class LocalEngine:

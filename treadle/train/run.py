@@ -91,7 +91,8 @@ def _prepare_output_dir(out: Path, cfg: Config, checkpoints: CheckpointManager) 
         )
 
 
-def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
+def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
+    """Everything a run needs, validated and resumed if there is a checkpoint; nothing trained yet."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
@@ -141,10 +142,15 @@ def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
         f"treadle: {count_parameters(model) / 1e6:.1f}M parameters on {device}, {train_ds.num_tokens:,} train tokens, "
         f"{loader.global_batch} x {seq_len} tokens per step, run directory {out}"
     )
-    state = trainer.fit()
+    return trainer
 
-    metrics_cb = callbacks[0]
-    eval_cb = next((cb for cb in callbacks if isinstance(cb, EvalCallback)), None)
+
+def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
+    trainer = build_trainer(cfg, live)
+    state = trainer.fit()
+    out = Path(cfg.train.output_dir)
+    metrics_cb = next(cb for cb in trainer.callbacks if isinstance(cb, MetricsCallback))
+    eval_cb = next((cb for cb in trainer.callbacks if isinstance(cb, EvalCallback)), None)
     return RunSummary(
         output_dir=out,
         steps=state.step,
@@ -155,7 +161,7 @@ def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
         tokens=state.tokens,
         tokens_per_s=state.tokens / max(state.elapsed_s, 1e-9),
         elapsed_s=state.elapsed_s,
-        checkpoints=checkpoints.complete(),
+        checkpoints=trainer.checkpoints.complete(),
         export_dir=out / "hf" if cfg.checkpoint.export_hf else None,
-        parameters=count_parameters(model),
+        parameters=count_parameters(trainer.engine.model),
     )

@@ -1,0 +1,25 @@
+# The two commands of the README work on a fresh machine: each creates .venv when missing.
+# torch is pinned through constraints.txt so no other requirement can pull a CUDA build.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean-venv lint
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)  ## train the built-in tiny Llama on the built-in corpus, evaluate, export
+	$(BIN)/treadle train configs/demo.toml
+
+test: $(STAMP)  ## the whole test suite (exit code 5, "no tests ran", counts as a failure)
+	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+bench: $(STAMP)  ## treadle's loop against a bare PyTorch loop
+	$(BIN)/python bench/overhead.py
+
+clean-venv:
+	rm -rf $(VENV)

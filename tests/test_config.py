@@ -1,0 +1,101 @@
+import subprocess
+import sys
+
+import pytest
+
+from treadle.config import Config, load_config, parse_override, save_config
+from treadle.errors import UserError
+
+
+def test_defaults_are_valid_and_documented_names_exist():
+    cfg = load_config()
+    for dotted in [
+        "train.micro_batch_size", "train.grad_accum_steps", "train.max_steps", "train.seed", "train.output_dir",
+        "train.log_every", "train.eval_every", "train.grad_clip", "optim.lr", "optim.weight_decay", "optim.betas",
+        "schedule.warmup_steps", "schedule.warmup_proportion", "schedule.decay", "schedule.min_lr_ratio",
+        "checkpoint.every", "checkpoint.keep_last", "checkpoint.resume", "model.preset", "model.path",
+        "model.dtype", "model.compile", "data.seq_len", "data.train", "data.val",
+    ]:
+        section, key = dotted.split(".")
+        assert hasattr(getattr(cfg, section), key), dotted
+    assert cfg.model.dtype == "fp32" and cfg.schedule.decay == "cosine"
+
+
+def test_file_then_overrides(tmp_path):
+    f = tmp_path / "my.toml"
+    f.write_text('[train]\nmax_steps = 10\nseed = 3\n[optim]\nlr = 1e-2\n')
+    cfg = load_config(f, ["--train.max_steps=50", "--optim.lr=3e-4", "--model.dtype=bf16", '--data.train=["a","b"]'])
+    assert cfg.train.max_steps == 50  # override beats file
+    assert cfg.train.seed == 3  # file beats default
+    assert cfg.optim.lr == 3e-4
+    assert cfg.model.dtype == "bf16"  # a bare word is a string
+    assert cfg.data.train == ["a", "b"]  # TOML literal list
+    assert load_config(None, ["--data.train=x"]).data.train == ["x"]  # one path is a list of one
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("--train.max_stps=5", "unknown key train.max_stps; did you mean train.max_steps?"),
+        ("--optim.learning_rate=1", "unknown key optim.learning_rate"),
+        ("--lr=1", "did you mean optim.lr?"),
+        ("--train.max_steps=abc", "train.max_steps = 'abc' is invalid"),
+        ("--model.dtype=fp16", "model.dtype = 'fp16' is invalid: Input should be 'fp32' or 'bf16'"),
+        ("--schedule.decay=step", "'cosine', 'linear', 'constant' or 'wsd'"),
+        ("--train.grad_clip=-1", "greater than or equal to 0"),
+        ("--schedule.warmup_steps=500", "schedule.warmup_steps=500 is not shorter than train.max_steps=200"),
+        ("--checkpoint.keep_last=0", "checkpoint.keep_last = 0 is invalid"),
+        ("train.max_steps", "accepted form: --section.key=value"),
+    ],
+)
+def test_bad_values_name_key_value_and_what_is_accepted(override, expected):
+    with pytest.raises(UserError) as err:
+        load_config(None, [override])
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_both_warmups_is_a_cross_field_error():
+    with pytest.raises(UserError, match="warmup_steps or schedule.warmup_proportion, not both"):
+        load_config(None, ["--schedule.warmup_steps=5", "--schedule.warmup_proportion=0.1"])
+
+
+def test_bad_file(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nmax_steps = 1\n")
+    with pytest.raises(UserError, match="not valid TOML"):
+        load_config(bad)
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[trian]\nmax_steps = 1\n")
+    with pytest.raises(UserError, match=r"typo.toml\): unknown key trian; did you mean train\?"):
+        load_config(typo)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["--optim.betas=[0.8,0.99]", "--schedule.warmup_proportion=0.1", "--model.overrides={num_hidden_layers=2}"])
+    path = tmp_path / "config.toml"
+    save_config(cfg, path)
+    again = load_config(path)
+    assert again == cfg
+    assert again.schedule.warmup_steps is None and again.model.path is None  # None survives TOML, which has no null
+    assert cfg.warmup_steps() == 20
+
+
+def test_parse_override_literals():
+    assert parse_override("--a.b=1") == (["a", "b"], 1)
+    assert parse_override("--a.b=true") == (["a", "b"], True)
+    assert parse_override("--a.b=runs/x") == (["a", "b"], "runs/x")
+    assert parse_override('--a.b="1"') == (["a", "b"], "1")
+
+
+def test_cli_reports_config_errors_in_one_line_with_exit_code_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "treadle", "train", "--train.max_stps=5", f"--train.output_dir={tmp_path}/run"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "treadle: error: config error (overrides): unknown key train.max_stps; did you mean train.max_steps?"
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing written for bad input

@@ -1,0 +1,127 @@
+"""End to end on small real data: train, checkpoint, resume bit for bit, export, errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from treadle import corpus
+from treadle.cli import main
+from treadle.data.prepare import prepare
+
+SMALL_MODEL = "{hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2}"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """A 512-token BPE and train/val shards made from a few stdlib files."""
+    root = tmp_path_factory.mktemp("data")
+    files = [p for _, p in corpus.corpus_files()[:40]]
+    tok = corpus.train_tokenizer(files[:20], root / "tok", vocab_size=512)
+    prepare([str(p) for p in files[:36]], root / "train", tok, workers=1)
+    prepare([str(p) for p in files[36:]], root / "val", tok, workers=1)
+    return root
+
+
+def args(shards, out, *extra):
+    return [
+        "train", f"--train.output_dir={out}", f"--data.train={shards / 'train'}", f"--data.val={shards / 'val'}",
+        f"--model.overrides={SMALL_MODEL}", "--data.seq_len=32", "--train.micro_batch_size=4",
+        "--train.grad_accum_steps=2", "--train.log_every=1", "--train.eval_batches=2", "--schedule.warmup_steps=1",
+        "--optim.lr=5e-3", *extra,
+    ]
+
+
+def records(run_dir, key="loss"):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in lines if key in r}
+
+
+def test_resume_continues_bit_for_bit(shards, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(args(shards, a, "--train.max_steps=6", "--checkpoint.every=3", "--checkpoint.keep_last=5")) == 0
+    assert sorted(p.name for p in (a / "checkpoints").iterdir()) == ["latest", "step_3", "step_6"]
+    assert (a / "checkpoints" / "latest").resolve().name == "step_6"
+    # B starts from A's mid-run checkpoint: it must replay A's last three steps exactly.
+    assert main(args(shards, b, "--train.max_steps=6", f"--checkpoint.resume={a / 'checkpoints' / 'step_3'}")) == 0
+    loss_a, loss_b = records(a), records(b)
+    assert sorted(loss_b) == [4, 5, 6]
+    assert [loss_a[s] for s in (4, 5, 6)] == [loss_b[s] for s in (4, 5, 6)]
+    wa, wb = load_file(a / "hf" / "model.safetensors"), load_file(b / "hf" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa = json.loads((a / "checkpoints" / "step_6" / "train_state.json").read_text())
+    sb = json.loads((b / "checkpoints" / "step_6" / "train_state.json").read_text())
+    assert sa["loader"] == sb["loader"] and sa["schedule"] == sb["schedule"]
+    assert sa["train"]["tokens"] == sb["train"]["tokens"] == 6 * 8 * 32
+    # The training changed the model and the validation loss went down.
+    evals = records(a, "eval_loss")
+    assert evals[6] < evals[0]
+    # Auto-resume of a finished run does no more steps, and the run dir's config runs as is.
+    assert main(["train", str(a / "config.toml"), "--train.max_steps=7"]) == 0
+    assert max(records(a)) == 7 and (a / "checkpoints" / "latest").resolve().name == "step_7"
+
+
+def test_export_matches_trained_model_and_cli_export(shards, tmp_path):
+    run = tmp_path / "run"
+    assert main(args(shards, run, "--train.max_steps=3")) == 0
+    hf = AutoModelForCausalLM.from_pretrained(run / "hf").eval()
+    tok = AutoTokenizer.from_pretrained(run / "hf")
+    ids = torch.tensor([tok.encode("def main():\n    return 0\n")])
+    assert main(["export", str(run), "--to", "hf", str(tmp_path / "again")]) == 0
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, again(ids).logits)
+        assert hf.config.use_cache  # training disables the cache; the export is for inference
+    assert main(["export", str(run / "checkpoints" / "step_3"), "--to", "hf", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    w = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert all(v.dtype == torch.bfloat16 for v in w.values())
+
+
+def test_logits_of_exported_model_equal_the_trained_model(shards, tmp_path):
+    from treadle.config import load_config
+    from treadle.train.run import build_trainer
+
+    trainer = build_trainer(load_config(None, args(shards, tmp_path / "r", "--train.max_steps=2")[1:]))
+    trainer.fit()
+    ids = torch.randint(0, 512, (2, 16))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "r" / "hf").eval()
+    with torch.no_grad():
+        assert torch.equal(trainer.engine.model.eval()(ids).logits, exported(ids).logits)
+
+
+def test_bad_inputs_exit_2_and_touch_nothing(shards, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(args(shards, run, "--train.max_steps=2")) == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+
+    def fails(argv, expected):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("treadle: error:") and expected in err and "\n" not in err
+
+    fails(args(shards, run, "--checkpoint.resume=none"), "already holds checkpoints")
+    fails(args(shards, run, f"--data.train={tmp_path / 'missing'}"), str(tmp_path / "missing"))
+    fails(args(shards, run, "--model.preset=huge"), "accepted: small, tiny")
+    fails(args(shards, run, f"--checkpoint.resume={tmp_path}"), "holds no checkpoint")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    fails(args(shards, blocker / "run"), "is not writable")
+    after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_console_script_runs_and_prints_summary(shards, tmp_path):
+    exe = shutil.which("treadle", path=str(__import__("pathlib").Path(sys.executable).parent))
+    proc = subprocess.run([exe, *args(shards, tmp_path / "run", "--train.max_steps=2")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for needle in ("train loss", "val loss", "tokens/s", "checkpoints", "exported model", "step 2:"):
+        assert needle in proc.stdout
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
+    assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"} <= first.keys()
