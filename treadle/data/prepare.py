@@ -51,7 +51,7 @@ _GLOB_CHARS = set("*?[")
 # others idle at the end, but keep chunks big enough that the per-task
 # pickling overhead stays small.
 _CHUNKS_PER_WORKER = 8
-_MIN_CHUNK_BYTES = 1 << 20
+_MIN_CHUNK_BYTES = 256 << 10
 
 
 # --------------------------------------------------------------------------- helpers
@@ -216,20 +216,40 @@ def _check_out(out: Path, overwrite: bool) -> None:
             raise UserError(f"--out {out}: refusing to overwrite a directory that is not a shard directory (no meta.json)")
 
 
+def _declared_eos(tokenizer_dir: Path) -> str | None:
+    """The eos token string declared by tokenizer_config.json / special_tokens_map.json, if any."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            eos = json.loads((tokenizer_dir / name).read_text()).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(eos, dict):  # serialized AddedToken
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            return eos
+    return None
+
+
 def _load_tokenizer_info(tokenizer_dir: Path):
     """(len(tokenizer), eos id or None, fingerprint) as transformers would see the tokenizer."""
     from treadle.corpus import load_backend_tokenizer, tokenizer_fingerprint
 
     backend = load_backend_tokenizer(tokenizer_dir)  # raises a UserError for a bad directory
+    fingerprint = tokenizer_fingerprint(backend)
+    # Fast path (no transformers import, which costs seconds): a tokenizer.json
+    # plus a config naming an eos token that the vocabulary contains. This is
+    # what transformers itself reads for fast tokenizers.
+    eos = _declared_eos(tokenizer_dir) if tokenizer_dir.is_dir() else None
+    if (tokenizer_dir / "tokenizer.json").is_file() and eos is not None and backend.token_to_id(eos) is not None:
+        return backend.get_vocab_size(with_added_tokens=True), backend.token_to_id(eos), fingerprint
     try:
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        vocab_size, eos_id = len(hf), hf.eos_token_id
+        return len(hf), hf.eos_token_id, fingerprint
     except Exception:
         # A bare tokenizer.json without a tokenizer_config.json: no declared eos.
-        vocab_size, eos_id = backend.get_vocab_size(with_added_tokens=True), None
-    return vocab_size, eos_id, tokenizer_fingerprint(tokenizer_dir)
+        return backend.get_vocab_size(with_added_tokens=True), None, fingerprint
 
 
 def prepare(
