@@ -231,3 +231,15 @@ def test_eval_batches_cover_everything_once(id_dataset):
     # Sequential, not shuffled: rank 0's first batch is samples 0..3.
     assert [int(x) // 4 for x in per_rank[0][0]["input_ids"][:, 0]] == [0, 1, 2, 3]
     assert len(list(eval_batches(id_dataset, batch_size=4, max_batches=2))) == 2
+
+
+def test_micro_batch_layout_interleaves_ranks_within_a_step(id_dataset):
+    """Micro-batch m of rank r holds positions (m * world + r) * mb + [0, mb) of the step."""
+    order = SampleOrder(37, seed=3).indices(0, 16).tolist()
+    ranks = [StepLoader(id_dataset, micro_batch_size=2, grad_accum_steps=2, seed=3, rank=r, world_size=2) for r in range(2)]
+    steps = [r.next_step() for r in ranks]
+    for r in range(2):
+        for m in range(2):
+            lo = (m * 2 + r) * 2
+            assert sample_ids([steps[r][m]]) == order[lo : lo + 2]
+    assert all(r.position == 8 for r in ranks)

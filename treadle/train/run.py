@@ -147,7 +147,10 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
 
 def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
     trainer = build_trainer(cfg, live)
-    state = trainer.fit()
+    try:
+        state = trainer.fit()
+    finally:
+        trainer.metrics.close()
     out = Path(cfg.train.output_dir)
     metrics_cb = next(cb for cb in trainer.callbacks if isinstance(cb, MetricsCallback))
     eval_cb = next((cb for cb in trainer.callbacks if isinstance(cb, EvalCallback)), None)

@@ -88,7 +88,6 @@ class Trainer:
                 cb.on_train_end(self)
         finally:
             self.console.stop()
-            self.metrics.close()
         return self.state
 
     # ------------------------------------------------------------------ helpers for callbacks
