@@ -10,37 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from treadle import corpus
 from treadle.cli import main
-from treadle.data.prepare import prepare
-
-SMALL_MODEL = "{hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2}"
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    """A 512-token BPE and train/val shards made from a few stdlib files."""
-    root = tmp_path_factory.mktemp("data")
-    files = [p for _, p in corpus.corpus_files()[:40]]
-    tok = corpus.train_tokenizer(files[:20], root / "tok", vocab_size=512)
-    prepare([str(p) for p in files[:36]], root / "train", tok, workers=1)
-    prepare([str(p) for p in files[36:]], root / "val", tok, workers=1)
-    return root
-
-
-def args(shards, out, *extra):
-    return [
-        "train", f"--train.output_dir={out}", f"--data.train={shards / 'train'}", f"--data.val={shards / 'val'}",
-        f"--model.overrides={SMALL_MODEL}", "--data.seq_len=32", "--train.micro_batch_size=4",
-        "--train.grad_accum_steps=2", "--train.log_every=1", "--train.eval_batches=2", "--schedule.warmup_steps=1",
-        "--optim.lr=5e-3", *extra,
-    ]
-
-
-def records(run_dir, key="loss"):
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r[key] for r in lines if key in r}
-
+from tests.helpers import args, records
 
 def test_resume_continues_bit_for_bit(shards, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"

@@ -21,8 +21,14 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
     if bad:
         raise UserError(f"unexpected argument {bad[0]!r}; accepted: [config.toml] [--section.key=value ...]")
+    from treadle.train.resilience import EXIT_STOPPED_RESUMABLE
+
     cfg = load_config(args.config, extra)
     summary = run_training(cfg)
+    if summary.stop_reason is not None:
+        print(f"treadle: stopped at step {summary.steps} ({summary.stop_reason}); a checkpoint is written and "
+              f"the same command resumes the run (exit code {EXIT_STOPPED_RESUMABLE})", file=sys.stderr)
+        return EXIT_STOPPED_RESUMABLE
     _print_summary(summary)
     return 0
 
@@ -93,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from treadle.checkpoint.manager import CheckpointWriteError
+    from treadle.train.resilience import EXIT_TRAINING_FAILED, TrainingFailed
+
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     try:
@@ -100,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"treadle: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except (TrainingFailed, CheckpointWriteError) as exc:
+        print(f"treadle: training failed: {exc}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
     except KeyboardInterrupt:
         print("treadle: interrupted", file=sys.stderr)
         return 130

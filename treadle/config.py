@@ -9,6 +9,7 @@ back to ``treadle train`` unchanged (``load_config(path)`` round-trips).
 from __future__ import annotations
 
 import difflib
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +18,18 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from treadle.errors import UserError
+
+
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
+
+
+def parse_duration(text: str) -> float:
+    """'3h50m', '90s', '1d2h', '45m' -> seconds."""
+    m = _DURATION.match(text.strip())
+    if not text.strip() or m is None or not any(m.groups()):
+        raise ValueError(f"{text!r} is not a duration; accepted: e.g. '3h50m', '90m', '45s', '1d'")
+    d, h, mi, s = (float(g) if g else 0.0 for g in m.groups())
+    return ((d * 24 + h) * 60 + mi) * 60 + s
 
 
 class Section(BaseModel):
@@ -35,6 +48,14 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0.0, description="max global grad norm; 0 = no clipping")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = torch's default")
+    time_limit: str | None = Field(None, description="wall-clock budget, e.g. '3h50m': checkpoint and exit (code 75) before it")
+
+    @field_validator("time_limit")
+    @classmethod
+    def _time_limit(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_duration(v)
+        return v
 
     @field_validator("device")
     @classmethod
@@ -79,6 +100,18 @@ class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=1)
     resume: str = Field("auto", description="auto | none | <checkpoint path>")
     export_hf: bool = Field(True, description="write <output_dir>/hf at the end")
+    async_save: bool = Field(False, description="write checkpoints in the background; latest moves when durable")
+    best_metric: str | None = Field(None, description="a logged metric (e.g. eval_loss) whose best checkpoint is kept")
+    best_mode: Literal["min", "max"] = "min"
+
+
+class ResilienceConfig(Section):
+    nan_policy: Literal["skip", "rollback", "abort"] = Field("skip", description="what a non-finite loss or grad norm does")
+    max_consecutive_bad: int = Field(3, ge=1, description="bad steps in a row before rollback (or abort under skip)")
+    rollback_lr_scale: float = Field(0.5, gt=0.0, le=1.0, description="lr multiplier applied at each rollback")
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks before the run gives up")
+    shutdown_timeout_s: float = Field(300.0, gt=0.0, description="forced exit if the shutdown checkpoint hangs")
+    inject_nan_steps: list[int] = Field(default_factory=list, description="FAULT INJECTION for tests and drills: steps whose loss is made NaN")
 
 
 class ModelConfig(Section):
@@ -109,6 +142,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 from treadle.errors import UserError
 
@@ -25,6 +26,7 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
     state_dict = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in state_dict.items()}
+    hf_logging.disable_progress_bar()  # one shard of a small model: a bar is noise in the run's output
     try:
         # Training disables the KV cache for packed sequences; an exported model is for inference.
         saved = model.config.use_cache, model.config.dtype

@@ -38,6 +38,10 @@ class LocalEngine:
         """Every rank takes the same decision (true only if true everywhere)."""
         return ok
 
+    def any_rank(self, flag: bool) -> bool:
+        """True everywhere if true on any rank (a signal seen by one rank stops all)."""
+        return flag
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 

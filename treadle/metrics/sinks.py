@@ -16,15 +16,39 @@ from rich.console import Console as RichConsole
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
+def _finite(value):
+    # Strict JSON has no NaN/Infinity: a non-finite value is written as null.
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 class JsonlSink:
     def __init__(self, path: Path, enabled: bool = True):
         self.path = Path(path)
         self.enabled = enabled
-        self._fh = open(self.path, "a", buffering=1) if enabled else None  # line-buffered: survives a crash
+        self._fh = None
 
     def write(self, record: dict) -> None:
-        if self._fh is not None:
-            self._fh.write(json.dumps(record) + "\n")
+        if not self.enabled:
+            return
+        if self._fh is None:  # opened on first write: a run that fails validation leaves no file
+            self._fh = open(self.path, "a", buffering=1)  # line-buffered: a crash loses at most one line
+        self._fh.write(json.dumps({k: _finite(v) for k, v in record.items()}) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after ``step`` (a resumed run logs them again) and a torn last line."""
+        if not (self.enabled and self.path.is_file()):
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+            if record.get("step", 0) <= step:
+                kept.append(line + "\n")
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)
 
     def close(self) -> None:
         if self._fh is not None:

@@ -23,9 +23,15 @@ if TYPE_CHECKING:
 class Callback:
     def on_train_start(self, trainer: Trainer) -> None: ...
 
+    def on_step_start(self, trainer: Trainer) -> None: ...
+
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None: ...
 
-    def on_train_end(self, trainer: Trainer) -> None: ...
+    def on_train_end(self, trainer: Trainer) -> None:
+        """The run reached train.max_steps."""
+
+    def on_stop(self, trainer: Trainer) -> None:
+        """The run stops early but resumably (signal, time limit): only what resuming needs."""
 
     def state_dict(self) -> dict:
         return {}
@@ -128,23 +134,30 @@ class EvalCallback(Callback):
 
 
 class CheckpointCallback(Callback):
-    """Every ``every`` steps (0 = never in between) and at the end of the run."""
+    """Every ``every`` steps (0 = never in between), at the end, and when the run is asked to stop."""
 
     def __init__(self, every: int):
         self.every = every
         self.last_saved: int | None = None
 
     def _save(self, trainer: Trainer) -> None:
-        trainer.save_checkpoint()
-        self.last_saved = trainer.state.step
+        if self.last_saved != trainer.state.step:
+            trainer.save_checkpoint()
+            self.last_saved = trainer.state.step
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        # A resumed run already has the checkpoint of the step it starts from.
+        self.last_saved = trainer.state.step if trainer.resumed_from is not None else None
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         if self.every and trainer.state.step % self.every == 0:
             self._save(trainer)
 
     def on_train_end(self, trainer: Trainer) -> None:
-        if self.last_saved != trainer.state.step:
-            self._save(trainer)
+        self._save(trainer)
+
+    def on_stop(self, trainer: Trainer) -> None:
+        self._save(trainer)
 
 
 class ExportCallback(Callback):

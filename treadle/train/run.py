@@ -22,7 +22,9 @@ from treadle.engine import LocalEngine
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.models.hf import build_model, compile_layers, count_parameters
+from treadle.config import parse_duration
 from treadle.train.callbacks import CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
+from treadle.train.resilience import FaultInjectionCallback, NanGuardCallback, ShutdownWatcher
 from treadle.train.optim import build_optimizer, build_schedule
 from treadle.train.trainer import Trainer
 
@@ -41,6 +43,7 @@ class RunSummary:
     checkpoints: list[Path]
     export_dir: Path | None
     parameters: int
+    stop_reason: str | None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,7 +107,8 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     tokenizer_dir = _tokenizer_dir(cfg, train_ds)
 
     out = Path(cfg.train.output_dir)
-    checkpoints = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last)
+    checkpoints = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
+                                    best_metric=cfg.checkpoint.best_metric, best_mode=cfg.checkpoint.best_mode)
     resume_from = checkpoints.find_resume(cfg.checkpoint.resume)
     _prepare_output_dir(out, cfg, checkpoints)
 
@@ -119,9 +123,13 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     engine = LocalEngine(model, optimizer, device)
     t = cfg.train
     loader = StepLoader(train_ds, t.micro_batch_size, t.grad_accum_steps, t.seed)
-    callbacks = [MetricsCallback(t.log_every), CheckpointCallback(cfg.checkpoint.every)]
+    # Order matters: the guard may roll back before eval and checkpoint see the step.
+    callbacks = [MetricsCallback(t.log_every), NanGuardCallback(cfg.resilience)]
+    if cfg.resilience.inject_nan_steps:
+        callbacks.append(FaultInjectionCallback(cfg.resilience.inject_nan_steps))
     if val_ds is not None:
-        callbacks.insert(1, EvalCallback(t.eval_every))
+        callbacks.append(EvalCallback(t.eval_every))
+    callbacks.append(CheckpointCallback(cfg.checkpoint.every))
     if cfg.checkpoint.export_hf:
         callbacks.append(ExportCallback(out / "hf", tokenizer_dir))
     bf16 = cfg.model.dtype == "bf16"
@@ -134,9 +142,12 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
         console=Console(t.max_steps, live=live),
         autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
         meta=meta,
+        shutdown=ShutdownWatcher(parse_duration(t.time_limit) if t.time_limit else None, cfg.resilience.shutdown_timeout_s),
     )
     if resume_from is not None:
         trainer.resume(resume_from)
+    # Records after the checkpoint (or all, on a fresh start) came from a run that died: they are logged again.
+    trainer.metrics.truncate_after(trainer.state.step if resume_from is not None else -1)
     save_config(cfg, out / "config.toml")
     trainer.console.print(
         f"treadle: {count_parameters(model) / 1e6:.1f}M parameters on {device}, {train_ds.num_tokens:,} train tokens, "
@@ -167,4 +178,5 @@ def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
         checkpoints=trainer.checkpoints.complete(),
         export_dir=out / "hf" if cfg.checkpoint.export_hf else None,
         parameters=count_parameters(trainer.engine.model),
+        stop_reason=trainer.stop_reason,
     )

@@ -17,7 +17,8 @@ from treadle.checkpoint.manager import CheckpointManager
 from treadle.config import Config, to_toml
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.train.callbacks import Callback
-from treadle.train.step import StepResult, optimizer_step
+from treadle.train.resilience import ShutdownWatcher, TrainingFailed
+from treadle.train.step import StepResult, loss_sum, optimizer_step
 
 
 @dataclass
@@ -27,6 +28,7 @@ class TrainState:
     label_tokens: int = 0  # tokens that carried loss, all ranks
     skipped_steps: int = 0  # steps whose update was dropped (non-finite loss or gradient)
     elapsed_s: float = 0.0  # training wall time, summed over resumes
+    lr_scale: float = 1.0  # product of rollback lr scales, on top of the schedule
 
     def record(self, result: StepResult, tokens: int, seconds: float) -> None:
         self.step += 1
@@ -50,6 +52,7 @@ class Trainer:
         console: Console,
         autocast: Callable[[], ContextManager] = contextlib.nullcontext,
         meta: dict | None = None,
+        shutdown: ShutdownWatcher | None = None,
     ):
         self.cfg = cfg
         self.engine = engine
@@ -61,34 +64,59 @@ class Trainer:
         self.metrics = metrics
         self.console = console
         self.autocast = autocast
-        self.meta = meta or {}  # facts about the run's inputs (vocab, tokenizer) that export needs
+        self.meta = meta or {}
+        self.latest_metrics: dict = {}  # last value of every logged key (checkpoint "best" uses it)  # facts about the run's inputs (vocab, tokenizer) that export needs
         self.max_steps = cfg.train.max_steps
         self.tokens_per_step = loader.global_batch * cfg.data.seq_len
+        self.shutdown = shutdown or ShutdownWatcher(None, cfg.resilience.shutdown_timeout_s)
         self.state = TrainState()
+        self.loss_fn = loss_sum  # callbacks may swap it for one step (fault injection)
+        self.resumed_from: Path | None = None
+        self.stop_reason: str | None = None
         self.last_step_seconds = 0.0
+        self.last_save_seconds = 0.0
         self.last_lr = self.current_lr()
 
     def fit(self) -> TrainState:
+        """Train to max_steps, or until a signal / the time limit asks to stop (``stop_reason``)."""
         self.console.start(self.state.step)
+        self.shutdown.install()
         try:
-            for cb in self.callbacks:
-                cb.on_train_start(self)
-            while self.state.step < self.max_steps:
+            self._each("on_train_start")
+            while self.state.step < self.max_steps and self.stop_reason is None:
+                self._each("on_step_start")
                 t0 = time.perf_counter()
                 self.last_lr = self.current_lr()
                 micro_batches = self.loader.next_step()
-                result = optimizer_step(self.engine, micro_batches, self.cfg.train.grad_clip, self.autocast)
+                result = optimizer_step(self.engine, micro_batches, self.cfg.train.grad_clip, self.autocast, self.loss_fn)
                 if result.applied:  # a skipped update must not advance the schedule either
                     self.schedule.step()
                 self.last_step_seconds = time.perf_counter() - t0
                 self.state.record(result, self.tokens_per_step, self.last_step_seconds)
                 for cb in self.callbacks:
                     cb.on_step_end(self, result)
-            for cb in self.callbacks:
-                cb.on_train_end(self)
+                self.stop_reason = self._stop_requested()
+            if self.stop_reason is not None:
+                self.shutdown.arm_watchdog()
+                self._each("on_stop")
+            else:
+                self._each("on_train_end")
+            self.checkpoints.wait()  # an async save still in flight must land before we return
         finally:
+            self.shutdown.uninstall()
             self.console.stop()
         return self.state
+
+    def _each(self, hook: str) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(self)
+
+    def _stop_requested(self) -> str | None:
+        local = self.shutdown.requested(self.last_step_seconds, self.last_save_seconds)
+        # One collective: every rank stops after the same step, or one would wait forever in the next.
+        if self.engine.any_rank(local is not None):
+            return local or "stop requested by another rank"
+        return None
 
     # ------------------------------------------------------------------ helpers for callbacks
 
@@ -96,11 +124,16 @@ class Trainer:
         return self.engine.optimizer.param_groups[0]["lr"]
 
     def log(self, record: dict, kind: str = "step") -> None:
+        self.latest_metrics = {**self.latest_metrics, **record}
         self.metrics.write(record)
         self.console.log(record, kind)
 
     def save_checkpoint(self) -> Path:
-        return self.checkpoints.save(self.state.step, self.engine, self.state_dict(), to_toml(self.cfg))
+        t0 = time.perf_counter()
+        path = self.checkpoints.save(self.state.step, self.engine, self.state_dict(), to_toml(self.cfg),
+                                     metrics=self.latest_metrics)
+        self.last_save_seconds = time.perf_counter() - t0
+        return path
 
     # ------------------------------------------------------------------ resume
 
@@ -122,4 +155,24 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         self.load_state_dict(self.checkpoints.load(path, self.engine))
+        self.resumed_from = path
         self.console.print(f"resumed from {path} at step {self.state.step}")
+
+    def rollback(self, lr_scale: float) -> Path:
+        """Back to the newest checkpoint with a smaller lr, skipping the data that went bad."""
+        self.checkpoints.wait()
+        path = self.checkpoints.find_resume("auto")
+        if path is None:
+            raise TrainingFailed("non-finite steps but no checkpoint to roll back to; set checkpoint.every")
+        position, scale = self.loader.position, self.state.lr_scale * lr_scale
+        self.resume(path)
+        self.loader.position = position  # the stretch that went bad is not trained on again
+        self.state.lr_scale = scale
+        self._apply_lr_scale()
+        return path
+
+    def _apply_lr_scale(self) -> None:
+        sched = self.schedule
+        sched.base_lrs = [self.cfg.optim.lr * self.state.lr_scale for _ in sched.base_lrs]
+        for group, base, fn in zip(self.engine.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * fn(sched.last_epoch)

@@ -1,0 +1,17 @@
+"""Shared fixtures: a small real tokenizer and real shards, and the argv of a small run."""
+
+import pytest
+
+from treadle import corpus
+from treadle.data.prepare import prepare
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory):
+    """A 512-token BPE and train/val shards made from a few stdlib files."""
+    root = tmp_path_factory.mktemp("data")
+    files = [p for _, p in corpus.corpus_files()[:40]]
+    tok = corpus.train_tokenizer(files[:20], root / "tok", vocab_size=512)
+    prepare([str(p) for p in files[:36]], root / "train", tok, workers=1)
+    prepare([str(p) for p in files[36:]], root / "val", tok, workers=1)
+    return root

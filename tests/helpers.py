@@ -1,0 +1,21 @@
+"""Helpers for tests that run small real trainings (the data comes from the `shards` fixture)."""
+
+import json
+
+SMALL_MODEL = "{hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2}"
+
+
+def args(shards, out, *extra):
+    return [
+        "train", f"--train.output_dir={out}", f"--data.train={shards / 'train'}", f"--data.val={shards / 'val'}",
+        f"--model.overrides={SMALL_MODEL}", "--data.seq_len=32", "--train.micro_batch_size=4",
+        "--train.grad_accum_steps=2", "--train.log_every=1", "--train.eval_batches=2", "--schedule.warmup_steps=1",
+        "--optim.lr=5e-3", *extra,
+    ]
+
+
+def records(run_dir, key="loss"):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in lines if key in r}
+
+

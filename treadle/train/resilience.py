@@ -1,0 +1,163 @@
+"""Guards that keep a run alive or stop it cleanly: NaN/Inf policy, fault injection,
+signals and the wall-clock limit.
+
+Exit codes (documented in the README):
+    0   finished
+    2   bad input (config, data, paths, flags)
+    3   training failed: NaN policy gave up, or a checkpoint could not be written
+    75  stopped cleanly and resumable (SIGTERM / SIGUSR1 / SIGINT / train.time_limit)
+    130 stopped at once by a second SIGINT (nothing saved beyond the last checkpoint)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from treadle.config import ResilienceConfig
+from treadle.train.callbacks import Callback
+from treadle.train.step import StepResult, loss_sum
+
+if TYPE_CHECKING:
+    from treadle.train.trainer import Trainer
+
+EXIT_TRAINING_FAILED = 3
+EXIT_STOPPED_RESUMABLE = 75
+EXIT_INTERRUPTED = 130
+
+
+class TrainingFailed(Exception):
+    """The run cannot go on; the message says why and what to change. Exit code 3."""
+
+
+class NanGuardCallback(Callback):
+    """Counts steps whose update was dropped (non-finite loss or gradient) and applies the policy.
+
+    The skip itself happens in ``optimizer_step`` (agreed by all ranks); here we decide
+    what a run of bad steps means: keep skipping, roll back to the newest checkpoint
+    with a smaller learning rate, or stop.
+    """
+
+    def __init__(self, cfg: ResilienceConfig):
+        self.cfg = cfg
+        self.consecutive = 0
+        self.rollbacks = 0
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if result.applied:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        step = trainer.state.step
+        trainer.log({"step": step, "event": "nonfinite_step_skipped", "loss": result.loss, "grad_norm": result.grad_norm,
+                     "consecutive": self.consecutive}, kind="guard")
+        policy = self.cfg.nan_policy
+        if policy == "abort":
+            raise TrainingFailed(f"step {step}: non-finite loss or gradient norm and resilience.nan_policy = 'abort'")
+        if self.consecutive < self.cfg.max_consecutive_bad:
+            return
+        if policy == "skip":
+            raise TrainingFailed(
+                f"step {step}: {self.consecutive} non-finite steps in a row (resilience.max_consecutive_bad); "
+                "the run is diverging: try resilience.nan_policy = 'rollback' or a lower optim.lr"
+            )
+        if self.rollbacks >= self.cfg.max_rollbacks:
+            raise TrainingFailed(
+                f"step {step}: still non-finite after {self.rollbacks} rollbacks (resilience.max_rollbacks); "
+                "lower optim.lr or inspect the data around this step"
+            )
+        counters = self.rollbacks + 1
+        path = trainer.rollback(self.cfg.rollback_lr_scale)
+        # The checkpoint restored our counters to their old values; a rollback must not forget itself.
+        self.rollbacks, self.consecutive = counters, 0
+        trainer.log({"step": trainer.state.step, "event": "rollback", "checkpoint": str(path), "rollbacks": self.rollbacks,
+                     "lr_scale": trainer.lr_scale, "data_position": trainer.loader.position}, kind="guard")
+
+    def state_dict(self) -> dict:
+        return {"consecutive": self.consecutive, "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consecutive, self.rollbacks = state["consecutive"], state["rollbacks"]
+
+
+class FaultInjectionCallback(Callback):
+    """FOR TESTS AND DRILLS ONLY (``resilience.inject_nan_steps``): the listed steps get a NaN loss.
+
+    Each listed step fires once per process, so a rollback that replays a step
+    number does not re-inject there.
+    """
+
+    def __init__(self, steps: list[int]):
+        self.pending = set(steps)
+
+    def on_step_start(self, trainer: Trainer) -> None:
+        step = trainer.state.step + 1
+        if step in self.pending:
+            self.pending.discard(step)
+            trainer.loss_fn = lambda model, batch: loss_sum(model, batch) * math.nan
+        else:
+            trainer.loss_fn = loss_sum
+
+
+class ShutdownWatcher:
+    """Turns SIGTERM, SIGUSR1, SIGINT and ``train.time_limit`` into "stop after this step".
+
+    A handler only records the request: the loop finishes the step, writes a checkpoint
+    and exits with EXIT_STOPPED_RESUMABLE. A second SIGINT exits at once. Once a stop is
+    requested, a watchdog forces the exit after ``shutdown_timeout_s`` in case saving hangs.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, time_limit_s: float | None, shutdown_timeout_s: float):
+        self.deadline = time.monotonic() + time_limit_s if time_limit_s is not None else None
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.reason: str | None = None
+        self._previous: dict = {}
+        self._watchdog: threading.Timer | None = None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.reason is not None and signum == signal.SIGINT:
+            print("treadle: second SIGINT, exiting now", file=sys.stderr, flush=True)
+            os._exit(EXIT_INTERRUPTED)
+        if self.reason is None:
+            self.reason = name
+            print(f"treadle: {name} received, finishing this step and writing a checkpoint", file=sys.stderr, flush=True)
+
+    def requested(self, step_seconds: float, save_seconds: float) -> str | None:
+        """The reason to stop now, if any: a signal, or too little time left for another step and a save."""
+        if self.reason is None and self.deadline is not None:
+            if time.monotonic() + 2 * step_seconds + save_seconds >= self.deadline:
+                self.reason = "time_limit"
+        return self.reason
+
+    def arm_watchdog(self) -> None:
+        """From now on, saving has shutdown_timeout_s to finish before the process is ended."""
+        if self._watchdog is None:
+            def force_exit() -> None:
+                print(f"treadle: shutdown checkpoint did not finish in {self.shutdown_timeout_s:.0f} s "
+                      "(resilience.shutdown_timeout_s); exiting without it", file=sys.stderr, flush=True)
+                os._exit(EXIT_TRAINING_FAILED)
+
+            self._watchdog = threading.Timer(self.shutdown_timeout_s, force_exit)
+            self._watchdog.daemon = True
+            self._watchdog.start()
