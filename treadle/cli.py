@@ -106,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     try:
         return args.func(args, extra)
+    except (TrainingFailed, CheckpointWriteError) as exc:  # before UserError: a full disk is not bad input
+        print(f"treadle: training failed: {exc}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
     except UserError as exc:
         print(f"treadle: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (TrainingFailed, CheckpointWriteError) as exc:
-        print(f"treadle: training failed: {exc}", file=sys.stderr)
-        return EXIT_TRAINING_FAILED
     except KeyboardInterrupt:
         print("treadle: interrupted", file=sys.stderr)
         return 130

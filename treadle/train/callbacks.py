@@ -118,8 +118,10 @@ class EvalCallback(Callback):
             self._run(trainer)
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        # The last step's eval runs here too, not in on_train_end: then a checkpoint taken
+        # at that step already holds it, and a run resumed there does not evaluate twice.
         step = trainer.state.step
-        if self.eval_every and step % self.eval_every == 0 and step != trainer.max_steps:
+        if (self.eval_every and step % self.eval_every == 0) or step == trainer.max_steps:
             self._run(trainer)
 
     def on_train_end(self, trainer: Trainer) -> None:

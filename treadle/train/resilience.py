@@ -76,7 +76,7 @@ class NanGuardCallback(Callback):
         # The checkpoint restored our counters to their old values; a rollback must not forget itself.
         self.rollbacks, self.consecutive = counters, 0
         trainer.log({"step": trainer.state.step, "event": "rollback", "checkpoint": str(path), "rollbacks": self.rollbacks,
-                     "lr_scale": trainer.lr_scale, "data_position": trainer.loader.position}, kind="guard")
+                     "lr_scale": trainer.state.lr_scale, "data_position": trainer.loader.position}, kind="guard")
 
     def state_dict(self) -> dict:
         return {"consecutive": self.consecutive, "rollbacks": self.rollbacks}

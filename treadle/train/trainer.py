@@ -154,7 +154,7 @@ class Trainer:
             cb.load_state_dict(state["callbacks"].get(type(cb).__name__, {}) or cb.state_dict())
 
     def resume(self, path: Path) -> None:
-        self.load_state_dict(self.checkpoints.load(path, self.engine))
+        self.load_state_dict(self.checkpoints.load(path, self.engine, config_toml=to_toml(self.cfg), meta=self.meta))
         self.resumed_from = path
         self.console.print(f"resumed from {path} at step {self.state.step}")
 
