@@ -52,9 +52,8 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32") -> Path:
     """``treadle export``: rebuild the model a checkpoint was trained as, load its weights, export."""
     import json
 
-    import torch.distributed.checkpoint as dcp
-
     from treadle.checkpoint.manager import CheckpointManager
+    from treadle.checkpoint.safety import safe_dcp_load
     from treadle.config import load_config
     from treadle.models.hf import build_model
 
@@ -63,7 +62,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32") -> Path:
     meta = json.loads((ckpt / "train_state.json").read_text())["meta"]
     model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=ckpt / "state")  # only the model's entries: optimizer state stays on disk
+    safe_dcp_load(state, ckpt / "state", ckpt)  # only the model's entries: optimizer state stays on disk
     model.load_state_dict(state["model"])
     tokenizer = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
     return export_hf(model, model.state_dict(), tokenizer if tokenizer and tokenizer.is_dir() else None, out, dtype=dtype)

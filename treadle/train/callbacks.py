@@ -62,7 +62,7 @@ class MetricsCallback(Callback):
         record = {
             "step": st.step,
             "loss": result.loss,
-            "lr": trainer.current_lr(),
+            "lr": trainer.last_lr,  # the lr this step used (the schedule has already moved on)
             "grad_norm": result.grad_norm,
             "tokens": st.tokens,
             "tokens_per_s": self._window_tokens / max(self._window_seconds, 1e-9),

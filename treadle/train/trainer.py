@@ -64,8 +64,8 @@ class Trainer:
         self.metrics = metrics
         self.console = console
         self.autocast = autocast
-        self.meta = meta or {}
-        self.latest_metrics: dict = {}  # last value of every logged key (checkpoint "best" uses it)  # facts about the run's inputs (vocab, tokenizer) that export needs
+        self.meta = meta or {}  # facts about the run's inputs (vocab, tokenizer) that export needs
+        self.latest_metrics: dict = {}  # last value of every logged key (checkpoint "best" uses it)
         self.max_steps = cfg.train.max_steps
         self.tokens_per_step = loader.global_batch * cfg.data.seq_len
         self.shutdown = shutdown or ShutdownWatcher(None, cfg.resilience.shutdown_timeout_s)
