@@ -16,13 +16,12 @@ import torch
 
 from treadle import corpus
 from treadle.checkpoint.manager import CheckpointManager
-from treadle.config import Config, save_config
+from treadle.config import Config, parse_duration, save_config
 from treadle.data.packed import PackedDataset, StepLoader, eval_batches
 from treadle.engine import LocalEngine
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.models.hf import build_model, compile_layers, count_parameters
-from treadle.config import parse_duration
 from treadle.train.callbacks import CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.train.resilience import FaultInjectionCallback, NanGuardCallback, ShutdownWatcher
 from treadle.train.optim import build_optimizer, build_schedule

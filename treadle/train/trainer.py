@@ -151,7 +151,9 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.schedule.load_state_dict(state["schedule"])
         for cb in self.callbacks:
-            cb.load_state_dict(state["callbacks"].get(type(cb).__name__, {}) or cb.state_dict())
+            saved = state["callbacks"].get(type(cb).__name__)
+            if saved:  # a callback the checkpoint did not know (e.g. eval switched on later) keeps its fresh state
+                cb.load_state_dict(saved)
 
     def resume(self, path: Path) -> None:
         self.load_state_dict(self.checkpoints.load(path, self.engine, config_toml=to_toml(self.cfg), meta=self.meta))
