@@ -127,8 +127,8 @@ def main() -> None:
     print(f"# overhead: {args.rounds} interleaved rounds x {args.steps} steps, batch {args.batch} x {args.seq_len}, "
           f"{args.dtype}, tiny Llama, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads")
-    print(f"| loop | tokens/s (median) | tokens/s (min-max) | peak RSS MiB |")
-    print(f"|---|---|---|---|")
+    print("| loop | tokens/s (median) | tokens/s (min-max) | peak RSS MiB |")
+    print("|---|---|---|---|")
     for k in ("bare", "treadle"):
         print(f"| {k} | {med[k]:,.0f} | {min(rates[k]):,.0f}-{max(rates[k]):,.0f} | {mem[k]:,.0f} |")
     print(f"| treadle / bare | {med['treadle'] / med['bare']:.3f}x | | {mem['treadle'] / mem['bare']:.3f}x |")

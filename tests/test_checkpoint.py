@@ -112,7 +112,6 @@ def test_atomic_layout_latest_resave_and_startup_cleanup(tmp_path):
     # a step that a killed replace had moved aside comes back.
     pid, host = dead_pid(), _HOST
     (root / f".tmp-step_3.{pid}@{host}.0badc0de" / "state").mkdir(parents=True)
-    (root / ".tmp-step_4-deadbeef").mkdir()  # an older treadle's name: abandoned
     (root / f".tmp-step_5.{os.getpid()}@{host}.12345678").mkdir()  # ours, live
     (root / ".tmp-hf-0123abcd").mkdir()  # an HF export's, not ours to judge
     os.rename(root / "step_1", root / f".tmp-old-step_1.{pid}@{host}.abcdef01")

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from treadle.config import Config, load_config, parse_override, save_config
+from treadle.config import load_config, parse_override, save_config
 from treadle.errors import UserError
 
 

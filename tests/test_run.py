@@ -5,7 +5,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer

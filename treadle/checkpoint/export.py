@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from treadle.errors import UserError
+from treadle.fsutil import replace_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -37,11 +38,7 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
             model.config.use_cache, model.config.dtype = saved
         if tokenizer_dir is not None:
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
-        old = out.parent / f".old-{out.name}-{uuid.uuid4().hex[:8]}"
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -52,12 +49,12 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32") -> Path:
     """``treadle export``: rebuild the model a checkpoint was trained as, load its weights, export."""
     import json
 
-    from treadle.checkpoint.manager import CheckpointManager
+    from treadle.checkpoint.manager import find_checkpoint
     from treadle.checkpoint.safety import safe_dcp_load
     from treadle.config import load_config
     from treadle.models.hf import build_model
 
-    ckpt = CheckpointManager(source, keep_last=1).find_resume(str(source))
+    ckpt = find_checkpoint(source, str(source))  # read-only: a live run's temporaries are not ours to touch
     cfg = load_config(ckpt / "config.toml")
     meta = json.loads((ckpt / "train_state.json").read_text())["meta"]
     model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])

@@ -26,9 +26,8 @@ Invariants:
   ``.tmp-*``). A deletion first renames the directory to ``.tmp-*``, so a kill in
   the middle of ``rmtree`` never leaves a partial ``step_<N>``.
 - Start-up (rank 0) removes the temporary entries of writers that are dead (a pid on
-  this host that no longer runs, or an older treadle's unowned names); a live
-  writer's work (another run, or the run that ``treadle export`` is reading), other
-  programs' ``.tmp-*`` and every ``step_<N>`` are left alone.
+  this host that no longer runs); a live writer's work, other programs' ``.tmp-*``
+  and every ``step_<N>`` are left alone. Reading (``find_checkpoint``) changes nothing.
 - A failed write (disk full, file too large, read-only, no permission) removes its
   temporary directory, leaves every earlier checkpoint and ``latest`` as they were,
   and raises ``CheckpointWriteError``.
@@ -80,14 +79,14 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from treadle.checkpoint.safety import CheckpointDamaged, causes, read_metadata, safe_dcp_load
 from treadle.errors import UserError
+from treadle.fsutil import fsync as _fsync
+from treadle.fsutil import fsync_tree as _fsync_tree
 
 log = logging.getLogger("treadle")
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 _TMP = re.compile(r"^\.tmp-(?P<what>[^.]+)\.(?P<pid>\d+)@(?P<host>[^.]+)\.(?P<token>[0-9a-f]{8})$")
-# What treadle before this format left: temporary checkpoints and latest symlinks, no owner recorded.
-_LEGACY_TMP = re.compile(r"^(\.tmp-step_\d+|\.latest)-[0-9a-f]{8}$")
 # [model] keys a resumed run may change: weights are fp32 either way, and in-place compile keeps names.
 _HARMLESS_MODEL_KEYS = {"model.dtype", "model.compile"}
 _META_KEYS = ("vocab_size", "tokenizer_fingerprint")
@@ -137,21 +136,6 @@ def restore_rng(rng: dict) -> None:
 # ---------------------------------------------------------------------------- file system
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            _fsync(Path(dirpath) / f)
-        _fsync(Path(dirpath))
-
-
 def _write_text(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -176,8 +160,6 @@ def _tmp_name(what: str) -> str:
 
 def _abandoned(name: str) -> bool:
     """A temporary entry of ours whose writer is gone. Other ``.tmp-*`` names (an HF export's) are not ours."""
-    if _LEGACY_TMP.match(name):
-        return True
     m = _TMP.match(name)
     if m is None:
         return False
@@ -397,6 +379,36 @@ def _check_fit(path: Path, md: Metadata, state: dict) -> None:
         if k not in ours:
             raise UserError(f"checkpoint {path} does not fit this model: it holds {name(k)} {list(shape)}, "
                             f"which this model lacks; {hint}")
+
+
+# ---------------------------------------------------------------------------- finding
+
+
+def find_checkpoint(root: Path, resume: str) -> Path | None:
+    """The checkpoint to resume from.
+
+    ``none`` -> None. ``auto`` -> ``latest`` if sound, else the newest sound checkpoint
+    (one warning line names what was skipped and why), None if there is none; UserError
+    if every one is damaged. A path: a checkpoint directory, which must be sound, or a
+    run / checkpoints directory searched like ``auto``; UserError otherwise.
+    """
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return _newest_valid(Path(root))
+    path = Path(resume)
+    if not path.exists():
+        raise UserError(f"checkpoint.resume = {resume!r} does not exist; {_RESUME_ACCEPTED}")
+    if STEP_DIR.match(path.name) or (path / "train_state.json").exists() or (path / "state").is_dir():
+        reason = damage(path)
+        if reason is not None:
+            raise UserError(f"checkpoint.resume = {resume!r} is not a usable checkpoint: {reason}; {_RESUME_ACCEPTED}")
+        return path
+    for candidate in (path / "checkpoints", path):  # a run directory, or its checkpoints directory
+        found = _newest_valid(candidate) if candidate.is_dir() else None
+        if found is not None:
+            return found
+    raise UserError(f"checkpoint.resume = {resume!r} holds no checkpoint; {_RESUME_ACCEPTED}")
 
 
 # ---------------------------------------------------------------------------- the manager
@@ -656,30 +668,7 @@ class CheckpointManager:
     check_compatible = staticmethod(check_compatible)
 
     def find_resume(self, resume: str) -> Path | None:
-        """The checkpoint to resume from.
-
-        ``none`` -> None. ``auto`` -> ``latest`` if sound, else the newest sound checkpoint
-        (one warning line names what was skipped and why), None if there is none; UserError
-        if every one is damaged. A path: a checkpoint directory, which must be sound, or a
-        run / checkpoints directory searched like ``auto``; UserError otherwise.
-        """
-        if resume == "none":
-            return None
-        if resume == "auto":
-            return _newest_valid(self.root)
-        path = Path(resume)
-        if not path.exists():
-            raise UserError(f"checkpoint.resume = {resume!r} does not exist; {_RESUME_ACCEPTED}")
-        if STEP_DIR.match(path.name) or (path / "train_state.json").exists() or (path / "state").is_dir():
-            reason = damage(path)
-            if reason is not None:
-                raise UserError(f"checkpoint.resume = {resume!r} is not a usable checkpoint: {reason}; {_RESUME_ACCEPTED}")
-            return path
-        for root in (path / "checkpoints", path):  # a run directory, or its checkpoints directory
-            found = _newest_valid(root) if root.is_dir() else None
-            if found is not None:
-                return found
-        raise UserError(f"checkpoint.resume = {resume!r} holds no checkpoint; {_RESUME_ACCEPTED}")
+        return find_checkpoint(self.root, resume)
 
     def load(self, path: Path, engine, *, config_toml: str | None = None, meta: dict | None = None) -> dict:
         """Restore model, optimizer and this rank's RNG; return the JSON train state.

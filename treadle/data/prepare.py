@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from treadle.errors import UserError
+from treadle.fsutil import fsync_tree, replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -342,40 +343,14 @@ def prepare(
             "text_field": text_field,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _fsync_dir_files(tmp)
-        _replace_dir(tmp, out)
+        fsync_tree(tmp)
+        try:
+            replace_dir(tmp, out)  # --overwrite was checked earlier; the old output is never half-replaced
+        except OSError as e:
+            raise UserError(f"--out {out}: cannot create it ({e.strerror}); another process may have written it") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
-
-
-def _fsync_dir_files(d: Path) -> None:
-    # Make the content durable before the rename publishes it, so a crash
-    # cannot leave a complete-looking directory with truncated files.
-    for f in d.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    if out.is_dir() and any(out.iterdir()):
-        # --overwrite (checked earlier): move the old output aside first so
-        # there is never a moment with neither version on disk under its name.
-        old = out.parent / f".old-{out.name}-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        # rename(2) replaces an empty directory atomically.
-        try:
-            os.rename(tmp, out)
-        except OSError as e:
-            raise UserError(f"--out {out}: cannot create it ({e.strerror}); another process may have written it") from None
 
 
 # --------------------------------------------------------------------------- CLI

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from treadle.train.step import StepResult, loss_sum
+from treadle.train.step import StepResult, label_tokens, loss_sum
 
 if TYPE_CHECKING:
     from treadle.train.trainer import Trainer
@@ -90,7 +90,7 @@ def evaluate(trainer: Trainer) -> tuple[float, int]:
         batch = {k: v.to(engine.device) for k, v in batch.items()}
         with trainer.autocast():
             total[0] += loss_sum(engine.model, batch).double()
-        total[1] += (batch["labels"] != -100).sum()
+        total[1] += label_tokens(batch)
     engine.model.train()
     loss_total, tokens = engine.all_reduce_sum(total).tolist()
     return loss_total / max(tokens, 1.0), int(tokens)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from treadle.data.packed import IGNORE_INDEX  # the data marks "no loss here"; the loss honours it
 
 Batch = dict[str, torch.Tensor]
 
@@ -39,8 +39,12 @@ def loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def label_tokens(batch: Batch) -> torch.Tensor:
+    return (batch["labels"] != IGNORE_INDEX).sum()
+
+
 def count_label_tokens(micro_batches: list[Batch]) -> int:
-    return sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    return sum(int(label_tokens(mb)) for mb in micro_batches)
 
 
 def optimizer_step(
