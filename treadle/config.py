@@ -99,7 +99,7 @@ class CheckpointConfig(Section):
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     keep_last: int = Field(2, ge=1)
     resume: str = Field("auto", description="auto | none | <checkpoint path>")
-    export_hf: bool = Field(True, description="write <output_dir>/hf at the end")
+    export_hf: bool = Field(True, description="write <output_dir>/hf (a draft run: <output_dir>/draft) at the end")
     async_save: bool = Field(False, description="write checkpoints in the background; latest moves when durable")
     best_metric: str | None = Field(None, description="a logged metric (e.g. eval_loss) whose best checkpoint is kept")
     best_mode: Literal["min", "max"] = "min"
@@ -135,6 +135,23 @@ class DataConfig(Section):
         return [v] if isinstance(v, str) else v
 
 
+class DraftConfig(Section):
+    """A draft model for speculative decoding, trained against a frozen target (``kind`` unset: an ordinary run)."""
+
+    kind: Literal["glide"] | None = Field(None, description="draft architecture; unset = train the [model] itself")
+    target: str | None = Field(None, description="frozen target: a Hugging Face model directory or a treadle run directory")
+    loss: Literal["ce", "kl", "mix"] = Field("kl", description="ce: next data token; kl: the target's own distribution; mix: both")
+    kl_weight: float = Field(0.5, ge=0.0, le=1.0, description="mix: weight of kl (ce gets 1 - kl_weight)")
+    gamma: int = Field(4, ge=1, le=16, description="draft tokens per verification: the KV lag range and the acceptance chain")
+    kv_lag: bool = Field(True, description="train with a lag drawn in [1, gamma] per batch (false: always lag 1)")
+    window: int = Field(0, ge=0, description="draft self-attention window in tokens; 0 = full causal")
+    anchor_positions: int = Field(4, ge=1, description="positions kept as they are before the random offset starts")
+    max_position_offset: int = Field(0, ge=0, description="offsets drawn in [0, this] shift later positions; 0 = off")
+    eval_prompts: int = Field(8, ge=1, description="held-out prompts whose target-greedy continuations measure acceptance")
+    eval_prompt_len: int = Field(32, ge=1)
+    eval_new_tokens: int = Field(64, ge=2)
+
+
 class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -143,6 +160,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
+    draft: DraftConfig = Field(default_factory=DraftConfig)
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:
@@ -151,6 +169,10 @@ class Config(Section):
                 f"schedule.warmup_steps={self.schedule.warmup_steps} is not shorter than "
                 f"train.max_steps={self.train.max_steps}; accepted: 0 <= warmup_steps < max_steps"
             )
+        if self.draft.kind is not None and self.draft.target is None:
+            raise ValueError("draft.kind is set but draft.target is not; accepted: a Hugging Face model directory or a treadle run directory")
+        if self.draft.eval_new_tokens <= self.draft.gamma:
+            raise ValueError(f"draft.eval_new_tokens={self.draft.eval_new_tokens} must exceed draft.gamma={self.draft.gamma}")
         if not self.data.train:
             raise ValueError("data.train is empty; accepted: 'builtin' or a list of shard directories")
         return self

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
@@ -16,19 +19,32 @@ from treadle.fsutil import replace_dir
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+@contextlib.contextmanager
+def atomic_directory(out: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out`` to fill; it replaces ``out`` only if the block succeeds.
+
+    A reader sees the old directory or the new one, never half of one.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        yield tmp
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | None, out: Path,
               dtype: str = "fp32", enabled: bool = True) -> Path:
-    """Write ``out`` atomically: a reader sees the old directory or the new one, never half of one."""
     out = Path(out)
     if not enabled:
         return out
     if dtype not in DTYPES:
         raise UserError(f"export dtype {dtype!r} is unknown; accepted: {', '.join(DTYPES)}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
     state_dict = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in state_dict.items()}
     hf_logging.disable_progress_bar()  # one shard of a small model: a bar is noise in the run's output
-    try:
+    with atomic_directory(out) as tmp:
         # Training disables the KV cache for packed sequences; an exported model is for inference.
         saved = model.config.use_cache, model.config.dtype
         model.config.use_cache, model.config.dtype = True, DTYPES[dtype]
@@ -38,10 +54,39 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
             model.config.use_cache, model.config.dtype = saved
         if tokenizer_dir is not None:
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return out
+
+
+def export_draft(model, out: Path, target_dir: Path, identity: dict, cfg, step: int | None = None) -> Path:
+    """The draft alone, in two forms, with what it needs to find its target again.
+
+    ``model.safetensors`` + ``config.json`` (draft kind, hyper-parameters, the target's
+    path and fingerprints) load with ``treadle.models.glide.load_glide``;
+    ``draft_model_weights.pth`` is the same state dict with the ``draft_model.`` prefix
+    stripped, LongSpec's format, for tooling that expects it.
+    """
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    draft = model.draft_model
+    weights = {k: v.detach().to("cpu").contiguous() for k, v in draft.state_dict().items()}
+    config = {
+        "treadle_draft_kind": "glide",
+        "window": draft.window,
+        "shape": asdict(draft.shape),
+        "target": identity,
+        "target_config": model.target.config.to_dict(),
+        "training": {**cfg.model_dump(mode="json"), "step": step},
+    }
+    out = Path(out)
+    with atomic_directory(out) as tmp:
+        tmp.mkdir()
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        torch.save(weights, tmp / "draft_model_weights.pth")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+        if (Path(target_dir) / "tokenizer.json").is_file():  # the draft decodes with its target's tokenizer
+            AutoTokenizer.from_pretrained(target_dir).save_pretrained(tmp)
     return out
 
 

@@ -89,7 +89,9 @@ _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 _TMP = re.compile(r"^\.tmp-(?P<what>[^.]+)\.(?P<pid>\d+)@(?P<host>[^.]+)\.(?P<token>[0-9a-f]{8})$")
 # [model] keys a resumed run may change: weights are fp32 either way, and in-place compile keeps names.
 _HARMLESS_MODEL_KEYS = {"model.dtype", "model.compile"}
-_META_KEYS = ("vocab_size", "tokenizer_fingerprint")
+# [draft] keys that shape the trained module; the rest (objective, lag, offsets, eval) are training choices.
+_DRAFT_ARCH_KEYS = {"draft.kind", "draft.window"}
+_META_KEYS = ("vocab_size", "tokenizer_fingerprint", "target_fingerprint")
 _RESUME_ACCEPTED = "accepted: auto, none, a step_<N> checkpoint directory, or a run directory that has checkpoints"
 
 
@@ -310,23 +312,30 @@ def _show(v: Any) -> str:
     return "unset" if v is None else repr(v) if isinstance(v, str) else str(v)
 
 
+def _architecture(config: dict) -> dict[str, Any]:
+    """The config keys that decide which tensors a checkpoint holds."""
+    model = {k: v for k, v in _flat(config.get("model", {}), "model.").items() if k not in _HARMLESS_MODEL_KEYS}
+    draft = {k: v for k, v in _flat(config.get("draft", {}), "draft.").items() if k in _DRAFT_ARCH_KEYS}
+    return model | draft
+
+
 def check_compatible(path: Path, config_toml_now: str | None, meta_now: dict | None) -> None:
     """UserError if the checkpoint at ``path`` was trained as another model or on other data.
 
     Compares the checkpoint's ``config.toml`` ``[model]`` section (except
-    ``model.dtype`` and ``model.compile``, harmless to change) with ``config_toml_now``,
-    and ``vocab_size`` / ``tokenizer_fingerprint`` of its train_state.json ``meta`` with
-    ``meta_now``. Everything else (steps, lr, logging, eval, data paths) may change.
+    ``model.dtype`` and ``model.compile``, harmless to change) and the draft's kind and
+    window with ``config_toml_now``, and ``vocab_size`` / ``tokenizer_fingerprint`` /
+    ``target_fingerprint`` of its train_state.json ``meta`` with ``meta_now``. Everything else (steps, lr, logging, eval, data paths) may change.
     Either argument may be None to skip that half.
     """
     path = Path(path)
     if config_toml_now is not None:
         try:
-            then = _flat(tomllib.loads((path / "config.toml").read_text()).get("model", {}), "model.")
+            then = _architecture(tomllib.loads((path / "config.toml").read_text()))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise UserError(f"checkpoint {path}: config.toml is unreadable ({str(exc).splitlines()[0]})") from None
-        now = _flat(tomllib.loads(config_toml_now).get("model", {}), "model.")
-        for key in sorted((then.keys() | now.keys()) - _HARMLESS_MODEL_KEYS):
+        now = _architecture(tomllib.loads(config_toml_now))
+        for key in sorted(then.keys() | now.keys()):
             if then.get(key) != now.get(key):
                 raise UserError(
                     f"checkpoint {path} was trained with {key} = {_show(then.get(key))}, this run has "

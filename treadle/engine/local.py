@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 
 class LocalEngine:
@@ -57,13 +57,23 @@ class LocalEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict:
-        """Model and optimizer state keyed by parameter name (DCP's format, engine independent)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        """Trainable model and optimizer state keyed by parameter name (DCP's format, engine independent).
+
+        Frozen parameters (a draft run's target) are left out: they are an input, not a result.
+        """
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SAVE)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_LOAD)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded weights for export (trivial here; gathered on other engines)."""
         return self.model.state_dict()
+
+
+_SAVE = StateDictOptions(ignore_frozen_params=True)
+# Not strict: the frozen keys are absent by design. The checkpoint manager has already
+# checked that every trainable tensor is present with the right shape (_check_fit).
+_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)

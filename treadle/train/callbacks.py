@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from treadle.train.step import StepResult, label_tokens, loss_sum
+from treadle.train.step import StepResult, label_tokens, split_loss
 
 if TYPE_CHECKING:
     from treadle.train.trainer import Trainer
@@ -64,6 +64,7 @@ class MetricsCallback(Callback):
             "loss": result.loss,
             "lr": trainer.last_lr,  # the lr this step used (the schedule has already moved on)
             "grad_norm": result.grad_norm,
+            **result.metrics,
             "tokens": st.tokens,
             "tokens_per_s": self._window_tokens / max(self._window_seconds, 1e-9),
             "elapsed_s": round(st.elapsed_s, 3),
@@ -81,19 +82,24 @@ class MetricsCallback(Callback):
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer) -> tuple[float, int]:
-    """Token-weighted mean CE over the validation batches, summed over ranks."""
+def evaluate(trainer: Trainer) -> tuple[float, int, dict[str, float]]:
+    """Token-weighted mean loss over the validation batches, summed over ranks; side quantities likewise."""
     engine = trainer.engine
     engine.model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    total, names = None, []
     for batch in trainer.val_batches():
         batch = {k: v.to(engine.device) for k, v in batch.items()}
         with trainer.autocast():
-            total[0] += loss_sum(engine.model, batch).double()
-        total[1] += label_tokens(batch)
+            summed, side = split_loss(trainer.eval_loss_fn(engine.model, batch))
+        names = list(side)
+        sums = torch.stack([t.detach().double() for t in (label_tokens(batch), summed, *side.values())])
+        total = sums if total is None else total + sums
     engine.model.train()
-    loss_total, tokens = engine.all_reduce_sum(total).tolist()
-    return loss_total / max(tokens, 1.0), int(tokens)
+    if total is None:
+        return math.nan, 0, {}
+    tokens, loss_total, *side_totals = engine.all_reduce_sum(total).tolist()
+    denom = max(tokens, 1.0)
+    return loss_total / denom, int(tokens), {f"eval_{n}": v / denom for n, v in zip(names, side_totals)}
 
 
 class EvalCallback(Callback):
@@ -106,8 +112,8 @@ class EvalCallback(Callback):
 
     def _run(self, trainer: Trainer) -> None:
         t0 = time.perf_counter()
-        loss, tokens = evaluate(trainer)
-        record = {"step": trainer.state.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)),
+        loss, tokens, side = evaluate(trainer)
+        record = {"step": trainer.state.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), **side,
                   "eval_tokens": tokens, "eval_s": round(time.perf_counter() - t0, 3)}
         self.first = self.first or record
         self.last = record

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from treadle.config import ResilienceConfig
 from treadle.train.callbacks import Callback
-from treadle.train.step import StepResult, loss_sum
+from treadle.train.step import StepResult, split_loss
 
 if TYPE_CHECKING:
     from treadle.train.trainer import Trainer
@@ -94,14 +94,26 @@ class FaultInjectionCallback(Callback):
 
     def __init__(self, steps: list[int]):
         self.pending = set(steps)
+        self.clean = None
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self.clean = trainer.loss_fn
 
     def on_step_start(self, trainer: Trainer) -> None:
         step = trainer.state.step + 1
         if step in self.pending:
             self.pending.discard(step)
-            trainer.loss_fn = lambda model, batch: loss_sum(model, batch) * math.nan
+            trainer.loss_fn = _poisoned(self.clean)
         else:
-            trainer.loss_fn = loss_sum
+            trainer.loss_fn = self.clean
+
+
+def _poisoned(loss_fn):
+    def nan_loss(model, batch):
+        summed, side = split_loss(loss_fn(model, batch))
+        return summed * math.nan, side
+
+    return nan_loss
 
 
 class ShutdownWatcher:

@@ -10,6 +10,7 @@ import random
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,9 +23,11 @@ from treadle.engine import LocalEngine
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.models.hf import build_model, compile_layers, count_parameters
-from treadle.train.callbacks import CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
+from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
+from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, build_glide, eval_prompts
 from treadle.train.resilience import FaultInjectionCallback, NanGuardCallback, ShutdownWatcher
 from treadle.train.optim import build_optimizer, build_schedule
+from treadle.train.step import loss_sum
 from treadle.train.trainer import Trainer
 
 
@@ -93,6 +96,40 @@ def _prepare_output_dir(out: Path, cfg: Config, checkpoints: CheckpointManager) 
         )
 
 
+@dataclass
+class ModelSetup:
+    """What the kind of run decides: the module trained, its loss, its evals and its export."""
+
+    model: torch.nn.Module
+    loss_fn: Callable
+    eval_loss_fn: Callable | None
+    eval_callbacks: list[Callback]
+    export: Callback
+    export_dir: Path
+
+    def describe(self) -> str:
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        frozen = count_parameters(self.model) - trainable
+        return f"{trainable / 1e6:.1f}M trainable parameters" + (f" ({frozen / 1e6:.1f}M frozen)" if frozen else "")
+
+
+def _model_setup(cfg: Config, meta: dict, tokenizer_dir: Path | None) -> ModelSetup:
+    model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
+    out = Path(cfg.train.output_dir) / "hf"
+    return ModelSetup(model, loss_sum, None, [], ExportCallback(out, tokenizer_dir), out)
+
+
+def _draft_setup(cfg: Config, train_ds: PackedDataset, val_ds: PackedDataset | None, meta: dict) -> ModelSetup:
+    """A frozen target and a trainable draft; the rest of the run is unchanged."""
+    model, target_dir, identity = build_glide(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint)
+    meta["target_fingerprint"] = identity["config_fingerprint"]
+    objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len)
+    prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
+    out = Path(cfg.train.output_dir) / "draft"
+    return ModelSetup(model, objective, objective.evaluate, [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every)],
+                      DraftExportCallback(out, target_dir, identity, cfg.draft), out)
+
+
 def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     """Everything a run needs, validated and resumed if there is a checkpoint; nothing trained yet."""
     if cfg.train.threads:
@@ -109,28 +146,31 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     checkpoints = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
                                     best_metric=cfg.checkpoint.best_metric, best_mode=cfg.checkpoint.best_mode)
     resume_from = checkpoints.find_resume(cfg.checkpoint.resume)
-    _prepare_output_dir(out, cfg, checkpoints)
 
     seed_everything(cfg.train.seed)
     meta = {"vocab_size": train_ds.vocab_size, "eos_id": train_ds.meta.get("eos_id"),
             "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_fingerprint": train_ds.tokenizer_fingerprint}
-    model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
+    setup = _draft_setup(cfg, train_ds, val_ds, meta) if cfg.draft.kind else _model_setup(cfg, meta, tokenizer_dir)
+    _prepare_output_dir(out, cfg, checkpoints)  # the first write: every input above is valid
+    model = setup.model
     model.to(device).train()
-    if cfg.model.compile:
-        compile_layers(model)
+    if cfg.model.compile:  # a draft is one block: compile it whole; the frozen target stays eager
+        model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
     optimizer = build_optimizer(model, cfg)
     engine = LocalEngine(model, optimizer, device)
     t = cfg.train
     loader = StepLoader(train_ds, t.micro_batch_size, t.grad_accum_steps, t.seed)
-    # Order matters: the guard may roll back before eval and checkpoint see the step.
+    # Order matters: the guard may roll back before eval and checkpoint see the step,
+    # and eval (which may set the "best" metric) runs before the checkpoint.
     callbacks = [MetricsCallback(t.log_every), NanGuardCallback(cfg.resilience)]
     if cfg.resilience.inject_nan_steps:
         callbacks.append(FaultInjectionCallback(cfg.resilience.inject_nan_steps))
     if val_ds is not None:
         callbacks.append(EvalCallback(t.eval_every))
+    callbacks += setup.eval_callbacks
     callbacks.append(CheckpointCallback(cfg.checkpoint.every))
     if cfg.checkpoint.export_hf:
-        callbacks.append(ExportCallback(out / "hf", tokenizer_dir))
+        callbacks.append(setup.export)
     bf16 = cfg.model.dtype == "bf16"
     trainer = Trainer(
         cfg, engine, build_schedule(optimizer, cfg), loader,
@@ -142,14 +182,17 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
         autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
         meta=meta,
         shutdown=ShutdownWatcher(parse_duration(t.time_limit) if t.time_limit else None, cfg.resilience.shutdown_timeout_s),
+        loss_fn=setup.loss_fn,
+        eval_loss_fn=setup.eval_loss_fn,
     )
+    trainer.export_dir = setup.export_dir
     if resume_from is not None:
         trainer.resume(resume_from)
     # Records after the checkpoint (or all, on a fresh start) came from a run that died: they are logged again.
     trainer.metrics.truncate_after(trainer.state.step if resume_from is not None else -1)
     save_config(cfg, out / "config.toml")
     trainer.console.print(
-        f"treadle: {count_parameters(model) / 1e6:.1f}M parameters on {device}, {train_ds.num_tokens:,} train tokens, "
+        f"treadle: {setup.describe()} on {device}, {train_ds.num_tokens:,} train tokens, "
         f"{loader.global_batch} x {seq_len} tokens per step, run directory {out}"
     )
     return trainer
@@ -175,7 +218,7 @@ def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
         tokens_per_s=state.tokens / max(state.elapsed_s, 1e-9),
         elapsed_s=state.elapsed_s,
         checkpoints=trainer.checkpoints.complete(),
-        export_dir=out / "hf" if cfg.checkpoint.export_hf else None,
-        parameters=count_parameters(trainer.engine.model),
+        export_dir=trainer.export_dir if cfg.checkpoint.export_hf else None,
+        parameters=sum(p.numel() for p in trainer.engine.model.parameters() if p.requires_grad),
         stop_reason=trainer.stop_reason,
     )

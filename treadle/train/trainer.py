@@ -53,6 +53,8 @@ class Trainer:
         autocast: Callable[[], ContextManager] = contextlib.nullcontext,
         meta: dict | None = None,
         shutdown: ShutdownWatcher | None = None,
+        loss_fn: Callable = loss_sum,
+        eval_loss_fn: Callable | None = None,
     ):
         self.cfg = cfg
         self.engine = engine
@@ -70,7 +72,8 @@ class Trainer:
         self.tokens_per_step = loader.global_batch * cfg.data.seq_len
         self.shutdown = shutdown or ShutdownWatcher(None, cfg.resilience.shutdown_timeout_s)
         self.state = TrainState()
-        self.loss_fn = loss_sum  # callbacks may swap it for one step (fault injection)
+        self.loss_fn = loss_fn  # what a step minimizes; callbacks may swap it for one step (fault injection)
+        self.eval_loss_fn = eval_loss_fn or loss_fn  # what evaluation reports as eval_loss
         self.resumed_from: Path | None = None
         self.stop_reason: str | None = None
         self.last_step_seconds = 0.0

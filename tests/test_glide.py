@@ -1,0 +1,195 @@
+"""GLIDE draft: masks, positions, target K/V, the decode-time drafter, and draft runs end to end."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig
+
+from tests.helpers import records
+from treadle.cli import main
+from treadle.models.glide import (
+    GlideDraft, GlideModel, anchored_positions, attention_mask, capture_last_kv, document_ids, load_glide,
+)
+from treadle.spec.acceptance import chain_acceptance, greedy_continuations
+from treadle.spec.glide_drafter import GlideDrafter
+
+TARGET = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, use_cache=False)
+
+
+@pytest.fixture(scope="module")
+def target_dir(shards, tmp_path_factory):
+    """A small random Llama saved as a Hugging Face directory with the shards' tokenizer."""
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("target")
+    AutoModelForCausalLM.from_config(LlamaConfig(**TARGET)).save_pretrained(d)
+    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(d)
+    return d
+
+
+def glide(seed=1, window=0):
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(LlamaConfig(**TARGET))
+    return GlideModel(target, GlideDraft(target.config, window=window)).eval()
+
+
+def test_masks_match_a_naive_reference():
+    torch.manual_seed(0)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 0, 1, 2, 3, 4, 5]])
+    doc = document_ids(position_ids)
+    idx = torch.arange(12).expand(2, 12)
+    for lag, window in [(0, 0), (1, 0), (3, 0), (0, 3), (2, 4)]:
+        got = attention_mask(idx, idx, min_gap=lag, window=window, q_doc=doc, k_doc=doc)
+        want = torch.zeros(2, 1, 12, 12, dtype=torch.bool)
+        for b in range(2):
+            for i in range(12):
+                for j in range(12):
+                    same_doc = doc[b, i] == doc[b, j]
+                    want[b, 0, i, j] = bool(same_doc and j <= i - lag and (window == 0 or i - j < window))
+        assert torch.equal(got, want), (lag, window)
+
+
+def test_anchor_offset_positions_follow_the_config():
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    assert anchored_positions(pos, anchor=3, offset=100).tolist() == [[0, 1, 2, 103, 104, 105, 0, 1, 2, 103]]
+    assert torch.equal(anchored_positions(pos, anchor=3, offset=0), pos)
+
+
+def test_captured_target_kv_equal_the_kv_cache():
+    model = glide()
+    ids = torch.randint(0, 512, (2, 10))
+    with torch.no_grad():
+        cache = model.target(input_ids=ids, use_cache=True, past_key_values=DynamicCache()).past_key_values
+        with capture_last_kv(model.target) as kv:
+            model.target(input_ids=ids, position_ids=torch.arange(10).expand(2, 10), use_cache=False)
+    assert torch.equal(kv["k"], cache.layers[-1].keys) and torch.equal(kv["v"], cache.layers[-1].values)
+
+
+def test_lagged_draft_reads_no_target_kv_it_should_not_see():
+    model = glide()
+    ids = torch.randint(0, 512, (1, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])  # two documents
+    with torch.no_grad():
+        _, (k, v) = model.target_forward(ids, pos)
+        for lag in (1, 3):
+            base = model.draft_logits(ids, pos, (k, v), lag)
+            j = 2  # perturb the target K/V at index 2 (first document)
+            k2, v2 = k.clone(), v.clone()
+            k2[:, :, j] += 5.0
+            v2[:, :, j] -= 5.0
+            moved = (model.draft_logits(ids, pos, (k2, v2), lag) - base).abs().amax(-1)[0]
+            unseen = [i for i in range(12) if i < j + lag or i >= 6]  # too early for index 2, or another document
+            assert moved[unseen].max() == 0.0
+            assert moved[j + lag] > 0  # the first index allowed to read it does
+
+
+def test_decode_drafter_reproduces_training_logits_and_chain_acceptance():
+    """The cached decode path and the teacher-forced training path compute the same draft, lag by lag."""
+    model, gamma = glide(window=5), 3
+    torch.manual_seed(2)
+    prompts = torch.randint(0, 512, (2, 6))
+    texts = greedy_continuations(model.target, prompts, 12)
+    pos = torch.arange(texts.shape[1]).expand_as(texts)
+    with torch.no_grad():
+        _, target_kv = model.target_forward(texts, pos)
+        lagged = [model.draft_logits(texts, pos, target_kv, lag) for lag in range(1, gamma + 1)]
+    drafter = GlideDrafter(model)
+    for b in range(2):
+        for s in range(6, texts.shape[1] - gamma):
+            row = texts[b:b + 1]
+            kv = (target_kv[0][b:b + 1, :, :s], target_kv[1][b:b + 1, :, :s])  # the target has processed < s
+            drafter.reset(row[:, :6])
+            first = drafter.propose(row[:, :s + 1], kv, 1)  # feeds 0..s, the bonus at s: lag 1
+            assert first == [int(lagged[0][b, s].argmax())]
+            for k in range(2, gamma + 1):  # feed the true next tokens: chain step k sees lag k
+                drafter.accept(s + k)  # keep everything: the "draft" was the text
+                assert drafter.propose(row[:, :s + k], kv, 1) == [int(lagged[k - 1][b, s + k - 1].argmax())]
+    got = chain_acceptance(model, texts, 6, gamma)
+    assert got["tau_sim"] == pytest.approx(1 + sum(got["acceptance_unconditional"]))
+    assert len(got["acceptance_conditional"]) == gamma
+
+
+def test_glide_speculative_decoding_is_lossless():
+    from treadle.spec.decode import speculative_generate, target_generate
+
+    model = glide()
+    prompt = torch.randint(0, 512, (1, 8))
+    want, _ = target_generate(model.target, prompt, 24)
+    got = speculative_generate(model.target, GlideDrafter(model), prompt, gamma=4, max_new_tokens=24)
+    assert got.tokens == want
+    assert got.verify_calls >= 1
+
+
+def _draft_args(shards, target_dir, out, *extra):
+    return [
+        "train", f"--train.output_dir={out}", f"--data.train={shards / 'train'}", f"--data.val={shards / 'val'}",
+        "--draft.kind=glide", f"--draft.target={target_dir}", "--data.seq_len=32", "--train.micro_batch_size=4",
+        "--train.grad_accum_steps=2", "--train.log_every=1", "--train.eval_batches=2", "--schedule.warmup_steps=1",
+        "--optim.lr=5e-3", "--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12",
+        "--draft.max_position_offset=64", *extra,
+    ]
+
+
+def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_path):
+    from treadle.checkpoint.safety import read_metadata
+    from treadle.config import load_config
+    from treadle.train.run import build_trainer
+
+    run = tmp_path / "run"
+    trainer = build_trainer(load_config(None, _draft_args(shards, target_dir, run, "--train.max_steps=3",
+                                                          "--checkpoint.best_metric=tau_sim",
+                                                          "--checkpoint.best_mode=max")[1:]))
+    model = trainer.engine.model
+    before = {k: v.clone() for k, v in model.target.state_dict().items()}
+    draft_before = {k: v.clone() for k, v in model.draft_model.state_dict().items()}
+    trainer.fit()
+    trainer.metrics.close()
+    after = model.target.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the target is bit-identical
+    assert any(not torch.equal(draft_before[k], v) for k, v in model.draft_model.state_dict().items())
+
+    # Checkpoints hold the draft and its optimizer state, never a target tensor.
+    md = read_metadata(run / "checkpoints" / "step_3" / "state")
+    keys = list(md.state_dict_metadata)
+    assert any("draft_model." in k for k in keys)
+    assert not [k for k in keys if "target" in k]
+
+    # Both export forms hold the same draft weights; reloaded, they give the trained draft's logits.
+    export = run / "draft"
+    st = load_file(export / "model.safetensors")
+    pth = torch.load(export / "draft_model_weights.pth", weights_only=True)
+    assert st.keys() == pth.keys() == model.draft_model.state_dict().keys()
+    assert not [k for k in st if k.startswith(("draft_model.", "target."))]
+    config = json.loads((export / "config.json").read_text())
+    assert config["treadle_draft_kind"] == "glide" and config["target"]["path"] == str(target_dir.resolve())
+    reloaded = load_glide(export, AutoModelForCausalLM.from_pretrained(target_dir))
+    ids = torch.randint(0, 512, (1, 16))
+    pos = torch.arange(16)[None]
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids, pos, lag=2).logits, model.eval()(ids, pos, lag=2).logits)
+
+    # Acceptance and the target's reference loss are logged; "best" follows tau_sim.
+    assert set(records(run, "tau_sim")) == {0, 3}
+    assert records(run, "target_loss") and records(run, "eval_target_loss")
+    assert (run / "checkpoints" / "best").resolve().name == "step_3"
+
+
+def test_draft_run_resumes_bit_for_bit(shards, target_dir, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(_draft_args(shards, target_dir, a, "--train.max_steps=4", "--checkpoint.every=2",
+                            "--draft.loss=mix")) == 0
+    assert main(_draft_args(shards, target_dir, b, "--train.max_steps=4", "--draft.loss=mix",
+                            f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 0
+    la, lb = records(a), records(b)
+    assert [la[s] for s in (3, 4)] == [lb[s] for s in (3, 4)]
+    wa, wb = load_file(a / "draft" / "model.safetensors"), load_file(b / "draft" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_draft_run_bad_target_is_one_line(shards, tmp_path, capsys):
+    assert main(_draft_args(shards, tmp_path / "nowhere", tmp_path / "run", "--train.max_steps=2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "draft.target" in err
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,340 @@
+"""GLIDE: a one-layer draft that reads the frozen target's last-layer KV cache.
+
+The draft block (LongSpec's design, written here from the paper's description):
+
+    h = embed(tokens)                               the target's embedding, frozen
+    h = h + SelfAttn(norm(h))                       own q/k/v/o, RoPE, optional window
+    h = h + CrossAttn(norm(h), K_t, V_t)            own q/o; K/V = target's last layer, post-RoPE
+    h = h + MLP(norm(h))
+    logits = lm_head(norm(h))                       the target's LM head, frozen
+
+Because the draft has one layer whose self-attention keys and values depend only
+on token and position, its cached self-attention K/V stay exact whatever target
+context the cross-attention saw: that is what makes a decode-time cache cheap.
+
+Time alignment (the KV lag): at decode time the target has processed every token
+except the newest ("bonus") one, so the draft token at sequence index i may read
+target K/V only at indices <= i - lag with lag >= 1, and the k-th token of a draft
+chain sees lag k. Training draws lag in [1, gamma] so every chain position is trained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from treadle.errors import UserError
+
+KIND = "glide"
+
+
+# ----------------------------------------------------------------------------- masks and positions
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Packed rows restart positions at 0 for each document: number the documents of each row."""
+    return (position_ids == 0).long().cumsum(-1)
+
+
+def attention_mask(q_idx: torch.Tensor, k_idx: torch.Tensor, *, min_gap: int = 0, window: int = 0,
+                   q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [B, 1, Tq, Tk]: query i may read key j iff k_idx[j] <= q_idx[i] - min_gap,
+    within ``window`` tokens (0 = unlimited) and, when documents are given, in the same document.
+
+    Indices count tokens (not RoPE positions, which anchor offsets may shift).
+    """
+    q = q_idx.unsqueeze(-1)  # [B, Tq, 1]
+    k = k_idx.unsqueeze(-2)  # [B, 1, Tk]
+    allowed = k <= q - min_gap
+    if window:
+        allowed = allowed & (q - k < window)
+    if q_doc is not None:
+        allowed = allowed & (q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2))
+    return allowed.unsqueeze(1)
+
+
+def anchored_positions(position_ids: torch.Tensor, anchor: int, offset: int) -> torch.Tensor:
+    """Keep positions < ``anchor`` of every document; shift the rest by ``offset``.
+
+    Short training documents then exercise the long positions a decode will reach,
+    while the first (attention-sink) positions keep their usual values.
+    """
+    if offset == 0:
+        return position_ids
+    return torch.where(position_ids >= anchor, position_ids + offset, position_ids)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention with grouped K/V heads and rows that may see nothing.
+
+    A fully masked row would come out of SDPA as NaN (PLATFORM.md): such rows are
+    unmasked for the kernel and their output zeroed, so they contribute nothing.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    seen = mask.any(-1, keepdim=True)  # [B, 1, Tq, 1]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~seen)
+    return out * seen.to(out.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half convention of Llama / Qwen2 / Mistral (cos, sin: [B, T, D])."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------- the draft block
+
+
+@dataclass(frozen=True)
+class GlideShape:
+    """The draft's dimensions, all taken from the target so its K/V and LM head fit."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    hidden_act: str
+    attention_bias: bool
+
+    @classmethod
+    def of(cls, target_config) -> GlideShape:
+        c = target_config
+        heads = c.num_attention_heads
+        return cls(
+            hidden_size=c.hidden_size, num_attention_heads=heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps, hidden_act=c.hidden_act,
+            attention_bias=bool(getattr(c, "attention_bias", False)),
+        )
+
+
+class GlideDraft(nn.Module):
+    """The trainable draft block. It owns no embedding or LM head (the target's are shared)."""
+
+    def __init__(self, target_config, window: int = 0):
+        super().__init__()
+        s = self.shape = GlideShape.of(target_config)
+        self.window = window
+        q_out, kv_out = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+        self.self_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attention_bias)
+        self.k_proj = nn.Linear(s.hidden_size, kv_out, bias=s.attention_bias)
+        self.v_proj = nn.Linear(s.hidden_size, kv_out, bias=s.attention_bias)
+        self.o_proj = nn.Linear(q_out, s.hidden_size, bias=False)
+        self.cross_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.cross_q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attention_bias)
+        self.cross_o_proj = nn.Linear(q_out, s.hidden_size, bias=False)
+        self.mlp_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+        self.act = ACT2FN[s.hidden_act]
+        self.final_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        std = getattr(target_config, "initializer_range", 0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(*x.shape[:2], -1, self.shape.head_dim).transpose(1, 2)  # [B, H, T, D]
+
+    def _merge(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).flatten(2)
+
+    def forward(self, embeds: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                target_kv: tuple[torch.Tensor, torch.Tensor], self_mask: torch.Tensor, cross_mask: torch.Tensor,
+                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Hidden states after the final norm, and this call's self-attention K/V (for a decode cache).
+
+        ``past_kv`` holds self-attention K/V of earlier tokens (decode); ``self_mask``
+        then covers past + new keys.
+        """
+        cos, sin = rope
+        h = self.self_norm(embeds)
+        q = rotate(self._heads(self.q_proj(h)), cos, sin)
+        k = rotate(self._heads(self.k_proj(h)), cos, sin)
+        v = self._heads(self.v_proj(h))
+        new_kv = (k, v)
+        if past_kv is not None:
+            k, v = torch.cat((past_kv[0], k), dim=2), torch.cat((past_kv[1], v), dim=2)
+        x = embeds + self.o_proj(self._merge(sdpa(q, k, v, self_mask)))
+
+        # Target K/V are already rotated at their own positions; rotating our queries at
+        # ours makes the scores depend on the distance, as inside the target.
+        q = rotate(self._heads(self.cross_q_proj(self.cross_norm(x))), cos, sin)
+        tk, tv = target_kv
+        x = x + self.cross_o_proj(self._merge(sdpa(q, tk.to(q.dtype), tv.to(q.dtype), cross_mask)))
+
+        h = self.mlp_norm(x)
+        x = x + self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
+        return self.final_norm(x), new_kv
+
+
+# ----------------------------------------------------------------------------- the target side
+
+
+def last_attention(target) -> nn.Module:
+    from treadle.models.hf import decoder_layers
+
+    attn = getattr(decoder_layers(target)[-1], "self_attn", None)
+    if attn is None or not all(hasattr(attn, n) for n in ("k_proj", "v_proj")):
+        raise UserError(f"draft.target {type(target).__name__} has no q/k/v/o self-attention in its last layer; "
+                        "accepted: Llama / Qwen2 / Mistral-family decoders")
+    return attn
+
+
+@contextlib.contextmanager
+def capture_last_kv(target) -> Iterator[dict]:
+    """Record the target's last-layer post-RoPE K/V during a forward without a KV cache.
+
+    Training must run the target without a cache (packed documents stay apart only
+    then, PLATFORM.md), so the K/V are rebuilt from the projections the layer computes
+    anyway plus the rotary embedding it is handed; they equal the cache's exactly.
+    """
+    attn = last_attention(target)
+    got: dict = {}
+
+    def pre(_module, _args, kwargs):
+        got["rope"] = kwargs["position_embeddings"]
+
+    handles = [
+        attn.register_forward_pre_hook(pre, with_kwargs=True),
+        attn.k_proj.register_forward_hook(lambda _m, _i, out: got.__setitem__("k", out)),
+        attn.v_proj.register_forward_hook(lambda _m, _i, out: got.__setitem__("v", out)),
+    ]
+    result: dict = {}
+    try:
+        yield result
+    finally:
+        for h in handles:
+            h.remove()
+    head_dim = attn.head_dim
+    k = got["k"].view(*got["k"].shape[:2], -1, head_dim)
+    if getattr(attn, "k_norm", None) is not None:  # Qwen3-style per-head norm before RoPE
+        k = attn.k_norm(k)
+    cos, sin = got["rope"]
+    result["k"] = rotate(k.transpose(1, 2), cos, sin)
+    result["v"] = got["v"].view(*got["v"].shape[:2], -1, head_dim).transpose(1, 2)
+
+
+def causal_document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask for packed rows, handed to the target explicitly.
+
+    HF infers packing from position jumps, which anchor offsets also create; an
+    explicit 4-D mask keeps the target's view of the documents independent of that.
+    """
+    idx = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
+    doc = document_ids(position_ids)
+    return attention_mask(idx, idx, q_doc=doc, k_doc=doc)
+
+
+@dataclass
+class GlideOutput:
+    logits: torch.Tensor  # the draft's, [B, T, V]
+    target_logits: torch.Tensor  # the frozen target's on the same input, [B, T, V]
+
+
+class GlideModel(nn.Module):
+    """What a draft run trains: a frozen target and a trainable ``draft_model``.
+
+    Only ``draft_model.*`` parameters require grad, so checkpoints (which skip frozen
+    parameters) and the optimizer never hold a target tensor.
+    """
+
+    def __init__(self, target, draft_model: GlideDraft):
+        super().__init__()
+        self.target = target
+        self.draft_model = draft_model
+        target.requires_grad_(False)
+        target.eval()
+        self.rotary = type(target.model.rotary_emb)(config=target.config)  # buffers only, not saved
+
+    def train(self, mode: bool = True) -> GlideModel:
+        super().train(mode)
+        self.target.eval()  # frozen means frozen: no dropout, whatever the loop asks of the wrapper
+        return self
+
+    def target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        """Target logits and last-layer K/V for packed rows (no grad: the target is a fixed teacher)."""
+        with torch.no_grad(), capture_last_kv(self.target) as kv:
+            logits = self.target(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                 attention_mask=causal_document_mask(position_ids)).logits
+        return logits, (kv["k"], kv["v"])
+
+    def draft_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     target_kv: tuple[torch.Tensor, torch.Tensor], lag: int,
+                     doc_position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft logits with every position reading target K/V ``lag`` tokens behind it.
+
+        ``doc_position_ids`` (positions before any offset) delimit the documents; it
+        defaults to ``position_ids``.
+        """
+        doc = document_ids(position_ids if doc_position_ids is None else doc_position_ids)
+        idx = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        self_mask = attention_mask(idx, idx, window=self.draft_model.window, q_doc=doc, k_doc=doc)
+        cross_mask = attention_mask(idx, idx, min_gap=lag, q_doc=doc, k_doc=doc)
+        embeds = self.target.get_input_embeddings()(input_ids)
+        rope = self.rotary(embeds, position_ids)
+        hidden, _ = self.draft_model(embeds, rope, target_kv, self_mask, cross_mask)
+        return self.target.get_output_embeddings()(hidden)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lag: int = 1,
+                doc_position_ids: torch.Tensor | None = None) -> GlideOutput:
+        target_logits, target_kv = self.target_forward(input_ids, position_ids)
+        logits = self.draft_logits(input_ids, position_ids, target_kv, lag, doc_position_ids)
+        return GlideOutput(logits=logits, target_logits=target_logits)
+
+
+# ----------------------------------------------------------------------------- identity of a target
+
+
+def target_config_fingerprint(config) -> str:
+    """What a draft depends on in its target: the architecture fields, not run-time flags."""
+    d = config.to_dict()
+    for volatile in ("use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "architectures",
+                     "output_attentions", "output_hidden_states", "return_dict", "_attn_implementation_autoset"):
+        d.pop(volatile, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_draft_config(draft_dir) -> dict | None:
+    """The config.json of a treadle draft export, or None if ``draft_dir`` is not one."""
+    try:
+        config = json.loads((Path(draft_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) and "treadle_draft_kind" in config else None
+
+
+def load_glide(draft_dir, target) -> GlideModel:
+    """An exported GLIDE draft attached to ``target``, which must be the architecture it was trained for."""
+    from safetensors.torch import load_file
+
+    config = read_draft_config(draft_dir)
+    if config is None or config["treadle_draft_kind"] != KIND:
+        raise UserError(f"{draft_dir} is not a GLIDE draft export (config.json with treadle_draft_kind = 'glide')")
+    want, have = config["target"]["config_fingerprint"], target_config_fingerprint(target.config)
+    if want != have:
+        raise UserError(f"draft {draft_dir} was trained for a target with config fingerprint {want} "
+                        f"({config['target']['path']}); this target has {have}")
+    draft = GlideDraft(target.config, window=config["window"])
+    draft.load_state_dict(load_file(str(Path(draft_dir) / "model.safetensors")))
+    return GlideModel(target, draft).eval()

@@ -1,0 +1,66 @@
+"""Acceptance of a GLIDE draft measured without running the decode loop.
+
+On text the target itself generated greedily, the target's greedy token at every
+position is, by construction, the next token of the text. A greedy speculative step
+that starts with the bonus token at index s proposes, at chain step k, the draft's
+argmax at index s + k - 1 with lag k (the target has processed indices < s) and
+accepts it iff it equals token s + k. With one forward of the draft per lag over the
+whole text, every start s is scored at once; because the draft's one layer makes its
+self-attention state depend only on the tokens, this is what the decode loop would do
+from each start, not an approximation of it (up to ties in the argmax).
+
+tau_sim averages over every start, whereas a real decode visits only the starts its
+own acceptances lead to, so the two differ a little on short texts.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+@torch.no_grad()
+def greedy_continuations(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """[N, P] prompts of one length -> [N, P + new_tokens], continued greedily by the target."""
+    was_training = target.training
+    target.eval()
+    cache = DynamicCache()
+    out = target(input_ids=prompts, use_cache=True, past_key_values=cache)
+    tokens = [prompts]
+    for _ in range(new_tokens):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(nxt)
+        out = target(input_ids=nxt, use_cache=True, past_key_values=cache)
+    target.train(was_training)
+    return torch.cat(tokens, dim=1)
+
+
+@torch.no_grad()
+def chain_acceptance(model, texts: torch.Tensor, prompt_len: int, gamma: int) -> dict:
+    """Per-position acceptance and tau_sim of a ``GlideModel``'s draft on target-greedy ``texts``.
+
+    Starts are the generated indices s >= prompt_len that leave room for a full chain.
+    Returns ``tau_sim`` (= 1 + sum of unconditional rates), ``acceptance_conditional``
+    (P(step k accepted | steps < k accepted)) and ``acceptance_unconditional``.
+    """
+    length = texts.shape[1]
+    starts = torch.arange(prompt_len, length - gamma, device=texts.device)
+    if len(starts) == 0:
+        raise ValueError(f"texts of length {length} leave no start after a {prompt_len}-token prompt for gamma {gamma}")
+    positions = torch.arange(length, device=texts.device).expand_as(texts)
+    _, target_kv = model.target_forward(texts, positions)
+    chain = []
+    for k in range(1, gamma + 1):
+        guess = model.draft_logits(texts, positions, target_kv, lag=k).argmax(-1)  # [N, L]: guess for index i + 1
+        hit = guess[:, :-1] == texts[:, 1:]
+        chain.append(hit[:, starts + k - 1])  # chain step k from start s predicts token s + k
+    accepted = torch.stack(chain).long().cumprod(0)  # [gamma, N, S]: 1 while every step so far was accepted
+    reach = accepted.float().mean(dim=(1, 2))  # P(n >= k)
+    previous = torch.cat([reach.new_ones(1), reach[:-1]])
+    conditional = torch.where(previous > 0, reach / previous.clamp_min(1e-12), torch.zeros_like(reach))
+    return {
+        "tau_sim": 1.0 + float(reach.sum()),
+        "acceptance_conditional": conditional.tolist(),
+        "acceptance_unconditional": reach.tolist(),
+        "starts": int(accepted.shape[1] * accepted.shape[2]),
+    }

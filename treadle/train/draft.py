@@ -1,0 +1,205 @@
+"""A draft run: the ordinary loop, with a frozen target and a GLIDE draft as the model.
+
+What differs from pretraining lives here and nowhere in the loop: loading the target,
+the objective (with its KV lag and position offsets), acceptance measured at eval time,
+and the draft-only export.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from treadle import corpus
+from treadle.config import DraftConfig
+from treadle.data.packed import IGNORE_INDEX
+from treadle.errors import UserError
+from treadle.models.glide import GlideDraft, GlideModel, anchored_positions, target_config_fingerprint
+from treadle.spec.acceptance import chain_acceptance, greedy_continuations
+from treadle.train.callbacks import Callback
+from treadle.train.step import Batch, StepResult
+
+if TYPE_CHECKING:
+    from treadle.train.trainer import Trainer
+
+
+# ----------------------------------------------------------------------------- the target
+
+
+def resolve_target_dir(spec: str, key: str = "draft.target") -> Path:
+    """A Hugging Face model directory, or a treadle run directory (its exported ``hf/``)."""
+    path = Path(spec)
+    for candidate in (path, path / "hf"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise UserError(f"{key} = {spec!r} is neither a Hugging Face model directory (config.json) nor a treadle "
+                    "run directory with an exported hf/; accepted: e.g. runs/demo or runs/demo/hf")
+
+
+def load_target(path: Path, key: str = "draft.target"):
+    """The frozen target in fp32 on CPU, in eval mode, with no grad anywhere."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a per-tensor loading bar is noise in a run's output
+    try:
+        config = AutoConfig.from_pretrained(path)
+        target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{key} {path} cannot be loaded: {str(exc).splitlines()[0]}") from None
+    if config.model_type not in ("llama", "qwen2", "qwen3", "mistral"):
+        raise UserError(f"{key} {path} is a {config.model_type!r} model; accepted: llama, qwen2, qwen3, mistral "
+                        "(decoders with q/k/v/o attention and rotary embeddings)")
+    target.config.use_cache = False  # training packs documents: no cache (PLATFORM.md)
+    return target.requires_grad_(False).eval()
+
+
+def target_identity(target_dir: Path, target) -> dict:
+    """What a draft records about its target, and what a resume must find unchanged."""
+    tok = target_dir / "tokenizer.json"
+    return {
+        "path": str(target_dir.resolve()),
+        "config_fingerprint": target_config_fingerprint(target.config),
+        "tokenizer_fingerprint": corpus.tokenizer_fingerprint(target_dir) if tok.is_file() else None,
+    }
+
+
+def build_glide(cfg: DraftConfig, data_vocab: int, data_tokenizer_fingerprint: str | None):
+    """(GlideModel, target dir, target identity), checked against the data. Seed torch first."""
+    target_dir = resolve_target_dir(cfg.target)
+    target = load_target(target_dir)
+    ident = target_identity(target_dir, target)
+    if target.config.vocab_size < data_vocab:
+        raise UserError(f"draft.target {target_dir} has vocab_size {target.config.vocab_size}, smaller than the "
+                        f"data's {data_vocab}; accepted: data tokenized with the target's tokenizer")
+    theirs = ident["tokenizer_fingerprint"]
+    if theirs and data_tokenizer_fingerprint and theirs != data_tokenizer_fingerprint:
+        raise UserError(f"data.train was tokenized with tokenizer {data_tokenizer_fingerprint}, draft.target "
+                        f"{target_dir} uses {theirs}; accepted: shards made with the target's tokenizer")
+    return GlideModel(target, GlideDraft(target.config, window=cfg.window)), target_dir, ident
+
+
+# ----------------------------------------------------------------------------- the objective
+
+
+class GlideObjective:
+    """Summed draft loss of a micro-batch, plus the target's own loss as a reference floor.
+
+    ``ce`` trains on the next data token (LongSpec); ``kl`` on the target's
+    distribution, KL(target || draft), which is what acceptance rewards; ``mix``
+    weights them. Both are summed over label tokens, so the loop normalizes them by
+    the step's token count like any loss.
+    """
+
+    def __init__(self, cfg: DraftConfig, max_positions: int, seq_len: int):
+        self.cfg = cfg
+        self.max_offset = max(0, min(cfg.max_position_offset, max_positions - seq_len))
+
+    def _draw(self) -> tuple[int, int]:
+        """This micro-batch's lag and position offset (torch's RNG: checkpointed, so resume is exact)."""
+        lag = int(torch.randint(1, self.cfg.gamma + 1, ())) if self.cfg.kv_lag else 1
+        offset = int(torch.randint(0, self.max_offset + 1, ())) if self.max_offset else 0
+        return lag, offset
+
+    def __call__(self, model, batch: Batch):
+        lag, offset = self._draw()
+        return self.losses(model, batch, lag, offset, train=True)
+
+    def evaluate(self, model, batch: Batch):
+        """Eval loss: the draft's CE at lag 1 without offsets, the number a user compares across runs."""
+        return self.losses(model, batch, lag=1, offset=0, train=False)
+
+    def losses(self, model, batch: Batch, lag: int, offset: int, train: bool):
+        positions = batch["position_ids"]
+        shifted = anchored_positions(positions, self.cfg.anchor_positions, offset)
+        out = model(input_ids=batch["input_ids"], position_ids=shifted, lag=lag, doc_position_ids=positions)
+        labels = batch["labels"].flatten()
+        valid = labels != IGNORE_INDEX
+        logits = out.logits.flatten(0, 1).float()
+        target_logits = out.target_logits.flatten(0, 1).float()
+        ce = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        target_ce = F.cross_entropy(target_logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        if not train:
+            return ce, {"target_loss": target_ce}
+        kl = (F.kl_div(F.log_softmax(logits, -1), F.log_softmax(target_logits, -1), log_target=True,
+                       reduction="none").sum(-1) * valid).sum()
+        if self.cfg.loss == "mix":
+            loss = (1.0 - self.cfg.kl_weight) * ce + self.cfg.kl_weight * kl
+        else:
+            loss = ce if self.cfg.loss == "ce" else kl
+        return loss, {"target_loss": target_ce, "draft_ce": ce.detach(), "draft_kl": kl.detach()}
+
+
+# ----------------------------------------------------------------------------- callbacks
+
+
+def eval_prompts(dataset, n: int, prompt_len: int) -> torch.Tensor:
+    """The first ``n`` held-out windows cut to ``prompt_len`` tokens: fixed, so every eval sees the same text."""
+    if prompt_len > dataset.seq_len:
+        raise UserError(f"draft.eval_prompt_len = {prompt_len} exceeds data.seq_len = {dataset.seq_len}")
+    count = min(n, len(dataset))
+    return torch.stack([dataset[i]["input_ids"][:prompt_len] for i in range(count)])
+
+
+class AcceptanceCallback(Callback):
+    """tau_sim and per-position acceptance of the draft, whenever eval runs (start, every N, end).
+
+    The target's greedy continuations of fixed held-out prompts are generated once per
+    process (the target is frozen, so they never change) and scored by ``chain_acceptance``.
+    """
+
+    def __init__(self, cfg: DraftConfig, prompts: torch.Tensor, eval_every: int):
+        self.cfg = cfg
+        self.prompts = prompts
+        self.eval_every = eval_every
+        self.texts: torch.Tensor | None = None
+        self.last: dict | None = None
+
+    def _run(self, trainer: Trainer) -> None:
+        model = trainer.engine.model
+        t0 = time.perf_counter()
+        model.eval()
+        if self.texts is None:
+            self.texts = greedy_continuations(model.target, self.prompts.to(trainer.engine.device), self.cfg.eval_new_tokens)
+        with trainer.autocast():
+            got = chain_acceptance(model, self.texts, self.prompts.shape[1], self.cfg.gamma)
+        model.train()
+        record = {"step": trainer.state.step, "tau_sim": got["tau_sim"],
+                  **{f"accept_{k + 1}": a for k, a in enumerate(got["acceptance_conditional"])},
+                  "acceptance_s": round(time.perf_counter() - t0, 3)}
+        self.last = record
+        trainer.log(record, kind="eval")
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        if self.last is None:
+            self._run(trainer)
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        step = trainer.state.step
+        if (self.eval_every and step % self.eval_every == 0) or step == trainer.max_steps:
+            self._run(trainer)
+
+    def state_dict(self) -> dict:
+        return {"last": self.last}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last = state["last"]
+
+
+class DraftExportCallback(Callback):
+    """At the end, the draft alone: ``<output_dir>/draft`` (see ``export_draft``)."""
+
+    def __init__(self, out_dir: Path, target_dir: Path, identity: dict, cfg: DraftConfig):
+        self.out_dir, self.target_dir, self.identity, self.cfg = out_dir, target_dir, identity, cfg
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        from treadle.checkpoint.export import export_draft
+
+        if trainer.engine.rank == 0:
+            export_draft(trainer.engine.model, self.out_dir, self.target_dir, self.identity, self.cfg,
+                         step=trainer.state.step)
+
