@@ -175,6 +175,14 @@ def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_
     assert records(run, "target_loss") and records(run, "eval_target_loss")
     assert (run / "checkpoints" / "best").resolve().name == "step_3"
 
+    # spec-eval takes the run directory as --draft and decodes losslessly with it.
+    out = tmp_path / "spec.json"
+    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
+                 "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["lossless"] is True and got["drafter"] == "glide" and got["gamma"] == 4
+    assert 1.0 <= got["tau"] <= 5.0 and len(got["acceptance_conditional"]) == 4
+
 
 def test_draft_run_resumes_bit_for_bit(shards, target_dir, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"

@@ -1,4 +1,4 @@
-"""``treadle train | prepare | export``.
+"""``treadle train | prepare | export | spec-eval``.
 
 Bad input ends as one line on stderr and exit code 2 (``UserError``); anything
 else is a bug and keeps its traceback.
@@ -74,6 +74,14 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _spec_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    from treadle.spec import evaluate
+
+    if extra:
+        raise UserError(f"unexpected argument {extra[0]!r} for treadle spec-eval")
+    return evaluate.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treadle", description="Train LLMs and their speculative-decoding draft models.", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="output directory")
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     export.set_defaults(func=_export)
+
+    from treadle.spec import evaluate
+
+    spec = sub.add_parser("spec-eval", help="speculative decoding of a target with a draft: tau, acceptance, speed, lossless check",
+                          allow_abbrev=False)
+    evaluate.add_arguments(spec)
+    spec.set_defaults(func=_spec_eval)
     return parser
 
 

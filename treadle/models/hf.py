@@ -32,7 +32,7 @@ def load_preset(name: str) -> dict:
 def build_model(cfg: ModelConfig, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None) -> PreTrainedModel:
     """An fp32 model on CPU; the caller moves it and seeds torch beforehand (init is random)."""
     if cfg.path is not None:
-        model = _load_local(Path(cfg.path))
+        model = load_causal_lm(Path(cfg.path), "model.path")
         if model.config.vocab_size < vocab_size:
             raise UserError(
                 f"model.path {cfg.path} has vocab_size {model.config.vocab_size}, smaller than the data's "
@@ -52,13 +52,27 @@ def build_model(cfg: ModelConfig, vocab_size: int, bos_id: int | None = None, eo
     return model
 
 
-def _load_local(path: Path) -> PreTrainedModel:
-    if not (path / "config.json").is_file():
-        raise UserError(f"model.path {path} is not a Hugging Face model directory (no config.json); accepted: a local directory written by save_pretrained")
+def resolve_model_dir(path: Path, key: str) -> Path:
+    """A Hugging Face model directory as given, or a treadle run directory's exported ``hf/``."""
+    path = Path(path)
+    for candidate in (path, path / "hf"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise UserError(f"{key} {path} is neither a Hugging Face model directory (config.json) nor a treadle run "
+                    "directory with an exported hf/; accepted: e.g. runs/demo or runs/demo/hf")
+
+
+def load_causal_lm(path: Path, key: str) -> PreTrainedModel:
+    """An fp32 ``AutoModelForCausalLM`` from a local directory, in eval mode; bad input is one line."""
+    from transformers.utils import logging as hf_logging
+
+    path = resolve_model_dir(path, key)
+    hf_logging.disable_progress_bar()  # a per-tensor loading bar is noise in a run's output
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"model.path {path} cannot be loaded: {str(exc).splitlines()[0]}") from None
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    except (OSError, ValueError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"{key} {path} cannot be loaded as an AutoModelForCausalLM: {first}") from None
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

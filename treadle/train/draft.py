@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from treadle import corpus
 from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
+from treadle.models.hf import load_causal_lm, resolve_model_dir
 from treadle.models.glide import GlideDraft, GlideModel, anchored_positions, target_config_fingerprint
 from treadle.spec.acceptance import chain_acceptance, greedy_continuations
 from treadle.train.callbacks import Callback
@@ -31,31 +31,14 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------- the target
 
 
-def resolve_target_dir(spec: str, key: str = "draft.target") -> Path:
-    """A Hugging Face model directory, or a treadle run directory (its exported ``hf/``)."""
-    path = Path(spec)
-    for candidate in (path, path / "hf"):
-        if (candidate / "config.json").is_file():
-            return candidate
-    raise UserError(f"{key} = {spec!r} is neither a Hugging Face model directory (config.json) nor a treadle "
-                    "run directory with an exported hf/; accepted: e.g. runs/demo or runs/demo/hf")
-
-
 def load_target(path: Path, key: str = "draft.target"):
-    """The frozen target in fp32 on CPU, in eval mode, with no grad anywhere."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # a per-tensor loading bar is noise in a run's output
-    try:
-        config = AutoConfig.from_pretrained(path)
-        target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{key} {path} cannot be loaded: {str(exc).splitlines()[0]}") from None
-    if config.model_type not in ("llama", "qwen2", "qwen3", "mistral"):
-        raise UserError(f"{key} {path} is a {config.model_type!r} model; accepted: llama, qwen2, qwen3, mistral "
-                        "(decoders with q/k/v/o attention and rotary embeddings)")
+    """The frozen target in fp32, in eval mode, with no grad anywhere."""
+    target = load_causal_lm(path, key)
+    if target.config.model_type not in ("llama", "qwen2", "qwen3", "mistral"):
+        raise UserError(f"{key} {path} is a {target.config.model_type!r} model; accepted: llama, qwen2, qwen3, "
+                        "mistral (decoders with q/k/v/o attention and rotary embeddings)")
     target.config.use_cache = False  # training packs documents: no cache (PLATFORM.md)
-    return target.requires_grad_(False).eval()
+    return target.requires_grad_(False)
 
 
 def target_identity(target_dir: Path, target) -> dict:
@@ -70,7 +53,7 @@ def target_identity(target_dir: Path, target) -> dict:
 
 def build_glide(cfg: DraftConfig, data_vocab: int, data_tokenizer_fingerprint: str | None):
     """(GlideModel, target dir, target identity), checked against the data. Seed torch first."""
-    target_dir = resolve_target_dir(cfg.target)
+    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
     target = load_target(target_dir)
     ident = target_identity(target_dir, target)
     if target.config.vocab_size < data_vocab:

@@ -1,0 +1,332 @@
+"""Greedy speculative decoding: lossless output, acceptance statistics, drafters, prompts, spec-eval."""
+
+import argparse
+import copy
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from treadle import corpus
+from treadle.errors import UserError
+from treadle.models.hf import load_causal_lm
+from treadle.spec import evaluate
+from treadle.spec.decode import SpecResult, speculative_generate, summarize, target_generate
+from treadle.spec.drafters import ModelDrafter, PromptLookupDrafter, RandomDrafter
+from treadle.spec.prompts import heldout_prompts, load_prompts_jsonl
+
+GAMMA = 4
+NEW = 24
+VOCAB = 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on 2 shared cores a second thread only waits (3x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_llama(vocab_size=VOCAB, seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(VOCAB, (1, 12), generator=gen) for _ in range(3)]
+
+
+@pytest.fixture(scope="module")
+def noisy_copy(target):
+    """A draft that agrees with the target only sometimes: every acceptance count occurs."""
+    model = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
+    return model
+
+
+class Spy:
+    """Wraps a drafter and records what each propose call saw and returned."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.calls = inner, inner.name, []
+
+    def reset(self, prompt_ids):
+        self.inner.reset(prompt_ids)
+
+    def propose(self, context_ids, target_kv, gamma):
+        draft = self.inner.propose(context_ids, target_kv, gamma)
+        keys, values = target_kv
+        self.calls.append((context_ids.clone(), keys.clone(), values.clone(), draft))
+        return draft
+
+    def accept(self, n_context):
+        self.inner.accept(n_context)
+
+
+def run_all(target, drafter, prompts, max_new_tokens=NEW, eos_id=None):
+    """Speculative results for every prompt, each checked against the target's own greedy output."""
+    results = []
+    for prompt in prompts:
+        reference, _ = target_generate(target, prompt, max_new_tokens, eos_id)
+        result = speculative_generate(target, drafter, prompt, GAMMA, max_new_tokens, eos_id)
+        assert result.tokens == reference
+        results.append(result)
+    return results
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def test_exact_copy_accepts_every_draft(target, prompts):
+    results = run_all(target, ModelDrafter(copy.deepcopy(target)), prompts)
+    summary = summarize(results, GAMMA)
+    assert summary["tau"] == GAMMA + 1
+    assert summary["acceptance_conditional"] == [1.0] * GAMMA
+    assert summary["acceptance_unconditional"] == [1.0] * GAMMA
+    # 1 prefill token, then 5 per call: ceil(23 / 5) calls per prompt.
+    assert [r.verify_calls for r in results] == [5, 5, 5]
+    assert summary["generated_tokens"] == NEW * len(prompts)
+
+
+def test_random_drafter_is_lossless_and_accepts_almost_nothing(target, prompts):
+    results = run_all(target, RandomDrafter(VOCAB, seed=0), prompts)
+    tau = summarize(results, GAMMA)["tau"]
+    assert 1.0 <= tau < 1.2
+
+
+def test_tau_is_one_plus_sum_of_unconditional_acceptance(target, prompts):
+    results = run_all(target, PromptLookupDrafter(), prompts, max_new_tokens=40)
+    accepted = {n for r in results for n in r.accepted_per_call}
+    assert {0, GAMMA} <= accepted  # a mixed case, or the identity would hold trivially
+    s = summarize(results, GAMMA)
+    assert 1.0 < s["tau"] < GAMMA + 1
+    assert s["tau"] == pytest.approx(1 + sum(s["acceptance_unconditional"]))
+    chained = 1.0
+    for k in range(GAMMA):
+        chained *= s["acceptance_conditional"][k]
+        assert chained == pytest.approx(s["acceptance_unconditional"][k])
+
+
+def test_summarize_by_hand():
+    r = SpecResult(tokens=[1] * 11, verify_calls=4, accepted_per_call=[0, 2, 4, 1], gamma=4, seconds=1.0)
+    s = summarize([r], 4)
+    assert s["tau"] == r.tau == (1 + 3 + 5 + 2) / 4
+    assert s["acceptance_unconditional"] == [3 / 4, 2 / 4, 1 / 4, 1 / 4]
+    assert s["acceptance_conditional"] == [3 / 4, 2 / 3, 1 / 2, 1.0]
+    never = summarize([SpecResult([1], 2, [0, 0], 4, 1.0)], 4)
+    assert never["acceptance_conditional"] == [0.0, None, None, None]
+    assert summarize([SpecResult([1], 0, [], 4, 1.0)], 4)["tau"] is None
+
+
+@pytest.mark.parametrize("draft", ["random", "noisy"])
+def test_target_kv_is_the_fresh_forward_of_context_minus_bonus(target, prompts, noisy_copy, draft):
+    inner = RandomDrafter(VOCAB, seed=3) if draft == "random" else ModelDrafter(noisy_copy)
+    spy = Spy(inner)
+    run_all(target, spy, prompts[:1])
+    assert len(spy.calls) > 3
+    for context, keys, values, _ in spy.calls:
+        assert keys.shape[-2] == values.shape[-2] == context.shape[1] - 1
+        fresh = DynamicCache()
+        with torch.inference_mode():
+            target(input_ids=context[:, :-1], past_key_values=fresh, use_cache=True)
+        torch.testing.assert_close(keys, fresh.layers[-1].keys)
+        torch.testing.assert_close(values, fresh.layers[-1].values)
+
+
+def test_model_drafter_cache_stays_consistent(target, prompts, noisy_copy):
+    """Every proposal equals the draft model's greedy continuation computed from scratch."""
+    spy = Spy(ModelDrafter(noisy_copy))
+    results = run_all(target, spy, prompts, max_new_tokens=32)
+    accepted = {n for r in results for n in r.accepted_per_call}
+    assert len(accepted) >= 3  # full, partial and zero acceptance all exercise the crop
+    for context, _, _, draft in spy.calls:
+        assert draft == target_generate(noisy_copy, context, GAMMA)[0]
+
+
+def test_max_new_tokens_truncates_exactly(target, prompts):
+    reference, _ = target_generate(target, prompts[0], NEW)
+    drafter = ModelDrafter(copy.deepcopy(target))
+    result = speculative_generate(target, drafter, prompts[0], GAMMA, 7)
+    assert result.tokens == reference[:7]
+    assert result.verify_calls == 2  # 1 + 5 = 6 < 7, then 11 cut to 7
+    one = speculative_generate(target, drafter, prompts[0], GAMMA, 1)
+    assert one.tokens == reference[:1] and one.verify_calls == 0 and one.tau is None
+
+
+@pytest.mark.parametrize("draft", ["copy", "random"])
+def test_eos_stops_and_is_kept(target, prompts, draft):
+    reference, _ = target_generate(target, prompts[0], NEW)
+    # A first occurrence in the middle of a copy-drafter round (rounds end at 5, 10, ...).
+    stop = next(i for i in range(6, NEW) if reference[i] not in reference[:i] and i % (GAMMA + 1))
+    eos = reference[stop]
+    drafter = ModelDrafter(copy.deepcopy(target)) if draft == "copy" else RandomDrafter(VOCAB)
+    tokens, _ = target_generate(target, prompts[0], NEW, eos_id=eos)
+    assert tokens == reference[: stop + 1]
+    result = speculative_generate(target, drafter, prompts[0], GAMMA, NEW, eos_id=eos)
+    assert result.tokens == tokens
+    if draft == "copy":  # no call after the one that produced eos, even when eos was not its last token
+        assert result.verify_calls == -(-stop // (GAMMA + 1))
+
+
+def test_drafter_must_propose_gamma_tokens(target, prompts):
+    class Short(RandomDrafter):
+        def propose(self, context_ids, target_kv, gamma):
+            return super().propose(context_ids, target_kv, gamma)[:-1]
+
+    with pytest.raises(RuntimeError, match="proposed 3 tokens, expected 4"):
+        speculative_generate(target, Short(VOCAB), prompts[0], GAMMA, NEW)
+
+
+# --------------------------------------------------------------------------- prompt lookup
+
+
+def lookup(seq, gamma, **kw):
+    return PromptLookupDrafter(**kw).propose(torch.tensor([seq]), None, gamma)
+
+
+def test_prompt_lookup_takes_most_recent_match_with_full_continuation():
+    # [5, 6] last occurs at 3, but only 3 tokens follow it; at 0 a full 4 follow.
+    assert lookup([5, 6, 7, 5, 6, 7, 5, 6], 4) == [7, 5, 6, 7]
+    # Two full matches of [1, 2, 3]: the later one wins.
+    assert lookup([1, 2, 3, 9, 9, 9, 1, 2, 3, 7, 8, 6, 5, 1, 2, 3], 3) == [7, 8, 6]
+
+
+def test_prompt_lookup_prefers_longer_ngrams_then_falls_back():
+    # [8, 2, 3] matches at 0 (-> 4 4 4); the single token 3 matches more recently (-> 5 5 5).
+    seq = [8, 2, 3, 4, 4, 4, 0, 7, 3, 5, 5, 5, 0, 8, 2, 3]
+    assert lookup(seq, 3) == [4, 4, 4]
+    assert lookup(seq, 3, max_ngram=1) == [5, 5, 5]
+    assert lookup([4, 1, 9, 2, 4], 2) == [1, 9]
+    assert lookup([4, 1, 9, 2, 4], 2, min_ngram=2) == [4, 4]  # no match: the last token repeated
+    assert lookup([1, 2, 3], 4) == [3, 3, 3, 3]
+
+
+# --------------------------------------------------------------------------- prompts and spec-eval
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    files = [p for _, p in corpus.corpus_files()[:5]]
+    return corpus.train_tokenizer(files, tmp_path_factory.mktemp("tok"), vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tok_dir):
+    """A treadle-like run directory whose hf/ holds a tiny Llama and the tokenizer."""
+    from transformers import AutoTokenizer
+
+    run = tmp_path_factory.mktemp("run")
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    tiny_llama(vocab_size=len(tokenizer)).save_pretrained(run / "hf")
+    tokenizer.save_pretrained(run / "hf")
+    return run
+
+
+def test_heldout_prompts_come_from_val_files_deterministically(tok_dir):
+    prompts = heldout_prompts(tok_dir, 4, 16)
+    assert prompts == heldout_prompts(str(tok_dir), 4, 16)
+    assert [len(p) for p in prompts] == [16] * 4
+    backend = corpus.load_backend_tokenizer(tok_dir)
+    val_texts = [path.read_text() for rel, path in corpus.corpus_files() if corpus.split_of(rel) == "val"]
+    for prompt in prompts:
+        assert any(backend.decode(prompt) in text for text in val_texts)
+    with pytest.raises(UserError, match="requested"):
+        heldout_prompts(tok_dir, 10**6, 16)
+
+
+def test_load_prompts_jsonl(tmp_path, tok_dir):
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "def f(x):"}\n\n{"text": "import os\\nimport sys\\n"}\n')
+    encode = corpus.load_backend_tokenizer(tok_dir).encode
+    prompts = load_prompts_jsonl(good, tok_dir, 3)
+    assert prompts[0] == encode("def f(x):").ids[-3:]
+    assert prompts[1] == encode("import os\nimport sys\n").ids[-3:]
+    bad = tmp_path / "bad.jsonl"
+    for body, message in [('{"prompt": "a"}\n\n{"prompt": 3}\n', "bad.jsonl:3: expected a JSON object"),
+                          ('{"prompt": "a"}\n{oops\n', "bad.jsonl:2: not valid JSON"),
+                          ("\n", "no prompts")]:
+        bad.write_text(body)
+        with pytest.raises(UserError, match=message):
+            load_prompts_jsonl(bad, tok_dir, 8)
+    with pytest.raises(UserError, match="cannot read"):
+        load_prompts_jsonl(tmp_path / "missing.jsonl", tok_dir, 8)
+
+
+def spec_eval(*argv):
+    parser = argparse.ArgumentParser()
+    evaluate.add_arguments(parser)
+    return evaluate.run(parser.parse_args(list(argv)))
+
+
+def test_spec_eval_writes_json(run_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich would wrap the table's text at 80 columns
+    out = tmp_path / "r.json"
+    rc = spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--num-prompts", "2", "--prompt-len", "16",
+                   "--max-new-tokens", "12", "--json", str(out))
+    assert rc == 0
+    assert "tokens per target verification call, bonus token included" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    for key in ("tau", "gamma", "acceptance_conditional", "acceptance_unconditional", "lossless",
+                "tokens_per_s_spec", "tokens_per_s_target", "num_prompts", "generated_tokens", "verify_calls",
+                "drafter"):
+        assert key in r
+    assert r["lossless"] is True and r["gamma"] == 4 and r["num_prompts"] == 2 and r["drafter"] == "prompt-lookup"
+    assert r["tau"] == pytest.approx(1 + sum(r["acceptance_unconditional"]))
+    assert r["tokens_per_s_spec"] > 0 and r["tokens_per_s_target"] > 0
+
+
+def test_spec_eval_model_draft_and_prompts_file(run_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "class A:\\n    def f(self):"}\n{"text": "for i in range(3):"}\n')
+    out = tmp_path / "r.json"
+    rc = spec_eval("--target", str(run_dir / "hf"), "--draft", str(run_dir), "--prompts", str(prompts),
+                   "--gamma", "3", "--max-new-tokens", "9", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["num_prompts"] == 2 and r["drafter"].startswith("lm:")
+    assert r["tau"] == 4 and r["acceptance_conditional"] == [1.0] * 3  # the draft is the target itself
+
+
+def test_spec_eval_reports_a_lossy_decoder(run_dir, monkeypatch, capsys):
+    real = evaluate.speculative_generate
+
+    def lossy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if len(result.tokens) > 5:  # not the 4-token warm-up
+            result.tokens[5] += 1
+        return result
+
+    monkeypatch.setattr(evaluate, "speculative_generate", lossy)
+    rc = spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--num-prompts", "1", "--prompt-len", "8",
+                   "--max-new-tokens", "8")
+    assert rc == 1
+    assert "prompt 0 differs from the target's greedy output at generated token 5" in capsys.readouterr().err
+
+
+def test_spec_eval_bad_input(run_dir, tmp_path):
+    with pytest.raises(UserError, match="--target .*neither a Hugging Face model directory"):
+        spec_eval("--target", str(tmp_path / "nope"), "--draft", "prompt-lookup")
+    with pytest.raises(UserError, match="--json"):
+        spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--json", str(tmp_path / "no" / "r.json"))
+    with pytest.raises(UserError, match="--gamma 0"):
+        spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--gamma", "0")
+    glide = tmp_path / "glide"
+    glide.mkdir()
+    (glide / "config.json").write_text(json.dumps({"treadle_draft_kind": "glide",
+                                                   "target": {"config_fingerprint": "0" * 16, "path": "elsewhere"}}))
+    with pytest.raises(UserError, match="trained for a target with config fingerprint 0+ "):
+        evaluate.load_drafter(str(glide), load_causal_lm(run_dir, "--target"), None)

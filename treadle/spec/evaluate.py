@@ -1,0 +1,213 @@
+"""``treadle spec-eval``: measure a drafter against a target with greedy speculative decoding.
+
+For each prompt the target first decodes greedily on its own (the baseline for
+tokens/s and the reference output), then speculatively with the drafter. The
+speculative output must equal the reference token for token ("lossless");
+otherwise the command names the prompt and position and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from treadle.errors import UserError
+from treadle.models.glide import load_glide, read_draft_config
+from treadle.models.hf import load_causal_lm, resolve_model_dir
+from treadle.spec.decode import Drafter, speculative_generate, summarize, target_generate
+from treadle.spec.drafters import ModelDrafter, PromptLookupDrafter
+from treadle.spec.prompts import heldout_prompts, load_prompts_jsonl
+
+_WARMUP_TOKENS = 4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, type=Path, metavar="DIR",
+                        help="Hugging Face model directory, or a treadle run directory (its hf/ export)")
+    parser.add_argument("--draft", required=True, metavar="prompt-lookup|DIR",
+                        help="'prompt-lookup'; a treadle draft export (a draft run's draft/) or draft run directory; "
+                             "or a Hugging Face causal-LM directory sharing the target's tokenizer")
+    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per verification call (default: 4)")
+    parser.add_argument("--prompts", type=Path, metavar="FILE.jsonl",
+                        help="JSONL rows with a 'prompt' (or 'text') field (default: the built-in corpus' held-out split)")
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts to use, the first ones of --prompts (default: 8)")
+    parser.add_argument("--prompt-len", type=int, default=64,
+                        help="tokens per held-out prompt; with --prompts, the most kept (its last ones) (default: 64)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as a JSON object here")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = torch's default")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [exc.__class__.__name__])[0]
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"--target {model_dir}: no usable tokenizer in it ({_first_line(e)})") from None
+
+
+def _check_same_tokenizer(draft_dir: Path, tokenizer) -> None:
+    """A draft with another tokenizer would propose ids that mean other text to the target."""
+    from treadle.corpus import tokenizer_fingerprint
+
+    if not (draft_dir / "tokenizer.json").is_file() or not hasattr(tokenizer, "backend_tokenizer"):
+        return
+    if tokenizer_fingerprint(draft_dir) != tokenizer_fingerprint(tokenizer):
+        raise UserError(f"--draft {draft_dir}: its tokenizer differs from the target's")
+
+
+# ---- Drafter registry: every accepted --draft value is resolved here. ----
+def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
+    """``--draft`` value -> Drafter: 'prompt-lookup', a treadle draft directory, or any HF causal LM."""
+    if spec == "prompt-lookup":
+        return PromptLookupDrafter()
+    path = Path(spec)
+    for candidate in (path, path / "draft"):  # a draft run directory holds its export in draft/
+        if read_draft_config(candidate) is not None:
+            from treadle.spec.glide_drafter import GlideDrafter
+
+            return GlideDrafter(load_glide(candidate, target))
+    draft_dir = resolve_model_dir(path, "--draft")
+    _check_same_tokenizer(draft_dir, tokenizer)
+    return ModelDrafter(load_causal_lm(draft_dir, "--draft"), name=f"lm:{draft_dir}")
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def first_mismatch(reference: list[int], other: list[int]) -> int | None:
+    """First position where the two token lists differ (a length difference counts), else None."""
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return i
+    return None if len(reference) == len(other) else min(len(reference), len(other))
+
+
+def _warm_up(target: torch.nn.Module, drafter: Drafter, prompt: torch.Tensor, gamma: int, eos_id: int | None) -> None:
+    # The first forwards of a process pay one-off costs (allocator, kernel
+    # selection) that would otherwise land on whichever side is timed first.
+    target_generate(target, prompt, _WARMUP_TOKENS, eos_id)
+    speculative_generate(target, drafter, prompt, gamma, _WARMUP_TOKENS, eos_id)
+
+
+def evaluate_drafter(
+    target: torch.nn.Module,
+    drafter: Drafter,
+    prompts: list[list[int]],
+    gamma: int,
+    max_new_tokens: int,
+    eos_id: int | None,
+) -> dict:
+    """Target-alone and speculative greedy decoding of every prompt: acceptance, speed, losslessness."""
+    if not prompts:
+        raise ValueError("evaluate_drafter: no prompts")
+    _warm_up(target, drafter, torch.tensor([prompts[0]]), gamma, eos_id)
+    results, target_tokens, target_seconds, mismatches = [], 0, 0.0, []
+    for index, prompt in enumerate(prompts):
+        prompt_ids = torch.tensor([prompt])
+        reference, seconds = target_generate(target, prompt_ids, max_new_tokens, eos_id)
+        target_tokens += len(reference)
+        target_seconds += seconds
+        result = speculative_generate(target, drafter, prompt_ids, gamma, max_new_tokens, eos_id)
+        results.append(result)
+        position = first_mismatch(reference, result.tokens)
+        if position is not None:
+            mismatches.append({"prompt": index, "position": position})
+    spec_tokens = sum(len(r.tokens) for r in results)
+    spec_seconds = sum(r.seconds for r in results)
+    summary = summarize(results, gamma)
+    summary.update(
+        drafter=drafter.name,
+        num_prompts=len(prompts),
+        max_new_tokens=max_new_tokens,
+        tokens_per_s_spec=spec_tokens / spec_seconds,
+        tokens_per_s_target=target_tokens / target_seconds,
+        lossless=not mismatches,
+        mismatches=mismatches,
+    )
+    summary["speedup"] = summary["tokens_per_s_spec"] / summary["tokens_per_s_target"]
+    return summary
+
+
+# --------------------------------------------------------------------------- command
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for flag, value in (("--gamma", args.gamma), ("--num-prompts", args.num_prompts),
+                        ("--prompt-len", args.prompt_len), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be >= 1")
+    if args.threads < 0:
+        raise UserError(f"--threads {args.threads}: must be >= 0 (0 = torch's default)")
+    if args.json is not None and not args.json.parent.is_dir():
+        raise UserError(f"--json {args.json}: directory {args.json.parent} does not exist")
+
+
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _print_report(result: dict, target_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    gamma = result["gamma"]
+    table = Table(title=f"speculative decoding: {result['drafter']} -> {target_dir}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("prompts", f"{result['num_prompts']} ({result['generated_tokens']:,} tokens generated, "
+                             f"{result['verify_calls']:,} verification calls, gamma {gamma})")
+    table.add_row("tau", f"{_rate(result['tau'])} tokens per target verification call, bonus token included "
+                         f"(at most {gamma + 1})")
+    table.add_row("speculative", f"{result['tokens_per_s_spec']:,.1f} tokens/s")
+    table.add_row("target alone", f"{result['tokens_per_s_target']:,.1f} tokens/s")
+    table.add_row("speedup", f"{result['speedup']:.2f}x")
+    table.add_row("lossless", "yes" if result["lossless"] else "NO: output differs from the target's greedy output")
+
+    acceptance = Table(title="acceptance per draft position k (n = drafts accepted in a call)")
+    acceptance.add_column("k", justify="right")
+    acceptance.add_column("P(n >= k | n >= k-1)", justify="right")
+    acceptance.add_column("P(n >= k)", justify="right")
+    for k in range(gamma):
+        acceptance.add_row(str(k + 1), _rate(result["acceptance_conditional"][k]),
+                           _rate(result["acceptance_unconditional"][k]))
+    console = Console()
+    console.print(table)
+    console.print(acceptance)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The spec-eval command: 0 when lossless, 1 when the speculative output differs from the target's."""
+    _check_args(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_dir = resolve_model_dir(args.target, "--target")
+    tokenizer = _load_tokenizer(target_dir)
+    if args.prompts is not None:
+        prompts = load_prompts_jsonl(args.prompts, tokenizer, args.prompt_len)[: args.num_prompts]
+    else:
+        prompts = heldout_prompts(tokenizer, args.num_prompts, args.prompt_len)
+    target = load_causal_lm(target_dir, "--target")
+    drafter = load_drafter(args.draft, target, tokenizer)
+
+    result = evaluate_drafter(target, drafter, prompts, args.gamma, args.max_new_tokens, tokenizer.eos_token_id)
+    result["target"] = str(target_dir)
+    _print_report(result, target_dir)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    for m in result["mismatches"]:
+        print(f"treadle: not lossless: prompt {m['prompt']} differs from the target's greedy output "
+              f"at generated token {m['position']}", file=sys.stderr)
+    return 0 if result["lossless"] else 1
