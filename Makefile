@@ -12,14 +12,17 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
-demo: $(STAMP)  ## train the built-in tiny Llama on the built-in corpus, evaluate, export
+demo: $(STAMP)  ## train the tiny Llama on the built-in corpus, then a GLIDE draft against it, then measure tau
 	$(BIN)/treadle train configs/demo.toml
+	$(BIN)/treadle train configs/demo-draft.toml
+	$(BIN)/treadle spec-eval --target runs/demo --draft runs/demo-draft --gamma 4 --json runs/demo-draft/spec-eval.json
 
 test: $(STAMP)  ## the whole test suite (exit code 5, "no tests ran", counts as a failure)
 	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-bench: $(STAMP)  ## treadle's loop against a bare PyTorch loop
+bench: $(STAMP)  ## treadle's loop against a bare PyTorch loop; drafters compared (needs runs/demo: make demo)
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/spec.py
 
 clean-venv:
 	rm -rf $(VENV)

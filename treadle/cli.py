@@ -37,7 +37,7 @@ def _print_summary(s) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"treadle run: {s.steps} steps, {s.parameters / 1e6:.1f}M parameters", show_header=False)
+    table = Table(title=f"treadle run: {s.steps} steps, {s.parameters / 1e6:.2f}M trainable parameters", show_header=False)
     table.add_column(style="bold")
     table.add_column()
     if s.first_loss is not None:
@@ -47,11 +47,17 @@ def _print_summary(s) -> None:
         start = f"{first['eval_loss']:.4f} at step {first['step']} -> " if first and first is not s.last_eval else ""
         table.add_row("val loss", f"{start}{s.last_eval['eval_loss']:.4f} at step {s.last_eval['step']}")
         table.add_row("val perplexity", f"{math.exp(s.last_eval['eval_loss']):.2f}")
+    if s.acceptance is not None and s.acceptance[1] is not None:
+        first, last = s.acceptance
+        table.add_row("tau_sim", f"{first['tau_sim']:.3f} at step {first['step']} -> {last['tau_sim']:.3f} at step "
+                                 f"{last['step']} (simulated tokens per verification call)")
     table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s ({s.tokens:,} tokens in {s.elapsed_s:.1f} s of training)")
     table.add_row("run directory", str(s.output_dir))
     table.add_row("metrics", str(s.output_dir / "metrics.jsonl"))
     table.add_row("checkpoints", ", ".join(p.name for p in s.checkpoints) + f" in {s.output_dir / 'checkpoints'}")
-    if s.export_dir is not None:
+    if s.export_dir is not None and s.acceptance is not None:
+        table.add_row("exported draft", f"{s.export_dir} (treadle spec-eval --draft {s.export_dir})")
+    elif s.export_dir is not None:
         table.add_row("exported model", f"{s.export_dir} (AutoModelForCausalLM.from_pretrained)")
     Console().print(table)
 
@@ -69,7 +75,7 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
 
     if extra:
         raise UserError(f"unexpected argument {extra[0]!r} for treadle export")
-    out = export_checkpoint(Path(args.source), Path(args.out), dtype=args.dtype)
+    out = export_checkpoint(Path(args.source), Path(args.out), dtype=args.dtype, to=args.to)
     print(f"exported {args.source} -> {out}")
     return 0
 
@@ -97,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_arguments(prep)
     prep.set_defaults(func=_prepare)
 
-    export = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint", allow_abbrev=False)
+    export = sub.add_parser("export", help="write a Hugging Face model directory (or a draft export) from a checkpoint",
+                            allow_abbrev=False)
     export.add_argument("source", help="run directory or checkpoint directory")
-    export.add_argument("--to", choices=["hf"], default="hf", help="export format")
+    export.add_argument("--to", choices=["hf", "draft"], default="hf", help="hf: a model run; draft: a draft run's draft")
     export.add_argument("out", help="output directory")
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     export.set_defaults(func=_export)

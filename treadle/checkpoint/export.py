@@ -90,10 +90,11 @@ def export_draft(model, out: Path, target_dir: Path, identity: dict, cfg, step: 
     return out
 
 
-def export_checkpoint(source: Path, out: Path, dtype: str = "fp32") -> Path:
-    """``treadle export``: rebuild the model a checkpoint was trained as, load its weights, export."""
-    import json
+def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "hf") -> Path:
+    """``treadle export``: rebuild what a checkpoint was trained as, load its weights, export.
 
+    ``to="hf"`` for a model run; ``to="draft"`` for a draft run (the draft alone, as at the end of the run).
+    """
     from treadle.checkpoint.manager import find_checkpoint
     from treadle.checkpoint.safety import safe_dcp_load
     from treadle.config import load_config
@@ -101,10 +102,24 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32") -> Path:
 
     ckpt = find_checkpoint(source, str(source))  # read-only: a live run's temporaries are not ours to touch
     cfg = load_config(ckpt / "config.toml")
+    if (cfg.draft.kind is not None) != (to == "draft"):
+        kind = "a draft run" if cfg.draft.kind else "a model run"
+        raise UserError(f"checkpoint {ckpt} is {kind}; accepted: --to {'draft' if cfg.draft.kind else 'hf'}")
     meta = json.loads((ckpt / "train_state.json").read_text())["meta"]
-    model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
-    state = {"model": model.state_dict()}
-    safe_dcp_load(state, ckpt / "state", ckpt)  # only the model's entries: optimizer state stays on disk
-    model.load_state_dict(state["model"])
+    if cfg.draft.kind:
+        from treadle.train.draft import build_glide
+
+        model, target_dir, identity = build_glide(cfg.draft, meta["vocab_size"], meta["tokenizer_fingerprint"])
+        module, prefix = model.draft_model, "draft_model."
+    else:
+        model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
+        module, prefix = model, ""
+    # Only the trained module's entries: optimizer state and frozen tensors stay on disk (or were never there).
+    state = {"model": {prefix + k: v for k, v in module.state_dict().items()}}
+    safe_dcp_load(state, ckpt / "state", ckpt)
+    module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()})
+    if cfg.draft.kind:
+        step = json.loads((ckpt / "train_state.json").read_text())["train"]["step"]
+        return export_draft(model, out, target_dir, identity, cfg.draft, step=step)
     tokenizer = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
     return export_hf(model, model.state_dict(), tokenizer if tokenizer and tokenizer.is_dir() else None, out, dtype=dtype)

@@ -140,6 +140,7 @@ class AcceptanceCallback(Callback):
         self.prompts = prompts
         self.eval_every = eval_every
         self.texts: torch.Tensor | None = None
+        self.first: dict | None = None
         self.last: dict | None = None
 
     def _run(self, trainer: Trainer) -> None:
@@ -154,11 +155,12 @@ class AcceptanceCallback(Callback):
         record = {"step": trainer.state.step, "tau_sim": got["tau_sim"],
                   **{f"accept_{k + 1}": a for k, a in enumerate(got["acceptance_conditional"])},
                   "acceptance_s": round(time.perf_counter() - t0, 3)}
+        self.first = self.first or record
         self.last = record
         trainer.log(record, kind="eval")
 
     def on_train_start(self, trainer: Trainer) -> None:
-        if self.last is None:
+        if self.first is None:
             self._run(trainer)
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
@@ -167,10 +169,10 @@ class AcceptanceCallback(Callback):
             self._run(trainer)
 
     def state_dict(self) -> dict:
-        return {"last": self.last}
+        return {"first": self.first, "last": self.last}
 
     def load_state_dict(self, state: dict) -> None:
-        self.last = state["last"]
+        self.first, self.last = state["first"], state["last"]
 
 
 class DraftExportCallback(Callback):

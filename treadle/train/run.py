@@ -44,8 +44,9 @@ class RunSummary:
     elapsed_s: float
     checkpoints: list[Path]
     export_dir: Path | None
-    parameters: int
+    parameters: int  # trainable
     stop_reason: str | None
+    acceptance: tuple[dict | None, dict | None] | None = None  # a draft run: first and last tau_sim records
 
 
 def resolve_device(name: str) -> torch.device:
@@ -221,4 +222,5 @@ def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
         export_dir=trainer.export_dir if cfg.checkpoint.export_hf else None,
         parameters=sum(p.numel() for p in trainer.engine.model.parameters() if p.requires_grad),
         stop_reason=trainer.stop_reason,
+        acceptance=next(((cb.first, cb.last) for cb in trainer.callbacks if isinstance(cb, AcceptanceCallback)), None),
     )

@@ -1,0 +1,122 @@
+"""Which drafter makes a target fastest: GLIDE (each objective) vs an independent LM vs prompt lookup.
+
+Every trained drafter sees the same data for the same number of steps with the same
+batch; then each one decodes the same held-out prompts greedily with gamma draft
+tokens per verification call against the same frozen target, and ``spec-eval``'s
+lossless check must hold for all of them.
+
+    python bench/spec.py [--target runs/demo] [--steps 200] [--gamma 4] [--only glide-kl,lm]
+
+The target defaults to the demo's (``make demo`` writes runs/demo). Results go to
+stdout as a table and to ``runs/bench-spec/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from treadle.config import load_config
+from treadle.models.glide import load_glide
+from treadle.models.hf import load_causal_lm
+from treadle.spec.drafters import ModelDrafter, PromptLookupDrafter
+from treadle.spec.evaluate import evaluate_drafter
+from treadle.spec.glide_drafter import GlideDrafter
+from treadle.spec.prompts import heldout_prompts
+from treadle.train.run import run_training
+
+# An independent draft LM of about GLIDE's trainable size (~0.9M for the tiny target):
+# one tied embedding/head of width 96 plus two thin layers.
+LM_DRAFT = "{hidden_size=96,intermediate_size=256,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,tie_word_embeddings=true}"
+
+
+def train_args(args, name: str) -> list[str]:
+    common = [
+        f"--train.output_dir={args.out / name}", f"--train.max_steps={args.steps}", "--train.micro_batch_size=8",
+        "--data.seq_len=256", "--train.threads=2", "--train.log_every=50", f"--train.eval_every={args.steps}",
+        "--train.eval_batches=4", "--schedule.warmup_steps=20", "--optim.lr=3e-3", "--checkpoint.resume=none",
+        f"--data.train={args.data}",
+    ]
+    if name.startswith("glide-"):
+        return common + ["--draft.kind=glide", f"--draft.target={args.target}", f"--draft.loss={name.split('-')[1]}",
+                         f"--draft.gamma={args.gamma}"]
+    return common + [f"--model.overrides={LM_DRAFT}"]
+
+
+def train(args, name: str) -> dict:
+    out = args.out / name
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    summary = run_training(load_config(None, train_args(args, name)), live=False)
+    return {"trainable_params": summary.parameters, "train_s": summary.elapsed_s,
+            "train_tokens_per_s": summary.tokens_per_s, "run": str(out)}
+
+
+def drafter_for(name: str, run: Path | None, target):
+    if name == "prompt-lookup":
+        return PromptLookupDrafter()
+    if name.startswith("glide-"):
+        return GlideDrafter(load_glide(run / "draft", target))
+    return ModelDrafter(load_causal_lm(run / "hf", "lm draft"), name="lm")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="runs/demo", help="target: HF dir or treadle run dir (default runs/demo)")
+    parser.add_argument("--data", default="builtin", help="draft training data: shard dir or 'builtin'")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--only", default="glide-ce,glide-kl,glide-mix,lm,prompt-lookup")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-spec"))
+    args = parser.parse_args()
+    names = args.only.split(",")
+    torch.set_num_threads(2)
+
+    rows = {}
+    for name in names:
+        if name != "prompt-lookup":
+            print(f"training {name} for {args.steps} steps ...", file=sys.stderr, flush=True)
+            rows[name] = train(args, name)
+        else:
+            rows[name] = {"trainable_params": 0, "train_s": 0.0, "train_tokens_per_s": None, "run": None}
+
+    target = load_causal_lm(Path(args.target), "--target")
+    from transformers import AutoTokenizer
+
+    from treadle.models.hf import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(Path(args.target), "--target"))
+    prompts = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
+    for name in names:
+        run = Path(rows[name]["run"]) if rows[name]["run"] else None
+        got = evaluate_drafter(target, drafter_for(name, run, target), prompts, args.gamma, args.max_new_tokens,
+                               tokenizer.eos_token_id)
+        rows[name].update({k: got[k] for k in ("tau", "acceptance_conditional", "acceptance_unconditional",
+                                               "tokens_per_s_spec", "tokens_per_s_target", "speedup", "lossless")})
+
+    print(f"\nspec bench: target {args.target}, gamma {args.gamma}, {args.prompts} held-out prompts x "
+          f"{args.max_new_tokens} new tokens, {args.steps} training steps of 8 x 256 tokens; "
+          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"| drafter | trainable params | train s | tau | acceptance (conditional, k=1..{args.gamma}) | spec tok/s | target tok/s | speedup | lossless |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        acc = ", ".join(f"{a:.2f}" if a is not None else "n/a" for a in r["acceptance_conditional"])
+        print(f"| {name} | {r['trainable_params'] / 1e6:.2f}M | {r['train_s']:.0f} | {r['tau']:.2f} | {acc} | "
+              f"{r['tokens_per_s_spec']:.0f} | {r['tokens_per_s_target']:.0f} | {r['speedup']:.2f}x | {r['lossless']} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return 0 if all(r["lossless"] for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
