@@ -103,18 +103,24 @@ def evaluate(trainer: Trainer) -> tuple[float, int, dict[str, float]]:
 
 
 class EvalCallback(Callback):
-    """Validation loss and perplexity at the start, every ``eval_every`` steps and at the end."""
+    """Validation loss and perplexity at the start, every ``eval_every`` steps and at the end.
+
+    Other evaluations on the same cadence (a draft's acceptance) override ``measure``.
+    """
 
     def __init__(self, eval_every: int):
         self.eval_every = eval_every
         self.first: dict | None = None
         self.last: dict | None = None
 
-    def _run(self, trainer: Trainer) -> None:
+    def measure(self, trainer: Trainer) -> dict:
         t0 = time.perf_counter()
         loss, tokens, side = evaluate(trainer)
-        record = {"step": trainer.state.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), **side,
-                  "eval_tokens": tokens, "eval_s": round(time.perf_counter() - t0, 3)}
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), **side,
+                "eval_tokens": tokens, "eval_s": round(time.perf_counter() - t0, 3)}
+
+    def _run(self, trainer: Trainer) -> None:
+        record = {"step": trainer.state.step, **self.measure(trainer)}
         self.first = self.first or record
         self.last = record
         trainer.log(record, kind="eval")

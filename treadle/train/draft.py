@@ -21,8 +21,8 @@ from treadle.errors import UserError
 from treadle.models.hf import load_causal_lm, resolve_model_dir
 from treadle.models.glide import GlideDraft, GlideModel, anchored_positions, target_config_fingerprint
 from treadle.spec.acceptance import chain_acceptance, greedy_continuations
-from treadle.train.callbacks import Callback
-from treadle.train.step import Batch, StepResult
+from treadle.train.callbacks import Callback, EvalCallback
+from treadle.train.step import Batch
 
 if TYPE_CHECKING:
     from treadle.train.trainer import Trainer
@@ -128,22 +128,20 @@ def eval_prompts(dataset, n: int, prompt_len: int) -> torch.Tensor:
     return torch.stack([dataset[i]["input_ids"][:prompt_len] for i in range(count)])
 
 
-class AcceptanceCallback(Callback):
-    """tau_sim and per-position acceptance of the draft, whenever eval runs (start, every N, end).
+class AcceptanceCallback(EvalCallback):
+    """tau_sim and per-position acceptance of the draft, on the eval cadence (start, every N, end).
 
     The target's greedy continuations of fixed held-out prompts are generated once per
     process (the target is frozen, so they never change) and scored by ``chain_acceptance``.
     """
 
     def __init__(self, cfg: DraftConfig, prompts: torch.Tensor, eval_every: int):
+        super().__init__(eval_every)
         self.cfg = cfg
         self.prompts = prompts
-        self.eval_every = eval_every
         self.texts: torch.Tensor | None = None
-        self.first: dict | None = None
-        self.last: dict | None = None
 
-    def _run(self, trainer: Trainer) -> None:
+    def measure(self, trainer: Trainer) -> dict:
         model = trainer.engine.model
         t0 = time.perf_counter()
         model.eval()
@@ -152,27 +150,8 @@ class AcceptanceCallback(Callback):
         with trainer.autocast():
             got = chain_acceptance(model, self.texts, self.prompts.shape[1], self.cfg.gamma)
         model.train()
-        record = {"step": trainer.state.step, "tau_sim": got["tau_sim"],
-                  **{f"accept_{k + 1}": a for k, a in enumerate(got["acceptance_conditional"])},
-                  "acceptance_s": round(time.perf_counter() - t0, 3)}
-        self.first = self.first or record
-        self.last = record
-        trainer.log(record, kind="eval")
-
-    def on_train_start(self, trainer: Trainer) -> None:
-        if self.first is None:
-            self._run(trainer)
-
-    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        step = trainer.state.step
-        if (self.eval_every and step % self.eval_every == 0) or step == trainer.max_steps:
-            self._run(trainer)
-
-    def state_dict(self) -> dict:
-        return {"first": self.first, "last": self.last}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.first, self.last = state["first"], state["last"]
+        return {"tau_sim": got["tau_sim"], **{f"accept_{k + 1}": a for k, a in enumerate(got["acceptance_conditional"])},
+                "acceptance_s": round(time.perf_counter() - t0, 3)}
 
 
 class DraftExportCallback(Callback):

@@ -207,7 +207,7 @@ def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
         trainer.metrics.close()
     out = Path(cfg.train.output_dir)
     metrics_cb = next(cb for cb in trainer.callbacks if isinstance(cb, MetricsCallback))
-    eval_cb = next((cb for cb in trainer.callbacks if isinstance(cb, EvalCallback)), None)
+    eval_cb = next((cb for cb in trainer.callbacks if type(cb) is EvalCallback), None)
     return RunSummary(
         output_dir=out,
         steps=state.step,

@@ -1,0 +1,138 @@
+"""The process group: one place that reads torchrun's environment and picks device and backend.
+
+Launched by ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set),
+``init_distributed`` joins the process group; launched plainly, it is one process and
+creates no group, so every single-process path (tests, the CLI on a laptop) stays free
+of torch.distributed. The collectives the engines share (sum, agree, any) live here too:
+each is exactly one collective, because every one is a synchronisation point of the loop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from treadle.errors import UserError
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: a single process without a process group
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise UserError(f"environment variable {name} is missing; accepted: launch with torchrun, which sets "
+                            f"{', '.join(_TORCHRUN_ENV)}, LOCAL_RANK, MASTER_ADDR and MASTER_PORT")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def choose_device(pref: str, local_rank: int = 0) -> torch.device:
+    """``auto`` takes the accelerator when there is one; a bare accelerator type gets this process's local rank."""
+    if pref == "auto":
+        pref = "cuda" if torch.cuda.is_available() else "cpu"  # device-ok: chosen from availability
+    try:
+        device = torch.device(pref)
+    except RuntimeError:
+        raise UserError(f"train.device = {pref!r} is not a device; accepted: auto, cpu, cuda, cuda:N") from None
+    if device.type == "cpu":
+        return device
+    module = torch.get_device_module(device)
+    if not module.is_available():
+        raise UserError(f"train.device = {pref!r} but no {device.type} device is available; accepted here: auto, cpu")
+    if device.index is None:  # one accelerator per local rank, as torchrun lays processes out
+        device = torch.device(device.type, local_rank)
+    if device.index >= module.device_count():
+        raise UserError(f"device {device} does not exist: this node has {module.device_count()} {device.type} devices "
+                        f"(local rank {local_rank})")
+    module.set_device(device)
+    return device
+
+
+def init_distributed(device_pref: str = "auto", *, num_threads: int | None = None,
+                     timeout: datetime.timedelta | None = None) -> DistInfo:
+    """Join torchrun's process group (or stay one process when its environment is absent).
+
+    The backend follows the device (nccl on CUDA, gloo on CPU). ``num_threads``: intra-op
+    threads; by default a multi-rank CPU job uses one per rank (ranks share the cores, and
+    more threads only make them fight), unless OMP_NUM_THREADS says otherwise. ``timeout``
+    bounds every collective, so a rank that died does not hang the others forever.
+    """
+    if not all(name in os.environ for name in _TORCHRUN_ENV):
+        device = choose_device(device_pref)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        return DistInfo(rank=0, world_size=1, local_rank=0, device=device, backend=None)
+
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK", default=rank)
+    if not 0 <= rank < world_size:
+        raise UserError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            _env_int(name)  # raises the one-line error about the launch
+    device = choose_device(device_pref, local_rank)
+    backend = dist.get_default_backend_for_device(device)  # nccl for CUDA, gloo for CPU
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    elif device.type == "cpu" and world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    if not dist.is_initialized():
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        if device.type != "cpu":
+            kwargs["device_id"] = device  # binds the communicator to this rank's device eagerly
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def destroy() -> None:
+    """Leave the process group (a no-op for a single process)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---- collectives shared by the distributed engines (one collective each) ----
+
+def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The sum over ranks, on ``device``; the caller's tensor is left untouched."""
+    out = t.detach().to(device, copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def all_agree(ok: bool, device: torch.device) -> bool:
+    """True on every rank only if true on every rank."""
+    flag = torch.tensor(1 if ok else 0, dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if true on any rank."""
+    t = torch.tensor(1 if flag else 0, dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -1,0 +1,137 @@
+"""Fully sharded data parallelism (FSDP2, ``fully_shard``): parameters, gradients and optimizer state sharded.
+
+The same interface as ``LocalEngine``; what differs is hidden here:
+
+* Sharding is applied in this one place: each decoder layer is a ``fully_shard`` unit
+  (gathered just before it runs, freed after), then the root takes what is left
+  (embeddings, final norm, LM head). The model file knows nothing about it.
+* The optimizer is built after sharding, over the sharded (DTensor) parameters, hence a
+  factory instead of an optimizer.
+* Gradients are SUMMED over ranks, not averaged: the loop already divides each
+  micro-batch's summed loss by the token count of the whole step on all ranks, so each
+  rank's gradient is its share of the global gradient. FSDP's default reduce-scatter
+  averages; every unit is told to divide by 1 using plain sums (gloo has no PREMUL_SUM).
+* Gradient accumulation: non-final micro-batches skip the reduce-scatter
+  (``set_requires_gradient_sync(False)``, unsharded gradients accumulate locally); the
+  last micro-batch reduces everything once.
+* Frozen parameters (a draft run's target) are sharded like the rest (they only take part
+  in forward) and, as in ``LocalEngine``, left out of checkpoints.
+
+Every method that communicates (the collectives, ``clip_grad_norm``, ``state_dict``,
+``load_state_dict``, ``export_state_dict``) must be called on all ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from treadle import distributed
+from treadle.engine.local import _LOAD, _SAVE
+from treadle.models.hf import decoder_layers
+
+# Full weights for export: gathered shard by shard and copied to CPU, on rank 0 only
+# (no rank ever holds a second full copy on the accelerator).
+_EXPORT = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class FSDP2Engine:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
+        device: torch.device,
+        *,
+        mp_param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = torch.float32,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+    ):
+        """Shard ``model`` (fp32, identical on every rank: same seed or same checkpoint) and build its optimizer.
+
+        ``mp_param_dtype``: the dtype layers compute in (e.g. bf16; None = fp32, the master
+        weights' own dtype). ``reduce_dtype``: the dtype gradients are reduced in.
+        ``cpu_offload``: sharded parameters, gradients and optimizer state live on the CPU.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("FSDP2Engine needs a process group: call treadle.distributed.init_distributed() first")
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        mesh = init_device_mesh(device.type, (self.world_size,))
+        shard_kwargs = dict(
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=reduce_dtype),
+            # Pinned memory needs an accelerator; on a CPU-only machine the offload is a plain copy.
+            offload_policy=CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy(),
+        )
+        for layer in decoder_layers(model):
+            fully_shard(layer, **shard_kwargs)
+        fully_shard(model, **shard_kwargs)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        self.model = model
+        self.optimizer = optimizer_factory(model)
+
+    @contextlib.contextmanager
+    def no_sync(self, last: bool) -> Iterator[None]:
+        self.model.set_requires_gradient_sync(last)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return distributed.all_reduce_sum(t, self.device)
+
+    def all_agree(self, ok: bool) -> bool:
+        return distributed.all_agree(ok, self.device)
+
+    def any_rank(self, flag: bool) -> bool:
+        return distributed.any_rank(flag, self.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The pre-clip norm of the whole (sharded) gradient, as a plain tensor equal on every rank."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        total = get_total_norm(grads, norm_type=2.0, foreach=True)
+        if isinstance(total, DTensor):
+            # Per-shard norms are partial: full_tensor() reduces them to the global norm.
+            total = total.full_tensor()
+        if max_norm > 0:
+            clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        """Sharded (DTensor) model and optimizer state keyed by parameter name: DCP saves it, any world size loads it."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SAVE)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_LOAD)
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full CPU weights on rank 0 ({} elsewhere); frozen ones included, as ``LocalEngine`` exports them."""
+        return get_model_state_dict(self.model, options=_EXPORT)
