@@ -16,17 +16,14 @@ The same interface as ``LocalEngine``; what differs is hidden here:
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from treadle import distributed
-from treadle.engine.local import _LOAD, _SAVE
+from treadle.engine.local import CollectiveEngine
 
 
 def _sum_allreduce_hook(process_group, bucket):
@@ -40,7 +37,10 @@ def _sum_allreduce_hook(process_group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-class DDPEngine:
+class DDPEngine(CollectiveEngine):
+    # backward, clip (every rank holds the full summed gradient), step, zero_grad and state
+    # (get_state_dict strips DDP's module. prefix) are LocalEngine's.
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
                  find_unused_parameters: bool = False):
         """``model`` is already on ``device``; ``optimizer`` holds its parameters (DDP keeps them)."""
@@ -65,37 +65,6 @@ class DDPEngine:
         else:
             with self.model.no_sync():
                 yield
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return distributed.all_reduce_sum(t, self.device)
-
-    def all_agree(self, ok: bool) -> bool:
-        return distributed.all_agree(ok, self.device)
-
-    def any_rank(self, flag: bool) -> bool:
-        return distributed.any_rank(flag, self.device)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        # After the all-reduce every rank holds the same full gradients: a local norm is the global norm.
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SAVE)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_LOAD)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Every rank holds the full weights; only rank 0 hands them out (the others export nothing)."""

@@ -29,14 +29,13 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from treadle import distributed
-from treadle.engine.local import _LOAD, _SAVE
+from treadle.engine.local import CollectiveEngine
 from treadle.models.hf import decoder_layers
 
 # Full weights for export: gathered shard by shard and copied to CPU, on rank 0 only
@@ -44,7 +43,10 @@ from treadle.models.hf import decoder_layers
 _EXPORT = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-class FSDP2Engine:
+class FSDP2Engine(CollectiveEngine):
+    # backward, step, zero_grad and state (sharded DTensors keyed by parameter name: DCP saves
+    # them, any world size loads them) are LocalEngine's.
+
     def __init__(
         self,
         model: nn.Module,
@@ -93,18 +95,6 @@ class FSDP2Engine:
         finally:
             self.model.set_requires_gradient_sync(True)
 
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return distributed.all_reduce_sum(t, self.device)
-
-    def all_agree(self, ok: bool) -> bool:
-        return distributed.all_agree(ok, self.device)
-
-    def any_rank(self, flag: bool) -> bool:
-        return distributed.any_rank(flag, self.device)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The pre-clip norm of the whole (sharded) gradient, as a plain tensor equal on every rank."""
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -116,21 +106,6 @@ class FSDP2Engine:
         if max_norm > 0:
             clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def state_dict(self) -> dict:
-        """Sharded (DTensor) model and optimizer state keyed by parameter name: DCP saves it, any world size loads it."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SAVE)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_LOAD)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU weights on rank 0 ({} elsewhere); frozen ones included, as ``LocalEngine`` exports them."""

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from treadle import distributed
+
 
 class LocalEngine:
     rank = 0
@@ -77,3 +79,16 @@ _SAVE = StateDictOptions(ignore_frozen_params=True)
 # Not strict: the frozen keys are absent by design. The checkpoint manager has already
 # checked that every trainable tensor is present with the right shape (_check_fit).
 _LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+class CollectiveEngine(LocalEngine):
+    """The decisions and sums that every multi-process engine takes over the process group (one collective each)."""
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return distributed.all_reduce_sum(t, self.device)
+
+    def all_agree(self, ok: bool) -> bool:
+        return distributed.all_agree(ok, self.device)
+
+    def any_rank(self, flag: bool) -> bool:
+        return distributed.any_rank(flag, self.device)
