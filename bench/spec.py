@@ -16,14 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from treadle.config import load_config
 from treadle.models.glide import load_glide
-from treadle.models.hf import load_causal_lm
+from treadle.models.hf import load_causal_lm, resolve_model_dir
 from treadle.spec.drafters import ModelDrafter, PromptLookupDrafter
 from treadle.spec.evaluate import evaluate_drafter
 from treadle.spec.glide_drafter import GlideDrafter
@@ -50,10 +52,7 @@ def train_args(args, name: str) -> list[str]:
 
 def train(args, name: str) -> dict:
     out = args.out / name
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
+    shutil.rmtree(out, ignore_errors=True)  # each bench run trains from scratch
     summary = run_training(load_config(None, train_args(args, name)), live=False)
     return {"trainable_params": summary.parameters, "train_s": summary.elapsed_s,
             "train_tokens_per_s": summary.tokens_per_s, "run": str(out)}
@@ -91,10 +90,6 @@ def main() -> int:
             rows[name] = {"trainable_params": 0, "train_s": 0.0, "train_tokens_per_s": None, "run": None}
 
     target = load_causal_lm(Path(args.target), "--target")
-    from transformers import AutoTokenizer
-
-    from treadle.models.hf import resolve_model_dir
-
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(Path(args.target), "--target"))
     prompts = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
     for name in names:

@@ -10,3 +10,8 @@ EXIT_USAGE = 2
 
 class UserError(Exception):
     """Bad config, data, path or flag. The message names the culprit and what is accepted."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (library errors are often pages long), or its type."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

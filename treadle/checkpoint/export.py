@@ -105,7 +105,8 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
     if (cfg.draft.kind is not None) != (to == "draft"):
         kind = "a draft run" if cfg.draft.kind else "a model run"
         raise UserError(f"checkpoint {ckpt} is {kind}; accepted: --to {'draft' if cfg.draft.kind else 'hf'}")
-    meta = json.loads((ckpt / "train_state.json").read_text())["meta"]
+    train_state = json.loads((ckpt / "train_state.json").read_text())
+    meta = train_state["meta"]
     if cfg.draft.kind:
         from treadle.train.draft import build_glide
 
@@ -119,7 +120,6 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
     safe_dcp_load(state, ckpt / "state", ckpt)
     module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()})
     if cfg.draft.kind:
-        step = json.loads((ckpt / "train_state.json").read_text())["train"]["step"]
-        return export_draft(model, out, target_dir, identity, cfg.draft, step=step)
+        return export_draft(model, out, target_dir, identity, cfg.draft, step=train_state["train"]["step"])
     tokenizer = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
     return export_hf(model, model.state_dict(), tokenizer if tokenizer and tokenizer.is_dir() else None, out, dtype=dtype)

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from treadle.config import ModelConfig
-from treadle.errors import UserError
+from treadle.errors import UserError, first_line
 
 
 def preset_names() -> list[str]:
@@ -71,8 +71,7 @@ def load_causal_lm(path: Path, key: str) -> PreTrainedModel:
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     except (OSError, ValueError, KeyError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"{key} {path} cannot be loaded as an AutoModelForCausalLM: {first}") from None
+        raise UserError(f"{key} {path} cannot be loaded as an AutoModelForCausalLM: {first_line(exc)}") from None
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -95,3 +94,7 @@ def compile_layers(model: nn.Module) -> None:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def trainable_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from treadle.errors import UserError
+from treadle.errors import UserError, first_line
 from treadle.models.glide import load_glide, read_draft_config
 from treadle.models.hf import load_causal_lm, resolve_model_dir
 from treadle.spec.decode import Drafter, speculative_generate, summarize, target_generate
@@ -45,17 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [exc.__class__.__name__])[0]
-
-
 def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"--target {model_dir}: no usable tokenizer in it ({_first_line(e)})") from None
+        raise UserError(f"--target {model_dir}: no usable tokenizer in it ({first_line(e)})") from None
 
 
 def _check_same_tokenizer(draft_dir: Path, tokenizer) -> None:

@@ -32,13 +32,13 @@ if TYPE_CHECKING:
 
 
 def load_target(path: Path, key: str = "draft.target"):
-    """The frozen target in fp32, in eval mode, with no grad anywhere."""
+    """The target in fp32 and eval mode; ``GlideModel`` freezes it."""
     target = load_causal_lm(path, key)
     if target.config.model_type not in ("llama", "qwen2", "qwen3", "mistral"):
         raise UserError(f"{key} {path} is a {target.config.model_type!r} model; accepted: llama, qwen2, qwen3, "
                         "mistral (decoders with q/k/v/o attention and rotary embeddings)")
     target.config.use_cache = False  # training packs documents: no cache (PLATFORM.md)
-    return target.requires_grad_(False)
+    return target
 
 
 def target_identity(target_dir: Path, target) -> dict:

@@ -22,7 +22,7 @@ from treadle.data.packed import PackedDataset, StepLoader, eval_batches
 from treadle.engine import LocalEngine
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
-from treadle.models.hf import build_model, compile_layers, count_parameters
+from treadle.models.hf import build_model, compile_layers, count_parameters, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, build_glide, eval_prompts
 from treadle.train.resilience import FaultInjectionCallback, NanGuardCallback, ShutdownWatcher
@@ -105,11 +105,10 @@ class ModelSetup:
     loss_fn: Callable
     eval_loss_fn: Callable | None
     eval_callbacks: list[Callback]
-    export: Callback
-    export_dir: Path
+    export: ExportCallback | DraftExportCallback
 
     def describe(self) -> str:
-        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        trainable = trainable_parameters(self.model)
         frozen = count_parameters(self.model) - trainable
         return f"{trainable / 1e6:.1f}M trainable parameters" + (f" ({frozen / 1e6:.1f}M frozen)" if frozen else "")
 
@@ -117,7 +116,7 @@ class ModelSetup:
 def _model_setup(cfg: Config, meta: dict, tokenizer_dir: Path | None) -> ModelSetup:
     model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
     out = Path(cfg.train.output_dir) / "hf"
-    return ModelSetup(model, loss_sum, None, [], ExportCallback(out, tokenizer_dir), out)
+    return ModelSetup(model, loss_sum, None, [], ExportCallback(out, tokenizer_dir))
 
 
 def _draft_setup(cfg: Config, train_ds: PackedDataset, val_ds: PackedDataset | None, meta: dict) -> ModelSetup:
@@ -128,7 +127,7 @@ def _draft_setup(cfg: Config, train_ds: PackedDataset, val_ds: PackedDataset | N
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
     out = Path(cfg.train.output_dir) / "draft"
     return ModelSetup(model, objective, objective.evaluate, [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every)],
-                      DraftExportCallback(out, target_dir, identity, cfg.draft), out)
+                      DraftExportCallback(out, target_dir, identity, cfg.draft))
 
 
 def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
@@ -186,7 +185,6 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
         loss_fn=setup.loss_fn,
         eval_loss_fn=setup.eval_loss_fn,
     )
-    trainer.export_dir = setup.export_dir
     if resume_from is not None:
         trainer.resume(resume_from)
     # Records after the checkpoint (or all, on a fresh start) came from a run that died: they are logged again.
@@ -219,8 +217,8 @@ def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
         tokens_per_s=state.tokens / max(state.elapsed_s, 1e-9),
         elapsed_s=state.elapsed_s,
         checkpoints=trainer.checkpoints.complete(),
-        export_dir=trainer.export_dir if cfg.checkpoint.export_hf else None,
-        parameters=sum(p.numel() for p in trainer.engine.model.parameters() if p.requires_grad),
+        export_dir=next((cb.out_dir for cb in trainer.callbacks if isinstance(cb, (ExportCallback, DraftExportCallback))), None),
+        parameters=trainable_parameters(trainer.engine.model),
         stop_reason=trainer.stop_reason,
         acceptance=next(((cb.first, cb.last) for cb in trainer.callbacks if isinstance(cb, AcceptanceCallback)), None),
     )
