@@ -25,6 +25,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
     cfg = load_config(args.config, extra)
     summary = run_training(cfg)
+    if summary.rank != 0:  # under a launcher every rank returns the same summary: rank 0 reports it
+        return EXIT_STOPPED_RESUMABLE if summary.stop_reason is not None else 0
     if summary.stop_reason is not None:
         print(f"treadle: stopped at step {summary.steps} ({summary.stop_reason}); a checkpoint is written and "
               f"the same command resumes the run (exit code {EXIT_STOPPED_RESUMABLE})", file=sys.stderr)

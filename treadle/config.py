@@ -112,6 +112,7 @@ class ResilienceConfig(Section):
     max_rollbacks: int = Field(3, ge=0, description="rollbacks before the run gives up")
     shutdown_timeout_s: float = Field(300.0, gt=0.0, description="forced exit if the shutdown checkpoint hangs")
     inject_nan_steps: list[int] = Field(default_factory=list, description="FAULT INJECTION for tests and drills: steps whose loss is made NaN")
+    inject_nan_ranks: list[int] = Field(default_factory=list, description="FAULT INJECTION: ranks that inject (empty = all)")
 
 
 class ModelConfig(Section):
@@ -152,6 +153,21 @@ class DraftConfig(Section):
     eval_new_tokens: int = Field(64, ge=2)
 
 
+class DistributedConfig(Section):
+    """How the run is spread over processes; the loop is the same whichever engine runs it."""
+
+    engine: Literal["auto", "local", "ddp", "fsdp2", "deepspeed"] = Field(
+        "auto", description="auto: local for one process, fsdp2 under a launcher with several")
+    zero_stage: int = Field(2, ge=0, le=3, description="deepspeed: ZeRO stage 0-3")
+    deepspeed_config: str | None = Field(None, description="deepspeed: a JSON file whose keys override the generated config")
+    reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="fsdp2: dtype gradients are reduced in")
+    reshard_after_forward: bool = Field(True, description="fsdp2: free gathered layers after forward (less memory, more traffic)")
+    cpu_offload: bool = Field(False, description="fsdp2 / deepspeed: keep sharded parameters and optimizer state on the CPU")
+    timeout_s: float = Field(600.0, gt=0.0, description="bound on every collective: a dead peer becomes an error")
+    health_check_every: int = Field(50, ge=0, description="steps between health checks of all ranks; 0 = off")
+    health_check_timeout_s: float = Field(60.0, gt=0.0, description="a rank that does not answer the health check by then is hung")
+
+
 class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -161,6 +177,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     draft: DraftConfig = Field(default_factory=DraftConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from treadle.errors import UserError
+from treadle.errors import UserError, first_line
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE")
 
@@ -136,3 +136,69 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     t = torch.tensor(1 if flag else 0, dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def broadcast_object(obj, src: int = 0):
+    """``obj`` as rank ``src`` has it, on every rank (itself when there is no process group)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def on_main(fn, *args, **kwargs):
+    """Run ``fn`` on rank 0 only; a UserError it raises is raised on every rank.
+
+    For the few things one process must do alone (create the run directory, write the
+    resolved config): the other ranks wait for the outcome instead of running ahead into
+    a collective that rank 0, having failed, will never join.
+    """
+    error = result = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn(*args, **kwargs)
+        except UserError as exc:
+            error = str(exc)
+    error = broadcast_object(error)
+    if error is not None:
+        raise UserError(error)
+    return result
+
+
+class HealthCheck:
+    """A cheap all-ranks round trip with its own deadline, so a hung rank is named, not waited on.
+
+    The loop's own collectives block until the process-group timeout (minutes, because a
+    slow checkpoint is legitimate). This check runs on a separate gloo group with a short
+    timeout at step boundaries, where every healthy rank arrives within one step time: a
+    rank that does not arrive is stuck (in I/O, in a deadlock, or stopped by a debugger),
+    and every rank that did arrive fails with a line that says so instead of stalling.
+    """
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        # new_group is itself collective: every rank builds the checker at the same point.
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    def check(self, step: int) -> None:
+        alive = torch.ones(1)
+        try:
+            dist.all_reduce(alive, group=self.group)
+        except Exception as exc:  # gloo raises RuntimeError/DistBackendError on timeout or a lost peer
+            raise HealthCheckFailed(
+                f"health check after step {step}: not every one of {dist.get_world_size()} ranks answered within "
+                f"{self.timeout_s:g} s (distributed.health_check_timeout_s); a rank is hung or dead "
+                f"({first_line(exc)})") from None
+        if int(alive.item()) != dist.get_world_size():
+            raise HealthCheckFailed(f"health check after step {step}: {int(alive.item())} of "
+                                    f"{dist.get_world_size()} ranks answered")
+
+
+class HealthCheckFailed(RuntimeError):
+    pass

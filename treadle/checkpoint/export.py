@@ -57,7 +57,7 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
     return out
 
 
-def export_draft(model, out: Path, target_dir: Path, identity: dict, cfg, step: int | None = None) -> Path:
+def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity: dict, cfg, step: int | None = None) -> Path:
     """The draft alone, in two forms, with what it needs to find its target again.
 
     ``model.safetensors`` + ``config.json`` (draft kind, hyper-parameters, the target's
@@ -70,7 +70,8 @@ def export_draft(model, out: Path, target_dir: Path, identity: dict, cfg, step: 
     from safetensors.torch import save_file
 
     draft = model.draft_model
-    weights = {k: v.detach().to("cpu").contiguous() for k, v in draft.state_dict().items()}
+    prefix = "draft_model."  # ``state_dict``: the whole GlideModel's full weights, as an engine exports them
+    weights = {k[len(prefix):]: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if k.startswith(prefix)}
     config = {
         "treadle_draft_kind": "glide",
         "window": draft.window,
@@ -120,6 +121,6 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
     safe_dcp_load(state, ckpt / "state", ckpt)
     module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()})
     if cfg.draft.kind:
-        return export_draft(model, out, target_dir, identity, cfg.draft, step=train_state["train"]["step"])
+        return export_draft(model, model.state_dict(), out, target_dir, identity, cfg.draft, step=train_state["train"]["step"])
     tokenizer = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
     return export_hf(model, model.state_dict(), tokenizer if tokenizer and tokenizer.is_dir() else None, out, dtype=dtype)

@@ -46,10 +46,14 @@ call, while our staging buffers are reused from one save to the next, which stal
 training less (bench/checkpoint.py, docs/benchmarks.md). Process-mode
 ``dcp.async_save`` is avoided on purpose: it re-runs a script that lacks an
 ``if __name__ == "__main__":`` guard, which then hangs (PLATFORM.md).
-Single writer: the finalization (rename, symlinks, retention) assumes the checkpoint
-directory is written by one process; a multi-rank engine must agree on the
-temporary name and let rank 0 finalize, and async save would need its own process
-group for DCP's collectives.
+Several ranks: every rank writes its shards (DCP, or DeepSpeed's own files under
+``step_<N>/deepspeed/``) and its RNG into one temporary directory whose name rank 0
+chose; rank 0 alone writes the train state, renames, moves the links and retires old
+checkpoints; every rank learns the outcome (one collective), so a failed write on any
+rank fails the save everywhere. The run directory must be on a file system all ranks
+share. Async save is single-process only for now (with several ranks DCP's collectives
+would need a process group of their own in the background thread): with several ranks,
+or with DeepSpeed, ``save`` writes synchronously.
 """
 
 from __future__ import annotations
@@ -77,8 +81,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from treadle import distributed
 from treadle.checkpoint.safety import CheckpointDamaged, causes, read_metadata, safe_dcp_load
-from treadle.errors import UserError
+from treadle.errors import UserError, first_line
 from treadle.fsutil import fsync as _fsync
 from treadle.fsutil import fsync_tree as _fsync_tree
 
@@ -92,6 +97,7 @@ _HARMLESS_MODEL_KEYS = {"model.dtype", "model.compile"}
 # [draft] keys that shape the trained module; the rest (objective, lag, offsets, eval) are training choices.
 _DRAFT_ARCH_KEYS = {"draft.kind", "draft.window"}
 _META_KEYS = ("vocab_size", "tokenizer_fingerprint", "target_fingerprint")
+_FORMATS = {"dcp": "DCP state (state/)", "deepspeed": "a DeepSpeed checkpoint (deepspeed/)"}
 _RESUME_ACCEPTED = "accepted: auto, none, a step_<N> checkpoint directory, or a run directory that has checkpoints"
 
 
@@ -221,8 +227,13 @@ def _link_target(link: Path) -> Path | None:
 # ---------------------------------------------------------------------------- validation
 
 
-def _inspect(path: Path) -> Metadata:
-    """The checkpoint's vetted DCP metadata; CheckpointDamaged (a UserError) saying what is wrong."""
+def checkpoint_format(path: Path) -> str:
+    """``dcp`` (``state/``) or ``deepspeed`` (``deepspeed/``, written by the DeepSpeed engine)."""
+    return "deepspeed" if (path / "deepspeed").is_dir() and not (path / "state").is_dir() else "dcp"
+
+
+def _inspect(path: Path) -> Metadata | None:
+    """The checkpoint's vetted DCP metadata (None for DeepSpeed's format); CheckpointDamaged saying what is wrong."""
     if not path.is_dir():
         raise CheckpointDamaged(path, "no such directory")
     ts = path / "train_state.json"
@@ -239,6 +250,10 @@ def _inspect(path: Path) -> Metadata:
     rng = path / "rng"
     if not rng.is_dir() or not any(rng.glob("rank_*.json")):
         raise CheckpointDamaged(path, "rng/ (the RNG states) is missing")
+    if not (path / "state").is_dir() and (path / "deepspeed").is_dir():
+        if not any((path / "deepspeed").iterdir()):
+            raise CheckpointDamaged(path, "deepspeed/ is empty")
+        return None  # DeepSpeed's own format: its load_checkpoint checks its files
     md = read_metadata(path / "state", path)
     # Every byte range the metadata names must exist: catches truncated or missing .distcp files.
     ends: dict[str, int] = {}
@@ -429,7 +444,7 @@ class _Job:
 
     step: int
     final: Path
-    state: dict
+    state: dict | None  # DCP state; None when the engine writes its own format (DeepSpeed)
     train_state: str  # already JSON: later changes to the caller's dict cannot leak in
     rng: dict
     config_toml: str
@@ -437,7 +452,7 @@ class _Job:
 
 
 class CheckpointManager:
-    def __init__(self, root: Path, keep_last: int, rank: int = 0, *, async_save: bool = False,
+    def __init__(self, root: Path, keep_last: int, rank: int = 0, *, world_size: int = 1, async_save: bool = False,
                  best_metric: str | None = None, best_mode: str = "min"):
         if not isinstance(keep_last, int) or keep_last < 1:
             raise UserError(f"checkpoint.keep_last = {keep_last!r} is invalid; accepted: an integer >= 1")
@@ -446,6 +461,7 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
         self.rank = rank
+        self.world_size = world_size
         self.async_save = async_save
         self.best_metric = best_metric
         self.best_mode = best_mode
@@ -493,11 +509,12 @@ class CheckpointManager:
         save's error (async).
         """
         self.wait()  # at most one in flight; surfaces the previous one's failure
-        job = _Job(step=step, final=self.root / f"step_{step}", state=engine.state_dict(),
+        dcp_state = engine.checkpoint_format == "dcp"
+        job = _Job(step=step, final=self.root / f"step_{step}", state=engine.state_dict() if dcp_state else None,
                    train_state=json.dumps(train_state), rng=capture_rng(), config_toml=config_toml,
                    metrics=dict(metrics) if metrics else None)
-        if not self.async_save:
-            self._write(job)
+        if not (self.async_save and dcp_state and self.world_size == 1):
+            self._write(job, engine)
             return job.final
         job.state = self._stage(job.state)
         self._pending = job.final
@@ -548,30 +565,67 @@ class CheckpointManager:
             return tuple(self._stage(v, key + (i,)) for i, v in enumerate(obj))
         return obj  # int, float, str, bool, None: immutable
 
-    def _write(self, job: _Job) -> None:
-        tmp = self.root / _tmp_name(job.final.name)
+    def _write(self, job: _Job, engine=None) -> None:
+        """Every rank: its shards and RNG into rank 0's temporary directory; rank 0: the rest."""
+        tmp = self.root / distributed.broadcast_object(_tmp_name(job.final.name))
+        error = self._agreed(self._attempt(self._write_shards, job, tmp, engine), job, tmp)
+        if error is None and self.rank == 0:
+            error = self._attempt(self._install_files, job, tmp)
+        error = self._agreed(error, job, tmp)
+        if error is not None:
+            if self.rank == 0:
+                _remove(tmp)
+            self._raise_write_error(job, error, tmp)
+        error = self._agreed(self._attempt(self._point_links, job) if self.rank == 0 else None, job, self.root)
+        if error is not None:
+            self._raise_write_error(job, error, self.root, written=True)
+        if self.rank == 0:
+            self._retain()
+
+    def _write_shards(self, job: _Job, tmp: Path, engine) -> None:
+        (tmp / "rng").mkdir(parents=True, exist_ok=True)  # every rank: whichever comes first creates it
+        if job.state is not None:
+            dcp.save(job.state, checkpoint_id=tmp / "state")  # collective with several ranks
+        else:
+            engine.save_checkpoint(tmp / "deepspeed")
+        _write_text(tmp / "rng" / f"rank_{self.rank}.json", json.dumps(job.rng))
+
+    def _install_files(self, job: _Job, tmp: Path) -> None:
+        _write_text(tmp / "train_state.json", job.train_state)
+        _write_text(tmp / "config.toml", job.config_toml)
+        _fsync_tree(tmp)
+        self._install(tmp, job.final)
+
+    def _point_links(self, job: _Job) -> None:
+        self._point(self.root / "latest", job.final)
+        self._update_best(job)
+
+    @staticmethod
+    def _attempt(fn, *args) -> BaseException | None:
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
-            dcp.save(job.state, checkpoint_id=tmp / "state")
-            (tmp / "rng").mkdir()
-            _write_text(tmp / "rng" / f"rank_{self.rank}.json", json.dumps(job.rng))
-            _write_text(tmp / "train_state.json", job.train_state)
-            _write_text(tmp / "config.toml", job.config_toml)
-            _fsync_tree(tmp)
-            self._install(tmp, job.final)
+            fn(*args)
         except BaseException as exc:
-            _remove(tmp)
-            self._raise_write_error(job, exc, tmp)
-        try:
-            self._point(self.root / "latest", job.final)
-            self._update_best(job)
-        except BaseException as exc:
-            self._raise_write_error(job, exc, self.root, written=True)
-        self._retain()
+            return exc
+        return None
+
+    def _agreed(self, error: BaseException | None, job: _Job, where: Path) -> BaseException | None:
+        """This rank's error, else the first other rank's (one collective): all ranks fail a save together."""
+        if self.world_size == 1:
+            return error
+        reports = [None] * self.world_size
+        torch.distributed.all_gather_object(reports, None if error is None else first_line(error))
+        if error is not None:
+            return error
+        rank, message = next(((r, m) for r, m in enumerate(reports) if m is not None), (None, None))
+        if rank is None:
+            return None
+        return CheckpointWriteError(f"checkpoint step_{job.step}: rank {rank} failed: {message}", where,
+                                    OSError(errno.EIO, message))
 
     def _raise_write_error(self, job: _Job, exc: BaseException, where: Path, written: bool = False):
         """CheckpointWriteError if the OS refused a write (DCP hides it in its exception chain); else exc as is."""
+        if isinstance(exc, CheckpointWriteError):  # already phrased (another rank's failure)
+            raise exc
         os_error = next((c for c in causes(exc) if isinstance(c, OSError)), None)
         if os_error is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise exc
@@ -690,10 +744,19 @@ class CheckpointManager:
         md = _inspect(path)
         check_compatible(path, config_toml, meta)
         train_state = json.loads((path / "train_state.json").read_text())
-        state = engine.state_dict()
-        _check_fit(path, md, state)
-        safe_dcp_load(state, path / "state", path, md)
-        engine.load_state_dict(state)
+        found = checkpoint_format(path)
+        if found != engine.checkpoint_format:
+            raise UserError(
+                f"checkpoint {path} holds {_FORMATS[found]}, which this run's engine cannot read; accepted: "
+                + ("distributed.engine = deepspeed, or DeepSpeed's zero_to_fp32.py to turn it into weights for a new run"
+                   if found == "deepspeed" else "a ddp, fsdp2 or local engine (distributed.engine)"))
+        if md is None:
+            engine.load_checkpoint(path / "deepspeed")
+        else:
+            state = engine.state_dict()
+            _check_fit(path, md, state)
+            safe_dcp_load(state, path / "state", path, md)
+            engine.load_state_dict(state)
         rng_file = path / "rng" / f"rank_{self.rank}.json"
         if rng_file.is_file():
             restore_rng(json.loads(rng_file.read_text()))

@@ -1,5 +1,82 @@
-"""How a model is wrapped and stepped. Only the local engine exists so far."""
+"""How a model is wrapped and stepped: one interface (``LocalEngine``'s), four engines.
 
+``build_engine`` is the only place that knows which engine runs; the loop calls the
+interface and never branches on it (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from treadle.config import Config
+from treadle.distributed import DistInfo
 from treadle.engine.local import LocalEngine
+from treadle.errors import UserError
 
-__all__ = ["LocalEngine"]
+__all__ = ["LocalEngine", "build_engine", "read_deepspeed_config", "resolve_engine"]
+
+ENGINES = ("local", "ddp", "fsdp2", "deepspeed")
+
+
+def resolve_engine(name: str, info: DistInfo) -> str:
+    """``auto`` -> local for one process, fsdp2 under a launcher; refuse combinations that cannot work."""
+    if name == "auto":
+        return "fsdp2" if info.distributed else "local"
+    if name == "local" and info.world_size > 1:
+        raise UserError(f"distributed.engine = 'local' runs one process, but this launch has {info.world_size}; "
+                        "accepted here: auto, ddp, fsdp2, deepspeed")
+    if name != "local" and not info.distributed:
+        launcher = "deepspeed --num_gpus N" if name == "deepspeed" else "torchrun --nproc_per_node N"
+        raise UserError(f"distributed.engine = {name!r} needs a process group: launch with "
+                        f"'{launcher} -m treadle train ...' (RANK/WORLD_SIZE unset here); accepted without one: auto, local")
+    return name
+
+
+def read_deepspeed_config(path: str | None) -> dict | None:
+    """The user's DeepSpeed JSON (keys override the generated ones), checked before anything is written."""
+    if path is None:
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"distributed.deepspeed_config = {path!r} does not exist; accepted: a DeepSpeed JSON file") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"distributed.deepspeed_config = {path!r} is not readable JSON ({str(exc).splitlines()[0]}); "
+                        "accepted: a DeepSpeed JSON object") from None
+    if not isinstance(data, dict):
+        raise UserError(f"distributed.deepspeed_config = {path!r} holds a {type(data).__name__}; accepted: a JSON object")
+    return data
+
+
+def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device, deepspeed_json: dict | None = None):
+    """Wrap ``model`` (fp32, on ``device``, identical on every rank) and build its optimizer inside the engine."""
+    from treadle.train.optim import build_optimizer
+
+    d = cfg.distributed
+    if name == "local":
+        return LocalEngine(model, build_optimizer(model, cfg), device)
+    if name == "ddp":
+        from treadle.engine.ddp import DDPEngine
+
+        return DDPEngine(model, build_optimizer(model, cfg), device)
+    if name == "fsdp2":
+        from treadle.engine.fsdp2 import FSDP2Engine
+
+        bf16 = cfg.model.dtype == "bf16"
+        return FSDP2Engine(model, lambda m: build_optimizer(m, cfg), device,
+                           mp_param_dtype=torch.bfloat16 if bf16 else None,
+                           reduce_dtype=torch.bfloat16 if d.reduce_dtype == "bf16" else torch.float32,
+                           reshard_after_forward=d.reshard_after_forward, cpu_offload=d.cpu_offload)
+    if name == "deepspeed":
+        from treadle.engine.deepspeed import DeepSpeedEngine
+
+        t = cfg.train
+        return DeepSpeedEngine(model, build_optimizer(model, cfg), device, zero_stage=d.zero_stage,
+                               micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
+                               grad_clip=t.grad_clip, bf16=cfg.model.dtype == "bf16", offload=d.cpu_offload,
+                               user_config=deepspeed_json)
+    raise UserError(f"distributed.engine = {name!r} is unknown; accepted: auto, {', '.join(ENGINES)}")

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
@@ -84,7 +85,11 @@ class FSDP2Engine(CollectiveEngine):
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
-        self.model = model
+        # Methods other than forward that evaluations call (a draft's target_forward): FSDP must
+        # gather the root's parameters around them as it does around forward.
+        for name in getattr(model, "fsdp_forward_methods", ()):
+            register_fsdp_forward_method(model, name)
+        self.model = self.module = model
         self.optimizer = optimizer_factory(model)
 
     @contextlib.contextmanager

@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from treadle import distributed
 
@@ -22,9 +23,11 @@ from treadle import distributed
 class LocalEngine:
     rank = 0
     world_size = 1
+    checkpoint_format = "dcp"  # the checkpoint manager saves state_dict() with DCP (DeepSpeed writes its own)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
-        self.model = model
+        self.model = model  # what the loop calls forward on (a wrapper, on other engines)
+        self.module = model  # the model itself, for evaluations that call its methods
         self.optimizer = optimizer
         self.device = device
 
@@ -73,6 +76,18 @@ class LocalEngine:
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded weights for export (trivial here; gathered on other engines)."""
         return self.model.state_dict()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state (its shards, where sharded)."""
+        def nbytes(t: torch.Tensor) -> int:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+
+        params = list(self.module.parameters())
+        optim = sum(nbytes(v) for s in self.optimizer.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"params": sum(nbytes(p) for p in params),
+                "grads": sum(nbytes(p.grad) for p in params if p.grad is not None), "optim": optim}
 
 
 _SAVE = StateDictOptions(ignore_frozen_params=True)

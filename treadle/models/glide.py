@@ -33,6 +33,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
+from treadle.spec.acceptance import greedy_continuations
 
 KIND = "glide"
 
@@ -272,12 +273,13 @@ class GlideModel(nn.Module):
         self.target.eval()  # frozen means frozen: no dropout, whatever the loop asks of the wrapper
         return self
 
+    # Evaluations call these methods directly (not through forward); a sharding engine (FSDP2)
+    # must gather the parameters around them as around forward, so they are declared here.
+    fsdp_forward_methods = ("target_forward", "draft_logits", "continue_greedily")
+
     def target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
         """Target logits and last-layer K/V for packed rows (no grad: the target is a fixed teacher)."""
-        with torch.no_grad(), capture_last_kv(self.target) as kv:
-            logits = self.target(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                 attention_mask=causal_document_mask(position_ids)).logits
-        return logits, (kv["k"], kv["v"])
+        return self._target_forward(input_ids, position_ids)
 
     def draft_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                      target_kv: tuple[torch.Tensor, torch.Tensor], lag: int,
@@ -287,6 +289,24 @@ class GlideModel(nn.Module):
         ``doc_position_ids`` (positions before any offset) delimit the documents; it
         defaults to ``position_ids``.
         """
+        return self._draft_logits(input_ids, position_ids, target_kv, lag, doc_position_ids)
+
+    def continue_greedily(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """[N, P] prompts -> [N, P + new_tokens], continued greedily by the target."""
+        return greedy_continuations(self.target, prompts, new_tokens)
+
+    # The public methods above and forward all call these: a method FSDP wraps must not be
+    # entered from inside forward, whose hooks already hold the parameters gathered.
+
+    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        with torch.no_grad(), capture_last_kv(self.target) as kv:
+            logits = self.target(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                 attention_mask=causal_document_mask(position_ids)).logits
+        return logits, (kv["k"], kv["v"])
+
+    def _draft_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      target_kv: tuple[torch.Tensor, torch.Tensor], lag: int,
+                      doc_position_ids: torch.Tensor | None = None) -> torch.Tensor:
         doc = document_ids(position_ids if doc_position_ids is None else doc_position_ids)
         idx = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         self_mask = attention_mask(idx, idx, window=self.draft_model.window, q_doc=doc, k_doc=doc)
@@ -298,8 +318,8 @@ class GlideModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lag: int = 1,
                 doc_position_ids: torch.Tensor | None = None) -> GlideOutput:
-        target_logits, target_kv = self.target_forward(input_ids, position_ids)
-        logits = self.draft_logits(input_ids, position_ids, target_kv, lag, doc_position_ids)
+        target_logits, target_kv = self._target_forward(input_ids, position_ids)
+        logits = self._draft_logits(input_ids, position_ids, target_kv, lag, doc_position_ids)
         return GlideOutput(logits=logits, target_logits=target_logits)
 
 

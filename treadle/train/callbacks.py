@@ -184,5 +184,5 @@ class ExportCallback(Callback):
     def on_train_end(self, trainer: Trainer) -> None:
         from treadle.checkpoint.export import export_hf
 
-        export_hf(trainer.engine.model, trainer.engine.export_state_dict(), self.tokenizer_dir, self.out_dir,
+        export_hf(trainer.engine.module, trainer.engine.export_state_dict(), self.tokenizer_dir, self.out_dir,
                   enabled=trainer.engine.rank == 0)

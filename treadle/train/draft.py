@@ -20,7 +20,7 @@ from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
 from treadle.models.hf import load_causal_lm, resolve_model_dir
 from treadle.models.glide import GlideDraft, GlideModel, anchored_positions, target_config_fingerprint
-from treadle.spec.acceptance import chain_acceptance, greedy_continuations
+from treadle.spec.acceptance import chain_acceptance
 from treadle.train.callbacks import Callback, EvalCallback
 from treadle.train.step import Batch
 
@@ -142,11 +142,12 @@ class AcceptanceCallback(EvalCallback):
         self.texts: torch.Tensor | None = None
 
     def measure(self, trainer: Trainer) -> dict:
-        model = trainer.engine.model
+        # Every rank measures the same prompts: the methods gather sharded weights collectively.
+        model = trainer.engine.module
         t0 = time.perf_counter()
         model.eval()
         if self.texts is None:
-            self.texts = greedy_continuations(model.target, self.prompts.to(trainer.engine.device), self.cfg.eval_new_tokens)
+            self.texts = model.continue_greedily(self.prompts.to(trainer.engine.device), self.cfg.eval_new_tokens)
         with trainer.autocast():
             got = chain_acceptance(model, self.texts, self.prompts.shape[1], self.cfg.gamma)
         model.train()
@@ -163,7 +164,8 @@ class DraftExportCallback(Callback):
     def on_train_end(self, trainer: Trainer) -> None:
         from treadle.checkpoint.export import export_draft
 
+        weights = trainer.engine.export_state_dict()  # every rank: gathering may be collective
         if trainer.engine.rank == 0:
-            export_draft(trainer.engine.model, self.out_dir, self.target_dir, self.identity, self.cfg,
+            export_draft(trainer.engine.module, weights, self.out_dir, self.target_dir, self.identity, self.cfg,
                          step=trainer.state.step)
 

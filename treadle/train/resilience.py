@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 from treadle.config import ResilienceConfig
+from treadle.distributed import HealthCheck, HealthCheckFailed
 from treadle.train.callbacks import Callback
 from treadle.train.step import StepResult, split_loss
 
@@ -114,6 +115,25 @@ def _poisoned(loss_fn):
         return summed * math.nan, side
 
     return nan_loss
+
+
+class HealthCheckCallback(Callback):
+    """Every ``every`` steps, all ranks answer a round trip within a short deadline (``HealthCheck``).
+
+    A hung rank otherwise shows up as every other rank sitting in the next collective
+    until the process-group timeout; here it becomes a TrainingFailed naming the step.
+    """
+
+    def __init__(self, every: int, timeout_s: float):
+        self.every = every
+        self.check = HealthCheck(timeout_s)
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if trainer.state.step % self.every == 0:
+            try:
+                self.check.check(trainer.state.step)
+            except HealthCheckFailed as exc:
+                raise TrainingFailed(str(exc)) from None
 
 
 class ShutdownWatcher:

@@ -6,6 +6,7 @@ missing shard never damages an earlier run that lives there.
 
 from __future__ import annotations
 
+import datetime
 import random
 import uuid
 from dataclasses import dataclass
@@ -19,14 +20,16 @@ from treadle import corpus
 from treadle.checkpoint.manager import CheckpointManager
 from treadle.config import Config, parse_duration, save_config
 from treadle.data.packed import PackedDataset, StepLoader, eval_batches
-from treadle.engine import LocalEngine
+from treadle import distributed
+from treadle.distributed import init_distributed
+from treadle.engine import build_engine, read_deepspeed_config, resolve_engine
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.models.hf import build_model, compile_layers, count_parameters, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, build_glide, eval_prompts
-from treadle.train.resilience import FaultInjectionCallback, NanGuardCallback, ShutdownWatcher
-from treadle.train.optim import build_optimizer, build_schedule
+from treadle.train.optim import build_schedule
+from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
 from treadle.train.step import loss_sum
 from treadle.train.trainer import Trainer
 
@@ -47,15 +50,7 @@ class RunSummary:
     parameters: int  # trainable
     stop_reason: str | None
     acceptance: tuple[dict | None, dict | None] | None = None  # a draft run: first and last tau_sim records
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")  # device-ok: chosen, not assumed
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"train.device = {name!r} but no CUDA device is available; accepted here: auto, cpu")
-    return device
+    rank: int = 0  # the process that returns it (every rank of a launch gets one)
 
 
 def seed_everything(seed: int) -> None:
@@ -131,10 +126,18 @@ def _draft_setup(cfg: Config, train_ds: PackedDataset, val_ds: PackedDataset | N
 
 
 def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
-    """Everything a run needs, validated and resumed if there is a checkpoint; nothing trained yet."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    device = resolve_device(cfg.train.device)
+    """Everything a run needs, validated and resumed if there is a checkpoint; nothing trained yet.
+
+    Under a launcher (torchrun, deepspeed) every rank runs this; the process group is joined
+    first, and what one process must do alone (the run directory, metrics, the console, the
+    checkpoint's finalization) is rank 0's.
+    """
+    d = cfg.distributed
+    info = init_distributed(cfg.train.device, num_threads=cfg.train.threads or None,
+                            timeout=datetime.timedelta(seconds=d.timeout_s))
+    engine_name = resolve_engine(d.engine, info)
+    deepspeed_json = read_deepspeed_config(d.deepspeed_config) if engine_name == "deepspeed" else None
+    device, main = info.device, info.is_main
     seq_len, mask = cfg.data.seq_len, cfg.data.mask_cross_doc
     train_ds = PackedDataset(_shard_dirs(cfg.data.train, "train"), seq_len, mask)
     val_ds = PackedDataset(_shard_dirs(cfg.data.val, "val"), seq_len, mask) if cfg.data.val else None
@@ -143,28 +146,30 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     tokenizer_dir = _tokenizer_dir(cfg, train_ds)
 
     out = Path(cfg.train.output_dir)
-    checkpoints = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save,
-                                    best_metric=cfg.checkpoint.best_metric, best_mode=cfg.checkpoint.best_mode)
-    resume_from = checkpoints.find_resume(cfg.checkpoint.resume)
+    checkpoints = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last, info.rank, world_size=info.world_size,
+                                    async_save=cfg.checkpoint.async_save, best_metric=cfg.checkpoint.best_metric,
+                                    best_mode=cfg.checkpoint.best_mode)
+    resume_from = distributed.on_main(checkpoints.find_resume, cfg.checkpoint.resume)  # one choice for all ranks
 
     seed_everything(cfg.train.seed)
     meta = {"vocab_size": train_ds.vocab_size, "eos_id": train_ds.meta.get("eos_id"),
             "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_fingerprint": train_ds.tokenizer_fingerprint}
     setup = _draft_setup(cfg, train_ds, val_ds, meta) if cfg.draft.kind else _model_setup(cfg, meta, tokenizer_dir)
-    _prepare_output_dir(out, cfg, checkpoints)  # the first write: every input above is valid
+    distributed.on_main(_prepare_output_dir, out, cfg, checkpoints)  # the first write: every input above is valid
     model = setup.model
     model.to(device).train()
     if cfg.model.compile:  # a draft is one block: compile it whole; the frozen target stays eager
         model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
-    optimizer = build_optimizer(model, cfg)
-    engine = LocalEngine(model, optimizer, device)
-    t = cfg.train
-    loader = StepLoader(train_ds, t.micro_batch_size, t.grad_accum_steps, t.seed)
+    engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
+    t, r = cfg.train, cfg.resilience
+    loader = StepLoader(train_ds, t.micro_batch_size, t.grad_accum_steps, t.seed, info.rank, info.world_size)
     # Order matters: the guard may roll back before eval and checkpoint see the step,
     # and eval (which may set the "best" metric) runs before the checkpoint.
-    callbacks = [MetricsCallback(t.log_every), NanGuardCallback(cfg.resilience)]
-    if cfg.resilience.inject_nan_steps:
-        callbacks.append(FaultInjectionCallback(cfg.resilience.inject_nan_steps))
+    callbacks = [MetricsCallback(t.log_every), NanGuardCallback(r)]
+    if info.world_size > 1 and d.health_check_every:
+        callbacks.append(HealthCheckCallback(d.health_check_every, d.health_check_timeout_s))
+    if r.inject_nan_steps and (not r.inject_nan_ranks or info.rank in r.inject_nan_ranks):
+        callbacks.append(FaultInjectionCallback(r.inject_nan_steps))
     if val_ds is not None:
         callbacks.append(EvalCallback(t.eval_every))
     callbacks += setup.eval_callbacks
@@ -173,12 +178,12 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
         callbacks.append(setup.export)
     bf16 = cfg.model.dtype == "bf16"
     trainer = Trainer(
-        cfg, engine, build_schedule(optimizer, cfg), loader,
-        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches),
+        cfg, engine, build_schedule(engine.optimizer, cfg), loader,
+        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches, info.rank, info.world_size),
         callbacks=callbacks,
         checkpoints=checkpoints,
-        metrics=JsonlSink(out / "metrics.jsonl"),
-        console=Console(t.max_steps, live=live),
+        metrics=JsonlSink(out / "metrics.jsonl", enabled=main),
+        console=Console(t.max_steps, enabled=main, live=live),
         autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
         meta=meta,
         shutdown=ShutdownWatcher(parse_duration(t.time_limit) if t.time_limit else None, cfg.resilience.shutdown_timeout_s),
@@ -189,20 +194,26 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
         trainer.resume(resume_from)
     # Records after the checkpoint (or all, on a fresh start) came from a run that died: they are logged again.
     trainer.metrics.truncate_after(trainer.state.step if resume_from is not None else -1)
-    save_config(cfg, out / "config.toml")
+    distributed.on_main(save_config, cfg, out / "config.toml")
+    where = f"{device}" if info.world_size == 1 else f"{info.world_size} ranks ({engine_name}, {device.type})"
     trainer.console.print(
-        f"treadle: {setup.describe()} on {device}, {train_ds.num_tokens:,} train tokens, "
+        f"treadle: {setup.describe()} on {where}, {train_ds.num_tokens:,} train tokens, "
         f"{loader.global_batch} x {seq_len} tokens per step, run directory {out}"
     )
     return trainer
 
 
 def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
-    trainer = build_trainer(cfg, live)
+    joined = not torch.distributed.is_initialized()  # a group this run creates is left at its end
     try:
-        state = trainer.fit()
+        trainer = build_trainer(cfg, live)
+        try:
+            state = trainer.fit()
+        finally:
+            trainer.metrics.close()
     finally:
-        trainer.metrics.close()
+        if joined:
+            distributed.destroy()
     out = Path(cfg.train.output_dir)
     metrics_cb = next(cb for cb in trainer.callbacks if isinstance(cb, MetricsCallback))
     eval_cb = next((cb for cb in trainer.callbacks if type(cb) is EvalCallback), None)
@@ -218,7 +229,8 @@ def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
         elapsed_s=state.elapsed_s,
         checkpoints=trainer.checkpoints.complete(),
         export_dir=next((cb.out_dir for cb in trainer.callbacks if isinstance(cb, (ExportCallback, DraftExportCallback))), None),
-        parameters=trainable_parameters(trainer.engine.model),
+        parameters=trainable_parameters(trainer.engine.module),
         stop_reason=trainer.stop_reason,
         acceptance=next(((cb.first, cb.last) for cb in trainer.callbacks if isinstance(cb, AcceptanceCallback)), None),
+        rank=trainer.engine.rank,
     )
