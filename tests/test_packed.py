@@ -233,6 +233,19 @@ def test_eval_batches_cover_everything_once(id_dataset):
     assert len(list(eval_batches(id_dataset, batch_size=4, max_batches=2))) == 2
 
 
+def test_eval_batches_cover_the_same_samples_at_any_world_size(id_dataset):
+    """max_batches bounds the samples of the whole evaluation, so eval loss does not depend on the rank count."""
+    def covered(world_size):
+        ids = []
+        for r in range(world_size):
+            for b in eval_batches(id_dataset, batch_size=4, max_batches=3, rank=r, world_size=world_size):
+                real = b["labels"][:, 0] != -100
+                ids += [int(x) // 4 for x in b["input_ids"][real, 0]]
+        return sorted(ids)
+
+    assert covered(1) == covered(2) == covered(3) == list(range(12))
+
+
 def test_micro_batch_layout_interleaves_ranks_within_a_step(id_dataset):
     """Micro-batch m of rank r holds positions (m * world + r) * mb + [0, mb) of the step."""
     order = SampleOrder(37, seed=3).indices(0, 16).tolist()

@@ -315,19 +315,19 @@ def eval_batches(dataset, batch_size: int, max_batches: int | None = None,
                  rank: int = 0, world_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
     """Sequential (unshuffled) evaluation batches: samples 0, 1, ... split across ranks.
 
+    The evaluation covers the first ``max_batches * batch_size`` samples (all of them
+    when None) whatever the number of ranks, so eval loss does not depend on it.
     Global batch ``b`` covers samples ``[b * batch_size * world_size, ...)``;
     rank ``r`` takes its ``batch_size`` slice. Every rank yields the same
     number of equally shaped batches (collectives in the eval loop must match):
-    slots past the end of the dataset are filled with sample 0 and labels of
+    slots past the covered samples are filled with sample 0 and labels of
     -100, so they count for nothing.
     """
     if batch_size < 1:
         raise UserError(f"eval batch_size {batch_size}: expected a positive integer")
-    n = len(dataset)
+    n = len(dataset) if max_batches is None else min(len(dataset), max_batches * batch_size)
     per_global = batch_size * world_size
     num_batches = math.ceil(n / per_global)
-    if max_batches is not None:
-        num_batches = min(num_batches, max_batches)
     for b in range(num_batches):
         lo = b * per_global + rank * batch_size
         idx = [i for i in range(lo, lo + batch_size) if i < n]

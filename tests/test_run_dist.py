@@ -1,0 +1,125 @@
+"""Whole runs at world size 2 (gloo, CPU), through the same ``build_trainer`` / ``run_training`` as the CLI.
+
+One launch does several runs, because each launch costs seconds: an FSDP2 run that a
+single process must reproduce (and resume from at world size 1), a DDP run where only
+rank 1 sees a NaN, a DDP run where only rank 1 gets SIGTERM, and a health check that one
+rank misses. The single-process references run here, in the test process.
+
+Tolerances (fp32): losses 1e-5 relative (two ranks sum the same terms in another order).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.helpers import args, records
+from treadle.cli import main
+from treadle.config import load_config
+from treadle.train.callbacks import Callback
+
+LOSS_RTOL = 1e-5
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _cfg(shards, out, *extra):
+    return load_config(None, args(shards, out, "--train.threads=1", *extra)[1:])
+
+
+def _fingerprint(module: torch.nn.Module) -> float:
+    """A number that differs when any weight differs (replicas that drifted apart)."""
+    return float(sum((p.detach().double() * (i + 1)).sum() for i, p in enumerate(module.parameters())))
+
+
+class SignalAt(Callback):
+    """Delivers ``sig`` to this process right after step ``step`` (as a scheduler would, to one rank only)."""
+
+    def __init__(self, step: int, sig: int = signal.SIGTERM):
+        self.step, self.sig = step, sig
+
+    def on_step_end(self, trainer, result) -> None:
+        if trainer.state.step == self.step:
+            os.kill(os.getpid(), self.sig)
+
+
+def _runs(rank, world_size, shards, out):
+    from treadle.distributed import HealthCheck, HealthCheckFailed
+    from treadle.train.run import build_trainer, run_training
+
+    got = {}
+    # 1. FSDP2, checkpoints at 2 and 4; the health check runs after every step.
+    run_training(_cfg(shards, out / "fsdp2", "--train.max_steps=4", "--checkpoint.every=2",
+                      "--distributed.engine=fsdp2", "--distributed.health_check_every=1"))
+
+    # 2. DDP, a NaN loss on rank 1 only at step 2: both ranks must skip that update.
+    trainer = build_trainer(_cfg(shards, out / "nan", "--train.max_steps=3", "--distributed.engine=ddp",
+                                 "--resilience.inject_nan_steps=[2]", "--resilience.inject_nan_ranks=[1]"))
+    trainer.fit()
+    trainer.metrics.close()
+    got["nan"] = (trainer.state.skipped_steps, _fingerprint(trainer.engine.module))
+
+    # 3. DDP, SIGTERM to rank 1 only after step 2: both stop after step 2 with one checkpoint.
+    trainer = build_trainer(_cfg(shards, out / "term", "--train.max_steps=6", "--distributed.engine=ddp"))
+    if rank == 1:
+        trainer.callbacks.insert(0, SignalAt(2))
+    trainer.fit()
+    trainer.metrics.close()
+    got["term"] = (trainer.state.step, trainer.stop_reason)
+
+    # 4. A rank that does not come to the health check is reported within its timeout, not waited on.
+    check = HealthCheck(timeout_s=2.0)
+    check.check(0)  # everyone present: passes
+    if rank == 1:
+        time.sleep(4.0)
+    t0 = time.perf_counter()
+    try:
+        check.check(7)
+        got["health"] = None
+    except HealthCheckFailed as exc:
+        got["health"] = (str(exc), time.perf_counter() - t0)
+    return got
+
+
+def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_path):
+    res = run_distributed(_runs, world_size=2, timeout=240, shards=shards, out=tmp_path)
+
+    # FSDP2 at 2 ranks x GA 2 == one process with GA 4 (same global batch, same sample order).
+    one = tmp_path / "one"
+    assert main(args(shards, one, "--train.max_steps=4", "--train.grad_accum_steps=4")) == 0
+    two = tmp_path / "fsdp2"
+    for key in ("loss", "eval_loss", "grad_norm"):
+        a, b = records(one, key), records(two, key)
+        assert a.keys() == b.keys() and a
+        assert all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in a), (key, a, b)
+    assert records(one, "tokens") == records(two, "tokens")  # tokens count both ranks
+    assert sorted(p.name for p in (two / "checkpoints" / "step_2" / "rng").iterdir()) == ["rank_0.json", "rank_1.json"]
+    assert (two / "hf" / "model.safetensors").is_file()
+
+    # The 2-rank FSDP2 checkpoint resumes in one process and continues the same run.
+    resumed = tmp_path / "resumed"
+    assert main(args(shards, resumed, "--train.max_steps=4", "--train.grad_accum_steps=4",
+                     f"--checkpoint.resume={two / 'checkpoints' / 'step_2'}")) == 0
+    a, b = records(two), records(resumed)
+    assert sorted(b) == [3, 4] and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in b)
+
+    # NaN on one rank: both skipped the same step and stayed identical replicas.
+    (skipped0, w0), (skipped1, w1) = res[0]["nan"], res[1]["nan"]
+    assert skipped0 == skipped1 == 1 and w0 == w1
+    assert records(tmp_path / "nan", "skipped_steps") == {2: 1, 3: 1}
+    assert records(tmp_path / "nan")[2] is None  # the NaN loss itself is logged (as null)
+
+    # SIGTERM on one rank: both stopped after step 2, and the checkpoint of step 2 is complete.
+    assert res[0]["term"] == (2, "stop requested by another rank") and res[1]["term"] == (2, "SIGTERM")
+    ckpts = tmp_path / "term" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_2"]
+    assert (ckpts / "latest").resolve().name == "step_2" and len(list((ckpts / "step_2" / "rng").iterdir())) == 2
+
+    # The health check named the missing rank's absence within about its timeout.
+    message, waited = res[0]["health"]
+    assert "after step 7" in message and "hung or dead" in message and waited < 4.0
