@@ -245,7 +245,8 @@ class StepLoader:
     starting at ``position``. Micro-batch ``m`` on rank ``r`` takes positions
     ``position + (m * world_size + r) * micro_batch_size + [0, micro_batch_size)``,
     so the set of samples in a step depends only on the global batch size,
-    not on how it is split into ranks and accumulation steps.
+    not on how it is split into ranks and accumulation steps. Each micro-batch
+    also carries ``order_position``, its rows' positions in the global order.
     """
 
     def __init__(self, dataset, micro_batch_size: int, grad_accum_steps: int, seed: int,
@@ -280,7 +281,11 @@ class StepLoader:
         batches = []
         for m in range(self.grad_accum_steps):
             lo = (m * ws + self.rank) * mb
-            batches.append(_collate(self.dataset, step[lo : lo + mb]))
+            batch = _collate(self.dataset, step[lo : lo + mb])
+            # Where these rows sit in the global order: a key for per-micro-batch randomness
+            # (a draft's lag) that is the same whatever the number of ranks.
+            batch["order_position"] = torch.arange(self.position + lo, self.position + lo + mb)
+            batches.append(batch)
         self.position += self.global_batch
         return batches
 

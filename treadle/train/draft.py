@@ -78,18 +78,25 @@ class GlideObjective:
     the step's token count like any loss.
     """
 
-    def __init__(self, cfg: DraftConfig, max_positions: int, seq_len: int):
+    def __init__(self, cfg: DraftConfig, max_positions: int, seq_len: int, seed: int = 0):
         self.cfg = cfg
+        self.seed = seed
         self.max_offset = max(0, min(cfg.max_position_offset, max_positions - seq_len))
 
-    def _draw(self) -> tuple[int, int]:
-        """This micro-batch's lag and position offset (torch's RNG: checkpointed, so resume is exact)."""
-        lag = int(torch.randint(1, self.cfg.gamma + 1, ())) if self.cfg.kv_lag else 1
-        offset = int(torch.randint(0, self.max_offset + 1, ())) if self.max_offset else 0
+    def _draw(self, batch: Batch) -> tuple[int, int]:
+        """This micro-batch's lag and position offset.
+
+        Drawn from (seed, the micro-batch's first position in the global sample order): the
+        same micro-batch gets the same draw at any world size and after any resume.
+        """
+        first = int(batch["order_position"][0]) if "order_position" in batch else 0
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + first)
+        lag = int(torch.randint(1, self.cfg.gamma + 1, (), generator=g)) if self.cfg.kv_lag else 1
+        offset = int(torch.randint(0, self.max_offset + 1, (), generator=g)) if self.max_offset else 0
         return lag, offset
 
     def __call__(self, model, batch: Batch):
-        lag, offset = self._draw()
+        lag, offset = self._draw(batch)
         return self.losses(model, batch, lag, offset, train=True)
 
     def evaluate(self, model, batch: Batch):

@@ -118,7 +118,7 @@ def _draft_setup(cfg: Config, train_ds: PackedDataset, val_ds: PackedDataset | N
     """A frozen target and a trainable draft; the rest of the run is unchanged."""
     model, target_dir, identity = build_glide(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint)
     meta["target_fingerprint"] = identity["config_fingerprint"]
-    objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len)
+    objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
     out = Path(cfg.train.output_dir) / "draft"
     return ModelSetup(model, objective, objective.evaluate, [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every)],
