@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -18,6 +19,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from treadle.config import load_config
     from treadle.train.run import run_training
 
+    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
+    extra = [a for a in extra if not re.match(r"^--local[_-]rank(=\d+)?$", a)]
     bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
     if bad:
         raise UserError(f"unexpected argument {bad[0]!r}; accepted: [config.toml] [--section.key=value ...]")
