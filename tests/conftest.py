@@ -1,6 +1,7 @@
 """Shared fixtures: a small real tokenizer and real shards, and the argv of a small run."""
 
 import pytest
+import torch
 
 from treadle import corpus
 from treadle.data.prepare import prepare
@@ -15,3 +16,17 @@ def shards(tmp_path_factory):
     prepare([str(p) for p in files[:36]], root / "train", tok, workers=1)
     prepare([str(p) for p in files[36:]], root / "val", tok, workers=1)
     return root
+
+
+@pytest.fixture(scope="session")
+def target_dir(shards, tmp_path_factory):
+    """A small random Llama (TARGET) saved as a Hugging Face directory with the shards' tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from tests.helpers import TARGET
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("target")
+    AutoModelForCausalLM.from_config(LlamaConfig(**TARGET)).save_pretrained(d)
+    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(d)
+    return d

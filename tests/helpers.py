@@ -14,6 +14,21 @@ def args(shards, out, *extra):
     ]
 
 
+# The draft runs' target: a small random Llama over the test tokenizer's 512 tokens.
+TARGET = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, use_cache=False)
+
+
+def draft_args(shards, target_dir, out, *extra):
+    return [
+        "train", f"--train.output_dir={out}", f"--data.train={shards / 'train'}", f"--data.val={shards / 'val'}",
+        "--draft.kind=glide", f"--draft.target={target_dir}", "--data.seq_len=32", "--train.micro_batch_size=4",
+        "--train.grad_accum_steps=2", "--train.log_every=1", "--train.eval_batches=2", "--schedule.warmup_steps=1",
+        "--optim.lr=5e-3", "--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12",
+        "--draft.max_position_offset=64", *extra,
+    ]
+
+
 def records(run_dir, key="loss"):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r[key] for r in lines if key in r}

@@ -5,28 +5,15 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-from tests.helpers import records
+from tests.helpers import TARGET, draft_args, records
 from treadle.cli import main
 from treadle.models.glide import (
     GlideDraft, GlideModel, anchored_positions, attention_mask, capture_last_kv, document_ids, load_glide,
 )
 from treadle.spec.acceptance import chain_acceptance, greedy_continuations
 from treadle.spec.glide_drafter import GlideDrafter
-
-TARGET = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, use_cache=False)
-
-
-@pytest.fixture(scope="module")
-def target_dir(shards, tmp_path_factory):
-    """A small random Llama saved as a Hugging Face directory with the shards' tokenizer."""
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("target")
-    AutoModelForCausalLM.from_config(LlamaConfig(**TARGET)).save_pretrained(d)
-    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(d)
-    return d
 
 
 def glide(seed=1, window=0):
@@ -122,23 +109,13 @@ def test_glide_speculative_decoding_is_lossless():
     assert got.verify_calls >= 1
 
 
-def _draft_args(shards, target_dir, out, *extra):
-    return [
-        "train", f"--train.output_dir={out}", f"--data.train={shards / 'train'}", f"--data.val={shards / 'val'}",
-        "--draft.kind=glide", f"--draft.target={target_dir}", "--data.seq_len=32", "--train.micro_batch_size=4",
-        "--train.grad_accum_steps=2", "--train.log_every=1", "--train.eval_batches=2", "--schedule.warmup_steps=1",
-        "--optim.lr=5e-3", "--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12",
-        "--draft.max_position_offset=64", *extra,
-    ]
-
-
 def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_path):
     from treadle.checkpoint.safety import read_metadata
     from treadle.config import load_config
     from treadle.train.run import build_trainer
 
     run = tmp_path / "run"
-    trainer = build_trainer(load_config(None, _draft_args(shards, target_dir, run, "--train.max_steps=3",
+    trainer = build_trainer(load_config(None, draft_args(shards, target_dir, run, "--train.max_steps=3",
                                                           "--checkpoint.best_metric=tau_sim",
                                                           "--checkpoint.best_mode=max")[1:]))
     model = trainer.engine.model
@@ -192,9 +169,9 @@ def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_
 
 def test_draft_run_resumes_bit_for_bit(shards, target_dir, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    assert main(_draft_args(shards, target_dir, a, "--train.max_steps=4", "--checkpoint.every=2",
+    assert main(draft_args(shards, target_dir, a, "--train.max_steps=4", "--checkpoint.every=2",
                             "--draft.loss=mix")) == 0
-    assert main(_draft_args(shards, target_dir, b, "--train.max_steps=4", "--draft.loss=mix",
+    assert main(draft_args(shards, target_dir, b, "--train.max_steps=4", "--draft.loss=mix",
                             f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 0
     la, lb = records(a), records(b)
     assert [la[s] for s in (3, 4)] == [lb[s] for s in (3, 4)]
@@ -203,7 +180,7 @@ def test_draft_run_resumes_bit_for_bit(shards, target_dir, tmp_path):
 
 
 def test_draft_run_bad_target_is_one_line(shards, tmp_path, capsys):
-    assert main(_draft_args(shards, tmp_path / "nowhere", tmp_path / "run", "--train.max_steps=2")) == 2
+    assert main(draft_args(shards, tmp_path / "nowhere", tmp_path / "run", "--train.max_steps=2")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "draft.target" in err
     assert not (tmp_path / "run").exists()
