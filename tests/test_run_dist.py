@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.helpers import args, records
+from tests.helpers import args, draft_args, records
 from treadle.cli import main
 from treadle.config import load_config
 from treadle.train.callbacks import Callback
@@ -123,3 +123,57 @@ def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_pat
     # The health check named the missing rank's absence within about its timeout.
     message, waited = res[0]["health"]
     assert "after step 7" in message and "hung or dead" in message and waited < 4.0
+
+
+DRAFT_ENGINES = {"fsdp2": ["--distributed.engine=fsdp2"],
+                 "zero3": ["--distributed.engine=deepspeed", "--distributed.zero_stage=3"]}
+
+
+def _draft_runs(rank, world_size, shards, target_dir, out):
+    from treadle.train.run import build_trainer
+
+    got = {}
+    for name, extra in DRAFT_ENGINES.items():
+        trainer = build_trainer(load_config(None, draft_args(shards, target_dir, out / name, "--train.max_steps=3",
+                                                             "--train.threads=1", *extra)[1:]))
+        before = trainer.engine.export_state_dict()  # full weights on rank 0 (gathered: every rank calls it)
+        trainer.fit()
+        trainer.metrics.close()
+        after = trainer.engine.export_state_dict()
+        if rank == 0:
+            target = [k for k in before if k.startswith("target.")]
+            draft = [k for k in before if k.startswith("draft_model.")]
+            got[name] = {"target_keys": len(target), "draft_keys": len(draft),
+                         "target_same": all(torch.equal(before[k], after[k]) for k in target),
+                         "draft_changed": any(not torch.equal(before[k], after[k]) for k in draft)}
+    return got
+
+
+def _checkpoint_tensor_names(step_dir) -> list[str]:
+    """Every tensor name a checkpoint holds: DCP metadata, or DeepSpeed's module state file."""
+    from treadle.checkpoint.safety import read_metadata
+
+    if (step_dir / "state").is_dir():
+        return list(read_metadata(step_dir / "state").state_dict_metadata)
+    names = []
+    for f in sorted((step_dir / "deepspeed").rglob("*model_states.pt")):
+        names += list(torch.load(f, map_location="cpu", weights_only=False)["module"])
+    return names
+
+
+def test_draft_runs_at_world_size_2_on_fsdp2_and_zero3(shards, target_dir, tmp_path):
+    res = run_distributed(_draft_runs, world_size=2, timeout=240, shards=shards, target_dir=target_dir, out=tmp_path)[0]
+    one = tmp_path / "one"
+    assert main(draft_args(shards, target_dir, one, "--train.max_steps=3", "--train.grad_accum_steps=4")) == 0
+    for name in DRAFT_ENGINES:
+        got, run = res[name], tmp_path / name
+        assert got["target_keys"] > 0 and got["draft_keys"] > 0
+        assert got["target_same"] and got["draft_changed"], got
+        # The same draft run as one process: lags are drawn per global micro-batch, not per rank.
+        for key in ("loss", "draft_kl", "eval_loss", "tau_sim"):
+            a, b = records(one, key), records(run, key)
+            assert a.keys() == b.keys() and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in a), (name, key)
+        # Checkpoints hold the draft only; the export is the draft alone.
+        names = _checkpoint_tensor_names(run / "checkpoints" / "step_3")
+        assert names and not [k for k in names if "target" in k], name
+        assert (run / "draft" / "model.safetensors").is_file()
