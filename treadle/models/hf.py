@@ -92,9 +92,13 @@ def compile_layers(model: nn.Module) -> None:
         layer.compile()
 
 
+def _numel(p: nn.Parameter) -> int:
+    return getattr(p, "ds_numel", p.numel())  # DeepSpeed ZeRO-3 leaves an empty tensor in a partitioned parameter
+
+
 def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    return sum(_numel(p) for p in model.parameters())
 
 
 def trainable_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return sum(_numel(p) for p in model.parameters() if p.requires_grad)
