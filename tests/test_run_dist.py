@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.distributed import run_distributed
 from tests.helpers import args, draft_args, records
@@ -176,4 +177,7 @@ def test_draft_runs_at_world_size_2_on_fsdp2_and_zero3(shards, target_dir, tmp_p
         # Checkpoints hold the draft only; the export is the draft alone.
         names = _checkpoint_tensor_names(run / "checkpoints" / "step_3")
         assert names and not [k for k in names if "target" in k], name
-        assert (run / "draft" / "model.safetensors").is_file()
+        # treadle export rebuilds the run's own draft export from either checkpoint format, in one process.
+        assert main(["export", str(run), "--to", "draft", str(tmp_path / f"{name}-export")]) == 0
+        want, again = load_file(run / "draft" / "model.safetensors"), load_file(tmp_path / f"{name}-export" / "model.safetensors")
+        assert want.keys() == again.keys() and all(torch.equal(want[k], again[k]) for k in want), name

@@ -96,7 +96,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
 
     ``to="hf"`` for a model run; ``to="draft"`` for a draft run (the draft alone, as at the end of the run).
     """
-    from treadle.checkpoint.manager import find_checkpoint
+    from treadle.checkpoint.manager import checkpoint_format, find_checkpoint
     from treadle.checkpoint.safety import safe_dcp_load
     from treadle.config import load_config
     from treadle.models.hf import build_model
@@ -118,7 +118,16 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
         module, prefix = model, ""
     # Only the trained module's entries: optimizer state and frozen tensors stay on disk (or were never there).
     state = {"model": {prefix + k: v for k, v in module.state_dict().items()}}
-    safe_dcp_load(state, ckpt / "state", ckpt)
+    if checkpoint_format(ckpt) == "deepspeed":
+        from treadle.engine.deepspeed import checkpoint_weights
+
+        saved = checkpoint_weights(ckpt / "deepspeed")
+        missing = sorted(state["model"].keys() - saved.keys())
+        if missing:
+            raise UserError(f"checkpoint {ckpt}: deepspeed/ lacks {missing[0]} (and {len(missing) - 1} more)")
+        state["model"] = {k: saved[k] for k in state["model"]}
+    else:
+        safe_dcp_load(state, ckpt / "state", ckpt)
     module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()})
     if cfg.draft.kind:
         return export_draft(model, model.state_dict(), out, target_dir, identity, cfg.draft, step=train_state["train"]["step"])

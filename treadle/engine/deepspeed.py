@@ -484,3 +484,30 @@ def _load_trainable(src: dict, dst: nn.Module) -> None:
         raise UserError(f"the DeepSpeed checkpoint does not fit this model: missing trainable {missing[:5]}, "
                         f"unexpected {sorted(result.unexpected_keys)[:5]}; accepted: a checkpoint of the same "
                         "model and the same frozen/trainable split")
+
+
+def checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The fp32 weights a DeepSpeed checkpoint holds (frozen ones were never saved), without a process group.
+
+    For ``treadle export``: ZeRO 1-3 keep the fp32 masters in per-rank partitions, which
+    DeepSpeed's ``zero_to_fp32`` reassembles; fp32 ZeRO-0 saved the module whole. Both read
+    pickles (``torch.load(weights_only=False)``), as DeepSpeed's own loading does: only
+    export checkpoints you trust.
+    """
+    directory = Path(directory)
+    try:
+        meta = json.loads((directory / META).read_text())
+    except (OSError, ValueError):
+        raise UserError(f"{directory} is not a treadle DeepSpeed checkpoint ({META} is missing or unreadable)") from None
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if meta["partitioned"]:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints progress
+            state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG, exclude_frozen_parameters=True)
+    else:
+        files = sorted((directory / TAG).glob("*model_states.pt"))
+        if not files:
+            raise UserError(f"{directory / TAG} holds no model_states.pt; accepted: a DeepSpeed checkpoint treadle wrote")
+        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
