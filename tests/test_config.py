@@ -99,3 +99,20 @@ def test_cli_reports_config_errors_in_one_line_with_exit_code_2(tmp_path):
     assert proc.stderr.strip() == "treadle: error: config error (overrides): unknown key train.max_stps; did you mean train.max_steps?"
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()  # nothing written for bad input
+
+
+def test_deepspeed_json_is_read_and_bad_ones_are_one_line(tmp_path):
+    from treadle.engine import read_deepspeed_config
+
+    good = tmp_path / "ds.json"
+    good.write_text('{"zero_optimization": {"stage3_param_persistence_threshold": 0}}')
+    assert read_deepspeed_config(str(good)) == {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    assert read_deepspeed_config(None) is None
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "broken.json").write_text("{not json")
+    for name, expected in (("missing.json", "does not exist"), ("list.json", "holds a list"),
+                           ("broken.json", "is not readable JSON")):
+        with pytest.raises(UserError) as err:
+            read_deepspeed_config(str(tmp_path / name))
+        assert expected in str(err.value) and "distributed.deepspeed_config" in str(err.value)
+        assert "\n" not in str(err.value)

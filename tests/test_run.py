@@ -82,6 +82,10 @@ def test_bad_inputs_exit_2_and_touch_nothing(shards, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     fails(args(shards, blocker / "run"), "is not writable")
+    # Engines that need a process group, asked for without a launcher; a DeepSpeed JSON that is not there.
+    fails(args(shards, run, "--distributed.engine=fsdp2"), "torchrun --nproc_per_node N")
+    fails(args(shards, run, "--distributed.engine=deepspeed"), "deepspeed --num_gpus N")
+    fails(args(shards, run, "--distributed.engine=gpipe"), "distributed.engine = 'gpipe' is invalid")
     after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     assert after == before
 
