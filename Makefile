@@ -20,9 +20,10 @@ demo: $(STAMP)  ## train the tiny Llama on the built-in corpus, then a GLIDE dra
 test: $(STAMP)  ## the whole test suite (exit code 5, "no tests ran", counts as a failure)
 	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-bench: $(STAMP)  ## treadle's loop against a bare PyTorch loop; drafters compared (needs runs/demo: make demo)
+bench: $(STAMP)  ## treadle's loop against a bare PyTorch loop; drafters compared (needs runs/demo: make demo); engines at 1 and 2 ranks
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/spec.py
+	$(BIN)/python bench/scaling.py
 
 clean-venv:
 	rm -rf $(VENV)
