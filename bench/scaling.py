@@ -51,8 +51,6 @@ MIB = 2**20
 
 def worker(args) -> None:
     """One rank of one launch: train, measure, write <results>/<engine>-ws<N>-rank<R>.json."""
-    import torch.distributed as dist
-
     from treadle import distributed
     from treadle.config import load_config
     from treadle.errors import first_line
@@ -85,7 +83,7 @@ def worker(args) -> None:
             return clip(max_norm)
 
         engine.clip_grad_norm = clip_and_measure
-        barrier = dist.barrier if dist.is_initialized() else (lambda: None)
+        barrier = distributed.barrier  # a no-op without a process group (local)
         trainer.max_steps = args.warmup
         trainer.fit()
         walls = []

@@ -16,11 +16,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from treadle import corpus
+from treadle import corpus, distributed
 from treadle.checkpoint.manager import CheckpointManager
 from treadle.config import Config, parse_duration, save_config
 from treadle.data.packed import PackedDataset, StepLoader, eval_batches
-from treadle import distributed
 from treadle.distributed import init_distributed
 from treadle.engine import build_engine, read_deepspeed_config, resolve_engine
 from treadle.errors import UserError
