@@ -443,3 +443,20 @@ def test_disk_full_keeps_previous_checkpoint_resumable(tmp_path):
     assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stdout + run.stderr
     first_line = run.stdout.splitlines()[0]
     assert first_line.startswith("checkpoint step_2 could not be written to "), first_line
+
+
+def test_a_deepspeed_checkpoint_is_refused_by_a_dcp_engine_in_one_line(tmp_path):
+    root = tmp_path / "checkpoints"
+    cm = CheckpointManager(root, keep_last=5)
+    path = cm.save(1, engine(), train_state(1), config_toml())
+    # What the DeepSpeed engine writes instead of state/ (its own files under deepspeed/).
+    shutil.rmtree(path / "state")
+    (path / "deepspeed" / "state").mkdir(parents=True)
+    (path / "deepspeed" / "latest").write_text("state")
+    assert damage(path) is None
+    with pytest.raises(UserError) as err:
+        cm.load(path, engine())
+    assert "DeepSpeed checkpoint" in str(err.value) and "distributed.engine = deepspeed" in str(err.value)
+    (path / "deepspeed" / "latest").unlink()
+    shutil.rmtree(path / "deepspeed" / "state")
+    assert damage(path) == "deepspeed/ is empty"

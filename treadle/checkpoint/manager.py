@@ -250,7 +250,7 @@ def _inspect(path: Path) -> Metadata | None:
     rng = path / "rng"
     if not rng.is_dir() or not any(rng.glob("rank_*.json")):
         raise CheckpointDamaged(path, "rng/ (the RNG states) is missing")
-    if not (path / "state").is_dir() and (path / "deepspeed").is_dir():
+    if checkpoint_format(path) == "deepspeed":
         if not any((path / "deepspeed").iterdir()):
             raise CheckpointDamaged(path, "deepspeed/ is empty")
         return None  # DeepSpeed's own format: its load_checkpoint checks its files

@@ -30,9 +30,9 @@ def resolve_engine(name: str, info: DistInfo) -> str:
         raise UserError(f"distributed.engine = 'local' runs one process, but this launch has {info.world_size}; "
                         "accepted here: auto, ddp, fsdp2, deepspeed")
     if name != "local" and not info.distributed:
-        launcher = "deepspeed --num_gpus N" if name == "deepspeed" else "torchrun --nproc_per_node N"
+        launcher = "deepspeed --num_gpus N --module" if name == "deepspeed" else "torchrun --nproc_per_node N -m"
         raise UserError(f"distributed.engine = {name!r} needs a process group: launch with "
-                        f"'{launcher} -m treadle train ...' (RANK/WORLD_SIZE unset here); accepted without one: auto, local")
+                        f"'{launcher} treadle train ...' (RANK/WORLD_SIZE unset here); accepted without one: auto, local")
     return name
 
 
