@@ -452,13 +452,18 @@ class DeepSpeedEngine(CollectiveEngine):
         return report
 
 
+def _read_meta(directory: Path) -> dict:
+    """What ``save_checkpoint`` recorded beside DeepSpeed's files (world size, stage, partitioned)."""
+    try:
+        return json.loads((directory / META).read_text())
+    except (OSError, ValueError):
+        raise UserError(f"{directory} is not a treadle DeepSpeed checkpoint ({META} is missing or unreadable)") from None
+
+
 def check_resumable(directory: Path, world_size: int, zero_stage: int) -> None:
     """A one-line UserError unless an engine at ``world_size`` / ``zero_stage`` can load ``directory`` as it is."""
     directory = Path(directory)
-    try:
-        meta = json.loads((directory / META).read_text())
-    except (OSError, ValueError):
-        raise UserError(f"{directory} is not a treadle DeepSpeed checkpoint ({META} is missing or unreadable)") from None
+    meta = _read_meta(directory)
     saved, stage = meta["world_size"], meta["zero_stage"]
     if meta["partitioned"] and (saved, stage) != (world_size, zero_stage):
         raise UserError(
@@ -495,10 +500,7 @@ def checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
     export checkpoints you trust.
     """
     directory = Path(directory)
-    try:
-        meta = json.loads((directory / META).read_text())
-    except (OSError, ValueError):
-        raise UserError(f"{directory} is not a treadle DeepSpeed checkpoint ({META} is missing or unreadable)") from None
+    meta = _read_meta(directory)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if meta["partitioned"]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
