@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from treadle import corpus
 from treadle.config import load_config
-from treadle.data.packed import PackedDataset, SampleOrder
+from treadle.data.mixture import SampleOrder
+from treadle.data.packed import PackedDataset
 from treadle.models.hf import build_model
 from treadle.train.run import build_trainer
 

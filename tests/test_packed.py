@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from treadle.corpus import corpus_files, train_tokenizer
-from treadle.data.packed import PackedDataset, SampleOrder, StepLoader, eval_batches
+from treadle.data.loader import StepLoader, eval_batches
+from treadle.data.mixture import SampleOrder, stream_of
+from treadle.data.packed import PackedDataset
 from treadle.data.prepare import prepare
 from treadle.errors import UserError
 
@@ -171,7 +173,7 @@ def test_step_loader_resume_equals_continuing(id_dataset):
     run = StepLoader(id_dataset, micro_batch_size=3, grad_accum_steps=2, seed=7)
     steps = [run.next_step() for _ in range(9)]  # 54 positions: crosses into epoch 2
     assert all(len(s) == 2 and s[0]["input_ids"].shape == (3, 4) for s in steps)
-    assert sample_ids(steps[0] + steps[1])[:6] == SampleOrder(37, 7).indices(0, 6).tolist()
+    assert sample_ids(steps[0] + steps[1])[:6] == SampleOrder(37, 7, stream_of("train")).indices(0, 6).tolist()
 
     replay = StepLoader(id_dataset, micro_batch_size=3, grad_accum_steps=2, seed=7)
     for _ in range(4):
@@ -202,7 +204,7 @@ def test_ranks_split_the_same_global_step(id_dataset):
 
 
 def test_resume_on_another_world_size_continues_the_global_order(id_dataset):
-    order = SampleOrder(37, seed=5).indices(0, 80).tolist()
+    order = SampleOrder(37, seed=5, stream=stream_of("train")).indices(0, 80).tolist()
     one = StepLoader(id_dataset, micro_batch_size=2, grad_accum_steps=2, seed=5)
     consumed = [sample_ids(one.next_step()) for _ in range(3)]
     assert sum(consumed, []) == order[:12]
@@ -248,7 +250,7 @@ def test_eval_batches_cover_the_same_samples_at_any_world_size(id_dataset):
 
 def test_micro_batch_layout_interleaves_ranks_within_a_step(id_dataset):
     """Micro-batch m of rank r holds positions (m * world + r) * mb + [0, mb) of the step."""
-    order = SampleOrder(37, seed=3).indices(0, 16).tolist()
+    order = SampleOrder(37, seed=3, stream=stream_of("train")).indices(0, 16).tolist()
     ranks = [StepLoader(id_dataset, micro_batch_size=2, grad_accum_steps=2, seed=3, rank=r, world_size=2) for r in range(2)]
     steps = [r.next_step() for r in ranks]
     for r in range(2):

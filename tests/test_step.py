@@ -59,7 +59,7 @@ def test_grad_accumulation_matches_one_big_batch():
     assert max_rel_diff(g_acc, g_big) <= 1e-6
     # The same split with a mean of micro-batch means is measurably wrong: the check above can fail.
     def mean_of_means(model, mb):
-        return loss_sum(model, mb) / int((mb["labels"] != IGNORE_INDEX).sum()) * acc.label_tokens / len(counts)
+        return loss_sum(model, mb).sum() / int((mb["labels"] != IGNORE_INDEX).sum()) * acc.label_tokens / len(counts)
     _, g_naive = run(split(batch, 2), loss_fn=mean_of_means)
     assert max_rel_diff(g_naive, g_big) > 1e-3
 
@@ -69,7 +69,7 @@ def test_step_loss_is_token_weighted_mean_and_clip_reports_the_unclipped_norm():
     torch.manual_seed(0)
     model = build_model(ModelConfig(overrides=TINY), vocab_size=97)
     with torch.no_grad():
-        expected = loss_sum(model, batch).item() / int((batch["labels"] != IGNORE_INDEX).sum())
+        expected = loss_sum(model, batch).sum().item() / int((batch["labels"] != IGNORE_INDEX).sum())
     engine = GradRecordingEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), torch.device("cpu"))
     result = optimizer_step(engine, split(batch, 4), grad_clip=1e-3)
     assert result.loss == pytest.approx(expected, rel=1e-6)

@@ -123,17 +123,90 @@ class ModelConfig(Section):
     overrides: dict[str, Any] = Field(default_factory=dict, description="HF config fields set on top of the preset")
 
 
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class SourceConfig(Section):
+    """One entry of ``[[data.sources]]``: a named source and its share of the mixture."""
+
+    name: str = Field(description="short identifier; metrics are logged as loss/<name>, tokens/<name>")
+    path: list[str] = Field(description="'builtin', shard directories, or .jsonl/.json/.parquet/.arrow files (a file, a directory or a glob)")
+    weight: float = Field(1.0, ge=0.0, description="sampling weight; probability ~ weight^(1/data.temperature)")
+    format: Literal["auto", "text", "sft", "tokens"] = Field(
+        "auto", description="files: text (a text field), sft (messages or prompt/completion); auto: from the first row")
+    text_field: str = Field("text", description="format text: the field holding the document")
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _listify(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("accepted: letters, digits, '_', '.', '-'")
+        return v
+
+
+class PhaseConfig(Section):
+    """One entry of ``[[data.phases]]``: from ``start_step`` on, other weights and a scaled learning rate."""
+
+    start_step: int = Field(ge=0, description="first step of the phase")
+    weights: dict[str, float] = Field(default_factory=dict, description="source name -> weight; unnamed sources keep their weight")
+    lr_scale: float = Field(1.0, gt=0.0, description="multiplies the scheduled learning rate during the phase")
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, w in v.items() if w < 0]
+        if bad:
+            raise ValueError(f"weight of {bad[0]!r} is negative; accepted: weights >= 0")
+        return v
+
+
 class DataConfig(Section):
     seq_len: int = Field(256, ge=8)
-    train: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs, or 'builtin'")
-    val: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs, 'builtin', or [] for no eval")
+    train: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs / data files, or 'builtin' (one source named 'train')")
+    val: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs / data files, 'builtin', or [] for no eval")
+    sources: list[SourceConfig] = Field(default_factory=list, description="a weighted mixture; replaces data.train")
+    temperature: float = Field(1.0, gt=0.0, description="mixture temperature: probability ~ weight^(1/temperature)")
+    phases: list[PhaseConfig] = Field(default_factory=list, description="curriculum: mixture weights and lr_scale by step")
     mask_cross_doc: bool = Field(True, description="no loss on predicting the first token of the next document")
-    tokenizer: str = Field("auto", description="tokenizer exported with the model: 'auto' (the shards' own) or a directory")
+    tokenizer: str = Field("auto", description="'auto' (the shards', else the target's / model's, else the built-in) or a directory")
+    chat_template: Literal["auto", "builtin"] = Field("auto", description="sft: the tokenizer's chat template if it has one, or treadle's built-in")
+    overlong: Literal["truncate", "drop"] = Field("truncate", description="sft: an example longer than seq_len + 1 tokens is cut, or dropped")
+    bad_rows: Literal["error", "skip"] = Field("error", description="a malformed row stops the run (naming file and line), or is skipped and counted")
+    prefetch: bool = Field(True, description="build the next step's batches in a background thread")
 
     @field_validator("train", "val", mode="before")
     @classmethod
     def _listify(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _mixture(self) -> DataConfig:
+        names = [s.name for s in self.sources]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"data.sources: name {dup!r} is used twice; accepted: one name per source")
+        if self.sources and "train" in self.model_fields_set:
+            raise ValueError("data.train and data.sources are both set; accepted: one of them (data.sources replaces data.train)")
+        known = names or ["train"]
+        starts = [p.start_step for p in self.phases]
+        if starts != sorted(set(starts)):
+            raise ValueError(f"data.phases: start_step values {starts} must be strictly increasing")
+        weights = [{n: s.weight for n, s in zip(names, self.sources)}] if names else []
+        for p in self.phases:
+            unknown = sorted(set(p.weights) - set(known))
+            if unknown:
+                raise ValueError(f"data.phases: weights name {unknown[0]!r}, which is not a source; accepted: {', '.join(known)}")
+            if names:
+                weights.append({**weights[0], **p.weights})
+        for w in weights:
+            if not any(v > 0 for v in w.values()):
+                raise ValueError("data.sources: every weight (of the sources, and of each phase) is 0; accepted: at least one weight > 0")
+        return self
 
 
 class DraftConfig(Section):

@@ -40,12 +40,12 @@ from pathlib import Path
 
 import numpy as np
 
+from treadle.data.shards import FORMAT_VERSION, token_dtype
 from treadle.errors import UserError
 from treadle.fsutil import fsync_tree, replace_dir
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 DIRECTORY_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".json")
 _GLOB_CHARS = set("*?[")
 # Aim for several chunks per worker so one slow chunk does not leave the
@@ -56,13 +56,6 @@ _MIN_CHUNK_BYTES = 256 << 10
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest dtype holding every id of a vocabulary: ids run 0..vocab_size-1, uint16 holds 0..65535."""
-    if vocab_size <= 0:
-        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
 def _is_wanted(path: Path) -> bool:

@@ -48,11 +48,18 @@ class MetricsCallback(Callback):
         self.last_loss: float | None = None
         self._window_tokens = 0
         self._window_seconds = 0.0
+        self._window_data_seconds = 0.0
+        self._window_sources: dict[str, list[float]] = {}  # name -> [summed loss, label tokens] since the last record
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         st = trainer.state
         self._window_tokens += trainer.tokens_per_step
         self._window_seconds += trainer.last_step_seconds
+        self._window_data_seconds += trainer.last_data_seconds
+        for name, (loss, count) in result.by_source.items():
+            acc = self._window_sources.setdefault(name, [0.0, 0])
+            acc[0] += loss * count
+            acc[1] += count
         if self.first_loss is None:
             self.first_loss = result.loss
         self.last_loss = result.loss
@@ -67,12 +74,19 @@ class MetricsCallback(Callback):
             **result.metrics,
             "tokens": st.tokens,
             "tokens_per_s": self._window_tokens / max(self._window_seconds, 1e-9),
+            "data_wait_s": self._window_data_seconds / max(self._window_tokens // trainer.tokens_per_step, 1),
             "elapsed_s": round(st.elapsed_s, 3),
         }
+        if trainer.sources:  # each source's token-weighted loss over the window, and its tokens so far
+            record |= {f"loss/{n}": total / count for n, (total, count) in self._window_sources.items() if count}
+            record |= {f"tokens/{n}": t for n, t in trainer.loader.tokens_by_source(trainer.cfg.data.seq_len).items()}
+        if len(trainer.loader.mixture.phases) > 1:
+            record["phase"] = trainer.loader.mixture.phase_index(st.step - 1)
         if st.skipped_steps:
             record["skipped_steps"] = st.skipped_steps
         trainer.log(record)
-        self._window_tokens, self._window_seconds = 0, 0.0
+        self._window_tokens, self._window_seconds, self._window_data_seconds = 0, 0.0, 0.0
+        self._window_sources = {}
 
     def state_dict(self) -> dict:
         return {"first_loss": self.first_loss, "last_loss": self.last_loss}
@@ -92,7 +106,7 @@ def evaluate(trainer: Trainer) -> tuple[float, int, dict[str, float]]:
         with trainer.autocast():
             summed, side = split_loss(trainer.eval_loss_fn(engine.model, batch))
         names = list(side)
-        sums = torch.stack([t.detach().double() for t in (label_tokens(batch), summed, *side.values())])
+        sums = torch.stack([t.detach().double() for t in (label_tokens(batch), summed.sum(), *side.values())])
         total = sums if total is None else total + sums
     engine.model.train()
     if total is None:

@@ -22,7 +22,7 @@ from treadle.models.hf import load_causal_lm, resolve_model_dir
 from treadle.models.glide import GlideDraft, GlideModel, anchored_positions, target_config_fingerprint
 from treadle.spec.acceptance import chain_acceptance
 from treadle.train.callbacks import Callback, EvalCallback
-from treadle.train.step import Batch
+from treadle.train.step import Batch, row_cross_entropy
 
 if TYPE_CHECKING:
     from treadle.train.trainer import Trainer
@@ -107,21 +107,18 @@ class GlideObjective:
         positions = batch["position_ids"]
         shifted = anchored_positions(positions, self.cfg.anchor_positions, offset)
         out = model(input_ids=batch["input_ids"], position_ids=shifted, lag=lag, doc_position_ids=positions)
-        labels = batch["labels"].flatten()
-        valid = labels != IGNORE_INDEX
-        logits = out.logits.flatten(0, 1).float()
-        target_logits = out.target_logits.flatten(0, 1).float()
-        ce = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        target_ce = F.cross_entropy(target_logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        labels = batch["labels"]
+        ce = row_cross_entropy(out.logits, labels)
+        target_ce = row_cross_entropy(out.target_logits, labels).sum()
         if not train:
             return ce, {"target_loss": target_ce}
-        kl = (F.kl_div(F.log_softmax(logits, -1), F.log_softmax(target_logits, -1), log_target=True,
-                       reduction="none").sum(-1) * valid).sum()
+        kl = (F.kl_div(F.log_softmax(out.logits.float(), -1), F.log_softmax(out.target_logits.float(), -1),
+                       log_target=True, reduction="none").sum(-1) * (labels != IGNORE_INDEX)).sum(-1)
         if self.cfg.loss == "mix":
             loss = (1.0 - self.cfg.kl_weight) * ce + self.cfg.kl_weight * kl
         else:
             loss = ce if self.cfg.loss == "ce" else kl
-        return loss, {"target_loss": target_ce, "draft_ce": ce.detach(), "draft_kl": kl.detach()}
+        return loss, {"target_loss": target_ce, "draft_ce": ce.detach().sum(), "draft_kl": kl.detach().sum()}
 
 
 # ----------------------------------------------------------------------------- callbacks

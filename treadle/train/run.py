@@ -18,8 +18,12 @@ import torch
 
 from treadle import corpus, distributed
 from treadle.checkpoint.manager import CheckpointManager
-from treadle.config import Config, parse_duration, save_config
-from treadle.data.packed import PackedDataset, StepLoader, eval_batches
+from treadle.config import Config, SourceConfig, parse_duration, save_config
+from treadle.data.loader import StepLoader, eval_batches
+from treadle.data.mixture import Mixture, Phase
+from treadle.data.packed import ExampleDataset, PackedDataset
+from treadle.data.shards import Shard
+from treadle.data.sources import OpenedSource, file_tokenizer, open_source, resolve
 from treadle.distributed import init_distributed
 from treadle.engine import build_engine, read_deepspeed_config, resolve_engine
 from treadle.errors import UserError
@@ -58,21 +62,50 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _shard_dirs(entries: list[str], split: str) -> list[Path]:
-    """'builtin' means the built-in corpus' split (prepared into the cache on first use)."""
-    return [corpus.builtin_shards(split, corpus.builtin_tokenizer_dir()) if e == "builtin" else Path(e) for e in entries]
+@dataclass
+class RunData:
+    """The run's opened sources, their mixture, and the validation set."""
+
+    sources: list[OpenedSource]
+    mixture: Mixture
+    val: PackedDataset | ExampleDataset | None
+    tokenizer_dir: Path | None  # exported with the model
+
+    @property
+    def train(self):  # the first source: what a single-source run trains on (its meta, vocab, tokenizer)
+        return self.sources[0].dataset
 
 
-def _tokenizer_dir(cfg: Config, train: PackedDataset) -> Path | None:
-    """The tokenizer exported with the model: the configured one, else the one the shards were made with."""
+def _open_data(cfg: Config) -> RunData:
+    """Every source opened (data files tokenized into the cache on first use), checked to share one tokenizer."""
+    d = cfg.data
+    specs = d.sources or [SourceConfig(name="train", path=d.train)]
+    # Data files are tokenized with data.tokenizer, else the target's / model's, else the shards', else the built-in.
+    shard_meta = next((Shard(p).meta for s in specs for p in resolve(s.path, "train", "data.sources")[0]), {})
+    tokenizer = file_tokenizer(d.tokenizer, [cfg.draft.target, cfg.model.path, shard_meta.get("tokenizer_dir")])
+    key = (lambda i: f"data.sources[{i}] ({specs[i].name})") if d.sources else (lambda i: "data.train")
+    opened = [open_source(s.name, s.path, "train", s.format, s.text_field, d.seq_len, d, tokenizer, key(i))
+              for i, s in enumerate(specs)]
+    val = open_source("val", d.val, "val", "auto", "text", d.seq_len, d, tokenizer, "data.val").dataset if d.val else None
+    first = opened[0].dataset
+    for name, ds in [(o.name, o.dataset) for o in opened[1:]] + [("data.val", val)]:
+        if ds is not None and ds.tokenizer_fingerprint != first.tokenizer_fingerprint:
+            raise UserError(f"{name} was tokenized with another tokenizer (fingerprint {ds.tokenizer_fingerprint}) than "
+                            f"{opened[0].name} ({first.tokenizer_fingerprint}); accepted: data of one tokenizer")
+    base = [s.weight for s in specs]
+    phases = [Phase(p.start_step, tuple(p.weights.get(s.name, w) for s, w in zip(specs, base)), p.lr_scale) for p in d.phases]
+    mixture = Mixture([s.name for s in specs], base, phases, d.temperature)
+    return RunData(opened, mixture, val, _tokenizer_dir(cfg, first))
+
+
+def _tokenizer_dir(cfg: Config, train) -> Path | None:
+    """The tokenizer exported with the model: the configured one, else the one the data was made with."""
     if cfg.data.tokenizer == "auto":
         recorded = Path(train.tokenizer_dir) if train.tokenizer_dir else None
         return recorded if recorded is not None and recorded.is_dir() else None
     path = Path(cfg.data.tokenizer)
-    if not (path / "tokenizer.json").is_file():
-        raise UserError(f"data.tokenizer = {cfg.data.tokenizer!r} is not a tokenizer directory (no tokenizer.json); accepted: 'auto' or a save_pretrained tokenizer directory")
     if corpus.tokenizer_fingerprint(path) != train.tokenizer_fingerprint:
-        raise UserError(f"data.tokenizer {path} is not the tokenizer the data.train shards were made with (fingerprint {train.tokenizer_fingerprint})")
+        raise UserError(f"data.tokenizer {path} is not the tokenizer the training data was made with (fingerprint {train.tokenizer_fingerprint})")
     return path
 
 
@@ -137,12 +170,10 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     engine_name = resolve_engine(d.engine, info)
     deepspeed_json = read_deepspeed_config(d.deepspeed_config) if engine_name == "deepspeed" else None
     device, main = info.device, info.is_main
-    seq_len, mask = cfg.data.seq_len, cfg.data.mask_cross_doc
-    train_ds = PackedDataset(_shard_dirs(cfg.data.train, "train"), seq_len, mask)
-    val_ds = PackedDataset(_shard_dirs(cfg.data.val, "val"), seq_len, mask) if cfg.data.val else None
-    if val_ds is not None and val_ds.tokenizer_fingerprint != train_ds.tokenizer_fingerprint:
-        raise UserError("data.val shards were tokenized with another tokenizer than data.train; accepted: shards of one tokenizer")
-    tokenizer_dir = _tokenizer_dir(cfg, train_ds)
+    seq_len = cfg.data.seq_len
+    # Rank 0 tokenizes data files into the cache; the others then find them there.
+    data = distributed.on_main(_open_data, cfg) or _open_data(cfg)
+    train_ds, val_ds, tokenizer_dir = data.train, data.val, data.tokenizer_dir
 
     out = Path(cfg.train.output_dir)
     checkpoints = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last, info.rank, world_size=info.world_size,
@@ -161,7 +192,8 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
         model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
     engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
     t, r = cfg.train, cfg.resilience
-    loader = StepLoader(train_ds, t.micro_batch_size, t.grad_accum_steps, t.seed, info.rank, info.world_size)
+    loader = StepLoader({o.name: o.dataset for o in data.sources}, t.micro_batch_size, t.grad_accum_steps, t.seed,
+                        info.rank, info.world_size, data.mixture, prefetch=cfg.data.prefetch)
     # Order matters: the guard may roll back before eval and checkpoint see the step,
     # and eval (which may set the "best" metric) runs before the checkpoint.
     callbacks = [MetricsCallback(t.log_every), NanGuardCallback(r)]
@@ -199,6 +231,10 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
         f"treadle: {setup.describe()} on {where}, {train_ds.num_tokens:,} train tokens, "
         f"{loader.global_batch} x {seq_len} tokens per step, run directory {out}"
     )
+    if cfg.data.sources or any(o.kind == "sft" or o.skipped for o in data.sources):
+        probs = data.mixture.probabilities(trainer.state.step)
+        for o, p in zip(data.sources, probs):
+            trainer.console.print(f"  source {o.describe()}, p={p:.3f}")
     return trainer
 
 

@@ -5,6 +5,10 @@ every rank, divided by the number of valid label tokens in that whole step.
 Each micro-batch therefore backpropagates ``sum_CE(mb) / N_step``, and the
 accumulated gradient equals the gradient of one big batch, whatever the split
 (a mean of micro-batch means would weight a token by how crowded its micro-batch was).
+
+A loss function returns the loss summed per row ([B]); with a mixture of sources the
+rows' sums, grouped by each row's ``source``, give every source's own token-weighted
+loss at no extra collective.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Union
+from typing import Callable, ContextManager, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +25,9 @@ from torch import nn
 from treadle.data.packed import IGNORE_INDEX  # the data marks "no loss here"; the loss honours it
 
 Batch = dict[str, torch.Tensor]
-# A loss function returns the summed loss of a micro-batch, optionally with named
-# summed side quantities (a draft run's target loss, ...) that are reported, not trained.
+# A loss function returns the loss of a micro-batch summed per row ([B]; a scalar sum is
+# accepted too), optionally with named summed side quantities (a draft run's target loss,
+# ...) that are reported, not trained.
 LossOutput = Union[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -37,22 +42,29 @@ class StepResult:
     label_tokens: int  # valid label tokens in the step, over all ranks
     applied: bool  # False when a non-finite loss or gradient made us skip the update
     metrics: dict[str, float] = field(default_factory=dict)  # side quantities, normalized like the loss
+    by_source: dict[str, tuple[float, int]] = field(default_factory=dict)  # name -> (mean loss, label tokens)
 
 
 def loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Summed next-token cross-entropy of a batch whose labels are already shifted."""
+    """Next-token cross-entropy summed per row ([B]) of a batch whose labels are already shifted."""
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    labels = batch["labels"]
-    # fp32 for the softmax: under bf16 autocast the logits arrive in bf16.
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return row_cross_entropy(logits, batch["labels"])
+
+
+def row_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[B, L, V] logits, [B, L] labels -> [B] summed CE (fp32 softmax: under bf16 autocast logits are bf16)."""
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return ce.view(labels.shape).sum(-1)
 
 
 def label_tokens(batch: Batch) -> torch.Tensor:
     return (batch["labels"] != IGNORE_INDEX).sum()
 
 
-def count_label_tokens(micro_batches: list[Batch]) -> int:
-    return sum(int(label_tokens(mb)) for mb in micro_batches)
+def _by_source(batch: Batch, per_row: torch.Tensor, num_sources: int) -> torch.Tensor:
+    """[num_sources] sums of a per-row quantity, grouped by the rows' source."""
+    return torch.zeros(num_sources, dtype=torch.float64, device=per_row.device).index_add_(
+        0, batch["source"].to(per_row.device), per_row.detach().double())
 
 
 def optimizer_step(
@@ -61,23 +73,38 @@ def optimizer_step(
     grad_clip: float,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     loss_fn: Callable[[nn.Module, Batch], LossOutput] = loss_sum,
+    sources: Sequence[str] = (),
 ) -> StepResult:
-    # One all-reduce for the denominator, before any backward: every rank scales by the same N.
-    local = torch.tensor(float(count_label_tokens(micro_batches)), dtype=torch.float64)
-    n_tokens = engine.all_reduce_sum(local).item()
+    """``sources``: the names of the run's sources, when each source's loss is wanted (batches carry ``source``)."""
+    S = len(sources)
+    # One all-reduce for the denominators, before any backward: every rank scales by the same N.
+    local = torch.zeros(1 + S, dtype=torch.float64)
+    for mb in micro_batches:
+        local[0] += label_tokens(mb)
+        if S:
+            local[1:] += _by_source(mb, (mb["labels"] != IGNORE_INDEX).sum(-1), S)
+    n_tokens, *source_tokens = engine.all_reduce_sum(local).tolist()
     denom = max(n_tokens, 1.0)  # a step with no label tokens contributes zero gradient, not NaN
 
-    total: torch.Tensor | None = None  # [loss, *side quantities], summed; stays on the device (no sync per micro-batch)
+    total: torch.Tensor | None = None  # [loss, *side quantities, *per-source loss]; stays on the device
     for i, mb in enumerate(micro_batches):
         mb = {k: v.to(engine.device, non_blocking=True) for k, v in mb.items()}
         with engine.no_sync(last=i == len(micro_batches) - 1):
             with autocast():
                 summed, side = split_loss(loss_fn(engine.model, mb))
+            per_row = summed if summed.dim() == 1 else None
+            summed = summed.sum()
             engine.backward(summed / denom)
         sums = torch.stack([t.detach().double() for t in (summed, *side.values())])
+        if S:
+            sums = torch.cat([sums, _by_source(mb, per_row, S) if per_row is not None
+                              else torch.full((S,), math.nan, dtype=torch.float64, device=sums.device)])
         total = sums if total is None else total + sums
 
-    loss, *side_values = (engine.all_reduce_sum(total) / denom).tolist()  # one collective for all of them
+    reduced = engine.all_reduce_sum(total).tolist()  # one collective for all of them
+    loss, side_values = reduced[0] / denom, [v / denom for v in reduced[1 : 1 + len(side)]]
+    by_source = {name: (value / count, int(count)) for name, value, count in zip(sources, reduced[1 + len(side):], source_tokens)
+                 if count and math.isfinite(value)}
     grad_norm = float(engine.clip_grad_norm(grad_clip))
     # All ranks must agree, or one rank would step while another skips and the replicas drift.
     applied = engine.all_agree(math.isfinite(loss) and math.isfinite(grad_norm))
@@ -85,4 +112,4 @@ def optimizer_step(
         engine.step()
     engine.zero_grad()
     return StepResult(loss=loss, grad_norm=grad_norm, label_tokens=int(n_tokens), applied=applied,
-                      metrics=dict(zip(side, side_values)))
+                      metrics=dict(zip(side, side_values)), by_source=by_source)

@@ -77,8 +77,12 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.stop_reason: str | None = None
         self.last_step_seconds = 0.0
+        self.last_data_seconds = 0.0  # of the last step, waiting for its batches
         self.last_save_seconds = 0.0
         self.last_lr = self.current_lr()
+        self.phase_lr_scale: float | None = None  # the data phase's lr multiplier now applied (None: not yet)
+        # Per-source losses are reported when the run names its sources ([[data.sources]]).
+        self.sources = loader.names if cfg.data.sources else []
 
     def fit(self) -> TrainState:
         """Train to max_steps, or until a signal / the time limit asks to stop (``stop_reason``)."""
@@ -89,9 +93,12 @@ class Trainer:
             while self.state.step < self.max_steps and self.stop_reason is None:
                 self._each("on_step_start")
                 t0 = time.perf_counter()
+                self._enter_phase()
                 self.last_lr = self.current_lr()
-                micro_batches = self.loader.next_step()
-                result = optimizer_step(self.engine, micro_batches, self.cfg.train.grad_clip, self.autocast, self.loss_fn)
+                micro_batches = self.loader.next_step(self.state.step)
+                self.last_data_seconds = time.perf_counter() - t0
+                result = optimizer_step(self.engine, micro_batches, self.cfg.train.grad_clip, self.autocast, self.loss_fn,
+                                        self.sources)
                 if result.applied:  # a skipped update must not advance the schedule either
                     self.schedule.step()
                 self.last_step_seconds = time.perf_counter() - t0
@@ -106,9 +113,20 @@ class Trainer:
                 self._each("on_train_end")
             self.checkpoints.wait()  # an async save still in flight must land before we return
         finally:
+            self.loader.close()
             self.shutdown.uninstall()
             self.console.stop()
         return self.state
+
+    def _enter_phase(self) -> None:
+        """At a data phase's first step (and on the first step of any run), apply its lr scale."""
+        scale = self.loader.mixture.lr_scale(self.state.step)
+        if scale != self.phase_lr_scale:
+            if self.phase_lr_scale is not None:
+                self.console.print(f"step {self.state.step}: data phase {self.loader.mixture.phase_index(self.state.step)} "
+                                   f"begins (lr x{scale:g})")
+            self.phase_lr_scale = scale
+            self._apply_lr_scale()
 
     def _each(self, hook: str) -> None:
         for cb in self.callbacks:
@@ -169,15 +187,17 @@ class Trainer:
         path = self.checkpoints.find_resume("auto")
         if path is None:
             raise TrainingFailed("non-finite steps but no checkpoint to roll back to; set checkpoint.every")
-        position, scale = self.loader.position, self.state.lr_scale * lr_scale
+        data, scale = self.loader.state_dict(), self.state.lr_scale * lr_scale
         self.resume(path)
-        self.loader.position = position  # the stretch that went bad is not trained on again
+        self.loader.load_state_dict(data)  # the stretch that went bad is not trained on again
         self.state.lr_scale = scale
         self._apply_lr_scale()
         return path
 
     def _apply_lr_scale(self) -> None:
+        """lr = peak lr x rollback scale x data phase scale x the schedule's factor at this step."""
         sched = self.schedule
-        sched.base_lrs = [self.cfg.optim.lr * self.state.lr_scale for _ in sched.base_lrs]
+        scale = self.state.lr_scale * (self.phase_lr_scale or 1.0)
+        sched.base_lrs = [self.cfg.optim.lr * scale for _ in sched.base_lrs]
         for group, base, fn in zip(self.engine.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
             group["lr"] = base * fn(sched.last_epoch)

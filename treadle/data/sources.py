@@ -1,0 +1,313 @@
+"""Training sources: what a ``[[data.sources]]`` entry (or ``data.train``) points at, opened as a dataset.
+
+A source's ``path`` is one or more of
+
+* ``builtin``           - the built-in corpus (its train or val split);
+* a shard directory     - the output of ``treadle prepare`` (or of this module's cache), used as it is;
+* data files            - ``.jsonl`` / ``.json`` / ``.parquet`` / ``.arrow`` files, named one by one,
+  as a directory (every such file in it, recursively, sorted) or as a glob.
+
+Data files are read with Hugging Face ``datasets`` in streaming mode (row batches;
+a file is never held in memory) and tokenized once into a shard directory in
+treadle's cache (``$TREADLE_CACHE/sources/<key>``). The key covers each file's
+path, size and mtime, the tokenizer's fingerprint and chat template, the format
+and the row policy, so a second run reuses the shards and any change re-tokenizes.
+Training then memory-maps the shards: sources larger than memory cost none.
+
+Formats (``format = "auto"`` looks at the first row): ``text`` (a string field,
+``text_field``: pre-training, packed as a token stream) and ``sft`` (``messages``
+or ``prompt``/``completion``: loss on assistant / completion tokens only, packed as
+whole examples; see ``treadle.data.sft``).
+
+Bad rows (not JSON, not an object, a missing or ill-typed field, no assistant
+turn) stop the run with ``file:line: what is wrong`` under ``data.bad_rows =
+"error"``; under ``"skip"`` they are skipped, counted in the cache's meta.json
+and reported when the run starts. An empty file is a bad file either way; a
+source with no usable row is always an error.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from treadle import corpus
+from treadle.data.packed import ExampleDataset, PackedDataset
+from treadle.data.shards import ShardWriter
+from treadle.errors import UserError, first_line
+
+CACHE_VERSION = 1
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+_BATCH_ROWS = 1024
+_REPORTED_SKIPS = 5  # skipped rows named in meta.json and on the console; the rest are counted
+
+
+@dataclass
+class OpenedSource:
+    name: str
+    dataset: PackedDataset | ExampleDataset
+    kind: str  # "tokens" | "text" | "sft"
+    skipped: int = 0  # rows skipped under data.bad_rows = "skip"
+    skip_examples: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        ds = self.dataset
+        text = f"{self.name}: {self.kind}, {len(ds):,} samples, {ds.num_tokens:,} tokens"
+        if isinstance(ds, ExampleDataset):
+            s = ds.stats
+            text += f", {s['examples']:,} examples ({s['truncated']} truncated, {s['dropped']} dropped: data.overlong)"
+        if self.skipped:
+            text += f", {self.skipped} bad rows skipped (e.g. {self.skip_examples[0]})"
+        return text
+
+
+# ----------------------------------------------------------------------------- resolving paths
+
+
+def _data_files(entry: str, key: str) -> list[Path]:
+    path = Path(entry).expanduser()
+    if any(c in entry for c in "*?["):
+        found = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    elif path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in FILE_FORMATS
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    elif path.is_file():
+        found = [path]
+    else:
+        raise UserError(f"{key} = {entry!r}: no such file or directory; accepted: 'builtin', a shard directory, "
+                        f"or {'/'.join(FILE_FORMATS)} files (a file, a directory or a glob)")
+    bad = [p for p in found if p.suffix not in FILE_FORMATS]
+    if bad or not found:
+        what = f"{bad[0]} is not one of {', '.join(FILE_FORMATS)}" if bad else "matches no data file"
+        raise UserError(f"{key} = {entry!r}: {what}; accepted: 'builtin', a shard directory, or data files")
+    return found
+
+
+def resolve(entries: list[str], split: str, key: str) -> tuple[list[Path], list[Path]]:
+    """(shard directories, data files) named by a source's path entries."""
+    shard_dirs, files = [], []
+    for entry in entries:
+        if entry == "builtin":
+            shard_dirs.append(corpus.builtin_shards(split, corpus.builtin_tokenizer_dir()))
+        elif (Path(entry).expanduser() / "meta.json").is_file():
+            shard_dirs.append(Path(entry).expanduser())
+        else:
+            files += _data_files(entry, key)
+    if shard_dirs and files:
+        raise UserError(f"{key}: mixes shard directories and data files in one source; accepted: one kind per source "
+                        "(make them two sources)")
+    if len({FILE_FORMATS[f.suffix] for f in files}) > 1:
+        raise UserError(f"{key}: mixes file formats ({', '.join(sorted({f.suffix for f in files}))}); accepted: one format per source")
+    return shard_dirs, files
+
+
+# ----------------------------------------------------------------------------- reading rows
+
+
+def _line_of(path: Path, row: int) -> str:
+    """``path:line`` of the ``row``-th row of a JSON-lines file (blank lines hold no row), else ``path row N``."""
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8", errors="replace") as f:
+            seen = -1
+            for lineno, line in enumerate(f, start=1):
+                seen += bool(line.strip())
+                if seen == row:
+                    return f"{path}:{lineno}"
+    return f"{path} row {row + 1}"
+
+
+def _json_lines(path: Path, skip_rows: int) -> Iterator[tuple[str, object]]:
+    """(where, row or a parse error) line by line, after the first ``skip_rows`` rows: the exact-line fallback."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        row = -1
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            row += 1
+            if row < skip_rows:
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                yield f"{path}:{lineno}", ValueError(f"not valid JSON ({e.msg})")
+
+
+def _rows(path: Path) -> Iterator[tuple[int | str, object]]:
+    """(row number, or where for the fallback; row) of one data file, streamed through Hugging Face datasets.
+
+    Rows come in batches and are never all in memory. pyarrow gives up on a JSON file at
+    its first bad line (or at a field whose type changes); a JSON-lines file is then read
+    on line by line from the first row not yet given, which names exact lines.
+    """
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    done = 0
+    try:
+        stream = datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=[str(path)], split="train", streaming=True)
+        for batch in stream.iter(batch_size=_BATCH_ROWS):
+            names = list(batch)
+            for values in zip(*batch.values()):
+                yield done, dict(zip(names, values))
+                done += 1
+    except Exception as exc:
+        if path.suffix != ".jsonl":
+            raise UserError(f"{path}: cannot be read as {FILE_FORMATS[path.suffix]} ({first_line(exc)})") from None
+        yield from _json_lines(path, skip_rows=done)
+
+
+# ----------------------------------------------------------------------------- tokenizing into the cache
+
+
+class _Encoder:
+    """One row -> (token ids, loss mask or None); a ValueError names what is wrong with the row."""
+
+    def __init__(self, kind: str, tokenizer_dir: Path, text_field: str, template: str):
+        from treadle.data import sft
+
+        self.kind, self.text_field, self.template = kind, text_field, template
+        self.tokenizer = sft.load_tokenizer(tokenizer_dir)
+        self.eos_id = self.tokenizer.eos_token_id
+        if self.eos_id is None:
+            raise UserError(f"tokenizer {tokenizer_dir}: has no eos token (needed to end documents and answers)")
+
+    def __call__(self, row: object) -> tuple[list[int], list[int] | None]:
+        from treadle.data import sft
+
+        if isinstance(row, Exception):
+            raise ValueError(str(row))
+        if not isinstance(row, dict):
+            raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+        if self.kind == "sft":
+            return sft.encode_sft(self.tokenizer, row, self.template)
+        text = row.get(self.text_field)
+        if not isinstance(text, str) or not text:
+            what = "missing" if text is None else ("empty" if text == "" else f"a {type(text).__name__}, not a string")
+            raise ValueError(f"field {self.text_field!r} is {what} (choose the field with text_field)")
+        return self.tokenizer.encode(text, add_special_tokens=False) + [self.eos_id], None
+
+
+def detect_format(files: list[Path], fmt: str, key: str) -> str:
+    """'text' or 'sft': as configured, or from the first row of the first file that has one."""
+    if fmt in ("text", "sft"):
+        return fmt
+    from treadle.data.sft import row_kind
+
+    for path in files:
+        for where, row in _rows(path):
+            kind = row_kind(row) if isinstance(row, dict) else None
+            if kind is None:
+                at = where if isinstance(where, str) else _line_of(path, where)
+                raise UserError(f"{at}: format = 'auto' cannot tell the format from this row (fields "
+                                f"{sorted(row) if isinstance(row, dict) else type(row).__name__}); accepted: rows with "
+                                "'text', 'messages' or 'prompt'/'completion', or set the source's format and text_field")
+            return "sft" if kind in ("messages", "prompt_completion") else "text"
+    raise UserError(f"{key}: its files hold no rows")
+
+
+def _cache_key(files: list[Path], tokenizer, kind: str, text_field: str, template: str, bad_rows: str) -> str:
+    h = hashlib.sha256()
+    chat = getattr(tokenizer, "chat_template", None) if kind == "sft" else None
+    parts = [f"v{CACHE_VERSION}", kind, text_field if kind == "text" else template, bad_rows,
+             corpus.tokenizer_fingerprint(tokenizer), json.dumps(chat, sort_keys=True)]
+    for f in files:
+        st = f.stat()
+        parts += [str(f.resolve()), str(st.st_size), str(st.st_mtime_ns)]
+    h.update("\0".join(parts).encode("utf-8"))
+    return h.hexdigest()[:20]
+
+
+def tokenize_files(files: list[Path], kind: str, tokenizer_dir: Path, text_field: str = "text",
+                   template: str = "auto", bad_rows: str = "error", key: str = "data") -> Path:
+    """The cached shard directory of ``files`` tokenized as ``kind``; built (streaming) on first use."""
+    encode = _Encoder(kind, tokenizer_dir, text_field, template)
+    final = corpus.cache_dir() / "sources" / _cache_key(files, encode.tokenizer, kind, text_field, template, bad_rows)
+    if (final / "meta.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = corpus._tmp_sibling(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        writer = ShardWriter(tmp, len(encode.tokenizer), with_loss_mask=kind == "sft")
+        rows = skipped = 0
+        examples: list[str] = []
+
+        def bad(where: str, reason: str) -> None:
+            nonlocal skipped
+            if bad_rows == "error":
+                raise UserError(f"{where}: {reason} (data.bad_rows = 'skip' skips and counts such rows)")
+            skipped += 1
+            if len(examples) < _REPORTED_SKIPS:
+                examples.append(f"{where}: {reason}")
+
+        for path in files:
+            seen = 0
+            for where, row in _rows(path):
+                seen += 1
+                try:
+                    ids, mask = encode(row)
+                    if mask is not None and not any(mask):
+                        raise ValueError("no token carries loss (nothing to learn from this example)")
+                    writer.add(ids, mask)
+                    rows += 1
+                except ValueError as e:
+                    bad(where if isinstance(where, str) else _line_of(path, where), str(e))
+            if seen == 0:
+                bad(str(path), "empty file (no rows)")
+        if rows == 0:
+            raise UserError(f"{key}: no usable row in {len(files)} file(s) ({skipped} skipped)")
+        writer.finish({"kind": kind, "tokenizer_fingerprint": corpus.tokenizer_fingerprint(encode.tokenizer),
+                       "tokenizer_dir": str(Path(tokenizer_dir).absolute()), "eos_id": encode.eos_id,
+                       "files": [str(f) for f in files], "rows": rows, "skipped_rows": skipped,
+                       "skip_examples": examples, "text_field": text_field, "chat_template": template})
+        return corpus._publish_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- opening a source
+
+
+def file_tokenizer(setting: str, candidates: list[Path | None]) -> Path:
+    """The tokenizer for data files: ``data.tokenizer``, else the first candidate holding one, else the built-in."""
+    if setting != "auto":
+        path = Path(setting).expanduser()
+        if not (path / "tokenizer.json").is_file():
+            raise UserError(f"data.tokenizer = {setting!r} is not a tokenizer directory (no tokenizer.json); "
+                            "accepted: 'auto' or a save_pretrained tokenizer directory")
+        return path
+    for c in candidates:
+        if c is not None and (Path(c) / "tokenizer.json").is_file():
+            return Path(c)
+    return corpus.builtin_tokenizer_dir()
+
+
+def open_source(name: str, entries: list[str], split: str, fmt: str, text_field: str, seq_len: int,
+                data, tokenizer: Path | None, key: str) -> OpenedSource:
+    """A source as a dataset: shard directories as they are, data files through the tokenization cache.
+
+    ``data`` is the run's ``DataConfig`` (seq_len policies, bad rows, chat template).
+    """
+    shard_dirs, files = resolve(entries, split, key)
+    if files:
+        if fmt == "tokens":
+            raise UserError(f"{key}: format = 'tokens' needs shard directories, got data files such as {files[0]}")
+        kind = detect_format(files, fmt, key)
+        shard_dirs = [tokenize_files(files, kind, tokenizer or corpus.builtin_tokenizer_dir(), text_field,
+                                     data.chat_template, data.bad_rows, key)]
+    else:
+        metas = [json.loads((d / "meta.json").read_text()) for d in shard_dirs]
+        kind = fmt if fmt in ("sft", "text") else ("sft" if all(m.get("kind") == "sft" for m in metas) else "tokens")
+    if kind == "sft":
+        dataset = ExampleDataset(shard_dirs, seq_len, data.overlong)
+    else:
+        dataset = PackedDataset(shard_dirs, seq_len, data.mask_cross_doc)
+    meta = dataset.meta
+    return OpenedSource(name, dataset, kind, int(meta.get("skipped_rows", 0)), list(meta.get("skip_examples", [])))
