@@ -1,0 +1,168 @@
+"""Data-file sources: Hugging Face datasets reading, the tokenization cache, bad rows, SFT examples in packed samples."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from treadle.config import DataConfig
+from treadle.data import sft
+from treadle.data.packed import IGNORE_INDEX, ExampleDataset
+from treadle.data.sources import open_source
+from treadle.errors import UserError
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TREADLE_CACHE", str(tmp_path / "cache"))
+
+
+def write_jsonl(path, rows, blank_after=()):
+    lines = []
+    for i, r in enumerate(rows):
+        lines.append(r if isinstance(r, str) else json.dumps(r))
+        if i in blank_after:
+            lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def open_(shards, path, seq_len=16, fmt="auto", **data):
+    cfg = DataConfig(seq_len=seq_len, **data)
+    return open_source("s", [str(path)], "train", fmt, "text", seq_len, cfg, shards / "tok", "data.sources[0] (s)")
+
+
+TEXTS = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(40)]
+
+
+def test_text_jsonl_is_tokenized_once_and_cached(shards, tmp_path):
+    f = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in TEXTS])
+    src = open_(shards, f)
+    tok = sft.load_tokenizer(shards / "tok")
+    want = [i for t in TEXTS for i in tok.encode(t, add_special_tokens=False) + [tok.eos_token_id]]
+    assert src.kind == "text" and src.dataset.num_tokens == len(want)
+    assert src.dataset[0]["input_ids"].tolist() == want[:16]
+    cached = src.dataset.shards[0].path
+    assert cached.parent == tmp_path / "cache" / "sources"
+    stamp = (cached / "tokens.bin").stat().st_mtime_ns
+    again = open_(shards, f)  # the second run finds the shards: nothing re-tokenized
+    assert again.dataset.shards[0].path == cached and (cached / "tokens.bin").stat().st_mtime_ns == stamp
+    write_jsonl(f, [{"text": t} for t in TEXTS[:-1]])  # the file changed: another cache entry
+    os.utime(f, ns=(1, 1))
+    assert open_(shards, f).dataset.shards[0].path != cached
+
+
+def test_parquet_and_a_glob_of_files(shards, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for k in range(2):
+        pq.write_table(pa.table({"body": TEXTS[k * 20 : (k + 1) * 20]}), tmp_path / f"part{k}.parquet")
+    cfg = DataConfig(seq_len=16)
+    src = open_source("p", [str(tmp_path / "*.parquet")], "train", "text", "body", 16, cfg, shards / "tok", "k")
+    assert src.dataset.meta["rows"] == 40 and len(src.dataset.meta["files"]) == 2
+
+
+def test_bad_rows_name_file_and_line_or_are_counted(shards, tmp_path):
+    rows = [{"text": t} for t in TEXTS[:5]] + ["{not json", {"txt": "x"}, {"text": 3}] + [{"text": t} for t in TEXTS[5:9]]
+    f = write_jsonl(tmp_path / "bad.jsonl", rows, blank_after=(1,))  # a blank line: line numbers are not row numbers
+    with pytest.raises(UserError, match=rf"{f}:7: not valid JSON"):
+        open_(shards, f)
+    f2 = write_jsonl(tmp_path / "bad2.jsonl", rows[:5] + rows[6:], blank_after=(1,))
+    with pytest.raises(UserError, match=rf"{f2}:7: field 'text' is missing"):
+        open_(shards, f2)
+    src = open_(shards, f, bad_rows="skip")
+    assert src.skipped == 3 and src.dataset.meta["rows"] == 9
+    assert src.skip_examples[0].startswith(f"{f}:7: not valid JSON") and f"{f}:9: field 'text' is a int" in src.skip_examples[2]
+    assert "3 bad rows skipped" in src.describe()
+
+
+def test_empty_files_and_unusable_sources(shards, tmp_path):
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": t} for t in TEXTS])
+    (tmp_path / "d" / "b.jsonl").write_text("")
+    with pytest.raises(UserError, match="b.jsonl: empty file"):
+        open_(shards, tmp_path / "d")
+    assert open_(shards, tmp_path / "d", bad_rows="skip").skipped == 1
+    with pytest.raises(UserError, match="no such file"):
+        open_(shards, tmp_path / "missing.jsonl")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(UserError, match="not one of"):
+        open_(shards, tmp_path / "x.csv")
+    only_bad = write_jsonl(tmp_path / "only_bad.jsonl", [{"text": 1}])
+    with pytest.raises(UserError, match="no usable row"):
+        open_(shards, only_bad, fmt="text", bad_rows="skip")
+
+
+PAIRS = [{"prompt": f"# task {i}\n", "completion": f"print({i})\n" * (1 + i % 3)} for i in range(30)]
+
+
+def test_sft_examples_are_packed_whole_with_loss_on_completions_only(shards, tmp_path):
+    f = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    src = open_(shards, f, seq_len=48)
+    ds = src.dataset
+    assert src.kind == "sft" and isinstance(ds, ExampleDataset) and ds.stats["truncated"] == ds.stats["dropped"] == 0
+    tok = sft.load_tokenizer(shards / "tok")
+    encoded = [sft.encode_sft(tok, r) for r in PAIRS]
+    seen = []
+    for i in range(len(ds)):
+        s = ds[i]
+        pos, ids, labels = s["position_ids"].tolist(), s["input_ids"].tolist(), s["labels"].tolist()
+        starts = [j for j, p in enumerate(pos) if p == 0]
+        for a, b in zip(starts, starts[1:] + [len(pos)]):
+            if all(lab == IGNORE_INDEX for lab in labels[a:b]) and ids[a:b] == [ids[a]] * (b - a):
+                continue  # the padding segment
+            seen.append((ids[a:b], labels[a:b]))
+    assert len(seen) == len(PAIRS)  # every example once, none split across samples
+    for (ids, labels), (want_ids, mask) in zip(seen, encoded):
+        assert ids == want_ids[:-1]
+        # Exactly the completion tokens and the eos are targets.
+        assert labels == [t if m else IGNORE_INDEX for t, m in zip(want_ids[1:], mask[1:])]
+        assert tok.decode([t for t in labels if t != IGNORE_INDEX]) == tok.decode(want_ids[-sum(mask):])
+
+
+def test_overlong_examples_are_truncated_or_dropped_and_counted(shards, tmp_path):
+    rows = PAIRS[:5] + [{"prompt": "x", "completion": "y = 1\n" * 40}, {"prompt": "z " * 60, "completion": "ok"}]
+    f = write_jsonl(tmp_path / "long.jsonl", rows)
+    cut = open_(shards, f, seq_len=32).dataset
+    # The long completion keeps its first 33 tokens; the long prompt leaves no target within 33 tokens: dropped.
+    assert cut.stats == {"examples": 6, "truncated": 1, "dropped": 1}
+    dropped = open_(shards, f, seq_len=32, overlong="drop").dataset
+    assert dropped.stats == {"examples": 5, "truncated": 0, "dropped": 2}
+
+
+def test_packed_examples_do_not_attend_to_each_other(shards, tmp_path):
+    """Logits of an example inside a packed sample equal its logits alone: the position_ids restart isolates it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.helpers import TARGET
+
+    f = write_jsonl(tmp_path / "pairs.jsonl", PAIRS[:6])
+    ds = open_(shards, f, seq_len=64).dataset
+    s = ds[0]
+    starts = [j for j, p in enumerate(s["position_ids"].tolist()) if p == 0]
+    assert len(starts) >= 3
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**TARGET)).eval()
+    with torch.no_grad():
+        packed = model(input_ids=s["input_ids"][None], position_ids=s["position_ids"][None]).logits[0]
+        a, b = starts[1], starts[2]
+        alone = model(input_ids=s["input_ids"][None, a:b]).logits[0]
+    assert torch.allclose(packed[a:b], alone, atol=1e-5)
+    # Without the restart the second example would see the first: the check above can fail.
+    with torch.no_grad():
+        leaky = model(input_ids=s["input_ids"][None]).logits[0]
+    assert not torch.allclose(leaky[a:b], alone, atol=1e-3)
+
+
+def test_chat_messages_source_masks_assistant_turns(shards, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"add {i}"}, {"role": "assistant", "content": f"x + {i}"}]}
+            for i in range(10)]
+    ds = open_(shards, write_jsonl(tmp_path / "chat.jsonl", rows), seq_len=64).dataset
+    tok = sft.load_tokenizer(shards / "tok")
+    targets = [t for i in range(len(ds)) for t in ds[i]["labels"].tolist() if t != IGNORE_INDEX]
+    text = tok.decode(targets)
+    assert all(f"x + {i}" in text for i in range(10)) and "add" not in text and "user" not in text
+    assert np.sum(np.array(targets) == tok.eos_token_id) == 10  # each assistant turn ends with a target eos
