@@ -34,3 +34,20 @@ def records(run_dir, key="loss"):
     return {r["step"]: r[key] for r in lines if key in r}
 
 
+
+
+def mixture_args(shards, sft_file, out, *extra):
+    """A run on two sources: the code shards (weight 3) and an SFT file (weight 1), which a phase at step 3 drops,
+    halving the learning rate."""
+    base = [a for a in args(shards, out) if not a.startswith("--data.train=")]
+    return base + [
+        f'--data.sources=[{{name="code",path="{shards / "train"}",weight=3}},{{name="sft",path="{sft_file}"}}]',
+        "--data.phases=[{start_step=3,weights={sft=0},lr_scale=0.5}]", *extra,
+    ]
+
+
+def write_pairs(path, n=60):
+    """A small prompt/completion SFT file."""
+    path.write_text("".join(json.dumps({"prompt": f"# add {i} to x\n", "completion": f"x = x + {i}\n"}) + "\n"
+                            for i in range(n)))
+    return path

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed import run_distributed
-from tests.helpers import args, draft_args, records
+from tests.helpers import args, draft_args, mixture_args, records, write_pairs
 from treadle.cli import main
 from treadle.config import load_config
 from treadle.train.callbacks import Callback
@@ -31,6 +31,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 def _cfg(shards, out, *extra):
     return load_config(None, args(shards, out, "--train.threads=1", *extra)[1:])
+
+
+def _mixture_cfg(shards, out, *extra):
+    return load_config(None, mixture_args(shards, out.parent / "pairs.jsonl", out, "--train.threads=1", *extra)[1:])
 
 
 def _fingerprint(module: torch.nn.Module) -> float:
@@ -54,9 +58,10 @@ def _runs(rank, world_size, shards, out):
     from treadle.train.run import build_trainer, run_training
 
     got = {}
-    # 1. FSDP2, checkpoints at 2 and 4; the health check runs after every step.
-    run_training(_cfg(shards, out / "fsdp2", "--train.max_steps=4", "--checkpoint.every=2",
-                      "--distributed.engine=fsdp2", "--distributed.health_check_every=1"))
+    # 1. FSDP2 on a mixture of a shard source and an SFT file (rank 0 tokenizes it) with a phase at step 3,
+    #    checkpoints at 2 and 4; the health check runs after every step.
+    run_training(_mixture_cfg(shards, out / "fsdp2", "--train.max_steps=4", "--checkpoint.every=2",
+                              "--distributed.engine=fsdp2", "--distributed.health_check_every=1"))
 
     # 2. DDP, a NaN loss on rank 1 only at step 2: both ranks must skip that update.
     trainer = build_trainer(_cfg(shards, out / "nan", "--train.max_steps=3", "--distributed.engine=ddp",
@@ -87,14 +92,17 @@ def _runs(rank, world_size, shards, out):
     return got
 
 
-def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_path):
+def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_path, monkeypatch):
+    monkeypatch.setenv("TREADLE_CACHE", str(tmp_path / "cache"))
+    pairs = write_pairs(tmp_path / "pairs.jsonl")
     res = run_distributed(_runs, world_size=2, timeout=240, shards=shards, out=tmp_path)
 
-    # FSDP2 at 2 ranks x GA 2 == one process with GA 4 (same global batch, same sample order).
+    # FSDP2 at 2 ranks x GA 2 == one process with GA 4 (same global batch, same sample order, same mixture draws).
     one = tmp_path / "one"
-    assert main(args(shards, one, "--train.max_steps=4", "--train.grad_accum_steps=4")) == 0
+    assert main(mixture_args(shards, pairs, one, "--train.max_steps=4", "--train.grad_accum_steps=4")) == 0
     two = tmp_path / "fsdp2"
-    for key in ("loss", "eval_loss", "grad_norm"):
+    assert records(two, "phase") == {1: 0, 2: 0, 3: 0, 4: 1}
+    for key in ("loss", "eval_loss", "grad_norm", "lr", "loss/code", "tokens/code", "tokens/sft"):
         a, b = records(one, key), records(two, key)
         assert a.keys() == b.keys() and a
         assert all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in a), (key, a, b)
@@ -102,12 +110,13 @@ def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_pat
     assert sorted(p.name for p in (two / "checkpoints" / "step_2" / "rng").iterdir()) == ["rank_0.json", "rank_1.json"]
     assert (two / "hf" / "model.safetensors").is_file()
 
-    # The 2-rank FSDP2 checkpoint resumes in one process and continues the same run.
+    # The 2-rank FSDP2 checkpoint resumes in one process and continues the same run, through the phase at step 3.
     resumed = tmp_path / "resumed"
-    assert main(args(shards, resumed, "--train.max_steps=4", "--train.grad_accum_steps=4",
-                     f"--checkpoint.resume={two / 'checkpoints' / 'step_2'}")) == 0
-    a, b = records(two), records(resumed)
-    assert sorted(b) == [3, 4] and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in b)
+    assert main(mixture_args(shards, pairs, resumed, "--train.max_steps=4", "--train.grad_accum_steps=4",
+                             f"--checkpoint.resume={two / 'checkpoints' / 'step_2'}")) == 0
+    for key in ("loss", "lr", "tokens/sft"):
+        a, b = records(two, key), records(resumed, key)
+        assert sorted(b) == [3, 4] and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in b), key
 
     # NaN on one rank: both skipped the same step and stayed identical replicas.
     (skipped0, w0), (skipped1, w1) = res[0]["nan"], res[1]["nan"]
