@@ -7,6 +7,11 @@ lossless check must hold for all of them.
 
     python bench/spec.py [--target runs/demo] [--steps 200] [--gamma 4] [--only glide-kl,lm]
 
+``glide-kl-regen`` trains the same GLIDE draft on *regenerated* data: prompts cut
+from the built-in corpus' train split, answered greedily by the target itself
+(``treadle generate``), trained as SFT (loss on the target's answers only). Its
+row against ``glide-kl`` (original data) shows what regeneration is worth.
+
 The target defaults to the demo's (``make demo`` writes runs/demo). Results go to
 stdout as a table and to ``runs/bench-spec/results.json``.
 """
@@ -16,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +31,7 @@ import torch
 from transformers import AutoTokenizer
 
 from treadle.config import load_config
+from treadle.corpus import corpus_files, split_of
 from treadle.models.glide import load_glide
 from treadle.models.hf import load_causal_lm, resolve_model_dir
 from treadle.spec.drafters import ModelDrafter, PromptLookupDrafter
@@ -37,12 +45,40 @@ from treadle.train.run import run_training
 LM_DRAFT = "{hidden_size=96,intermediate_size=256,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=4,tie_word_embeddings=true}"
 
 
+def regenerate(args) -> Path:
+    """Train-split prompts answered greedily by the target: an SFT file of the target's own outputs (cached)."""
+    out = args.out / f"regen-{args.regen_prompts}x{args.regen_new_tokens}.jsonl"
+    prompts = args.out / f"regen-prompts-{args.regen_prompts}.jsonl"
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(Path(args.target), "--target"))
+    windows = train_windows(tokenizer, args.regen_prompts, args.prompt_len)
+    args.out.mkdir(parents=True, exist_ok=True)
+    prompts.write_text("".join(json.dumps({"prompt": tokenizer.decode(w)}) + "\n" for w in windows))
+    # Resumable: a finished file is only read back (every row skipped), an interrupted one is continued.
+    subprocess.run([sys.executable, "-m", "treadle", "generate", "--model", str(args.target), "--prompts", str(prompts),
+                    "--out", str(out), "--max-new-tokens", str(args.regen_new_tokens), "--batch-size", "32"], check=True)
+    return out
+
+
+def train_windows(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
+    """``n`` prompt windows from the built-in corpus' *train* split (the eval prompts come from val)."""
+    files = [path for rel, path in corpus_files() if split_of(rel) == "train"]
+    random.Random(0).shuffle(files)
+    windows = []
+    for path in files:
+        ids = tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
+        windows += [ids[s : s + prompt_len] for s in range(0, len(ids) - prompt_len, 4 * prompt_len)][:4]
+        if len(windows) >= n:
+            return windows[:n]
+    return windows
+
+
 def train_args(args, name: str) -> list[str]:
+    data = f'--data.sources=[{{name="regen",path="{args.regen}"}}]' if name.endswith("-regen") else f"--data.train={args.data}"
     common = [
         f"--train.output_dir={args.out / name}", f"--train.max_steps={args.steps}", "--train.micro_batch_size=8",
         "--data.seq_len=256", "--train.threads=2", "--train.log_every=50", f"--train.eval_every={args.steps}",
         "--train.eval_batches=4", "--schedule.warmup_steps=20", "--optim.lr=3e-3", "--checkpoint.resume=none",
-        f"--data.train={args.data}",
+        "--data.val=builtin", data,
     ]
     if name.startswith("glide-"):
         return common + ["--draft.kind=glide", f"--draft.target={args.target}", f"--draft.loss={name.split('-')[1]}",
@@ -75,12 +111,15 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--only", default="glide-ce,glide-kl,glide-mix,lm,prompt-lookup")
+    parser.add_argument("--only", default="glide-ce,glide-kl,glide-mix,glide-kl-regen,lm,prompt-lookup")
+    parser.add_argument("--regen-prompts", type=int, default=512, help="glide-kl-regen: prompts the target answers")
+    parser.add_argument("--regen-new-tokens", type=int, default=192, help="glide-kl-regen: tokens per answer")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-spec"))
     args = parser.parse_args()
     names = args.only.split(",")
     torch.set_num_threads(2)
 
+    args.regen = regenerate(args) if any(n.endswith("-regen") for n in names) else None
     rows = {}
     for name in names:
         if name != "prompt-lookup":

@@ -1,4 +1,4 @@
-"""``treadle train | prepare | export | spec-eval``.
+"""``treadle train | prepare | samples | export | spec-eval | generate``.
 
 Bad input ends as one line on stderr and exit code 2 (``UserError``); anything
 else is a bug and keeps its traceback.
@@ -67,30 +67,28 @@ def _print_summary(s) -> None:
     Console().print(table)
 
 
-def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
-    from treadle.data import prepare
-
-    if extra:
-        raise UserError(f"unexpected argument {extra[0]!r} for treadle prepare")
-    return prepare.run(args)
-
-
-def _export(args: argparse.Namespace, extra: list[str]) -> int:
+def _export(args: argparse.Namespace) -> int:
     from treadle.checkpoint.export import export_checkpoint
 
-    if extra:
-        raise UserError(f"unexpected argument {extra[0]!r} for treadle export")
     out = export_checkpoint(Path(args.source), Path(args.out), dtype=args.dtype, to=args.to)
     print(f"exported {args.source} -> {out}")
     return 0
 
 
-def _spec_eval(args: argparse.Namespace, extra: list[str]) -> int:
-    from treadle.spec import evaluate
+def _no_extra(name: str, run):
+    """A subcommand handler that refuses arguments argparse did not know (only `train` takes overrides)."""
+    def handler(args: argparse.Namespace, extra: list[str]) -> int:
+        if extra:
+            raise UserError(f"unexpected argument {extra[0]!r} for treadle {name}")
+        return run(args)
+    return handler
 
-    if extra:
-        raise UserError(f"unexpected argument {extra[0]!r} for treadle spec-eval")
-    return evaluate.run(args)
+
+def _module_command(sub, name: str, module, help: str) -> None:
+    """A subcommand whose module provides ``add_arguments(parser)`` and ``run(args)``."""
+    parser = sub.add_parser(name, help=help, allow_abbrev=False)
+    module.add_arguments(parser)
+    parser.set_defaults(func=_no_extra(name, module.run))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,11 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="TOML config file")
     train.set_defaults(func=_train)
 
-    from treadle.data import prepare
+    from treadle import generate
+    from treadle.data import prepare, samples
+    from treadle.spec import evaluate
 
-    prep = sub.add_parser("prepare", help="tokenize text / JSONL into a shard directory", allow_abbrev=False)
-    prepare.add_arguments(prep)
-    prep.set_defaults(func=_prepare)
+    _module_command(sub, "prepare", prepare, "tokenize text / JSONL into a shard directory")
+    _module_command(sub, "samples", samples, "write small chat / prompt-completion / text / prompt JSONL files from the built-in corpus")
 
     export = sub.add_parser("export", help="write a Hugging Face model directory (or a draft export) from a checkpoint",
                             allow_abbrev=False)
@@ -114,14 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--to", choices=["hf", "draft"], default="hf", help="hf: a model run; draft: a draft run's draft")
     export.add_argument("out", help="output directory")
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    export.set_defaults(func=_export)
+    export.set_defaults(func=_no_extra("export", _export))
 
-    from treadle.spec import evaluate
-
-    spec = sub.add_parser("spec-eval", help="speculative decoding of a target with a draft: tau, acceptance, speed, lossless check",
-                          allow_abbrev=False)
-    evaluate.add_arguments(spec)
-    spec.set_defaults(func=_spec_eval)
+    _module_command(sub, "spec-eval", evaluate, "speculative decoding of a target with a draft: tau, acceptance, speed, lossless check")
+    _module_command(sub, "generate", generate, "answer every prompt of a JSONL file with a model: an SFT file (draft training data)")
     return parser
 
 

@@ -1,0 +1,601 @@
+"""``treadle generate``: answer every row of a prompts file with a target model (draft-model training data).
+
+Input: JSONL, one row per non-blank line, either ``{"prompt": str, ...}`` or an
+SFT conversation ``{"messages": [...], ...}``, encoded for generation by
+``treadle.data.sft.encode_prompt`` (a conversation loses its trailing
+assistant message(s) and ends with the assistant header). Output: JSONL that is
+itself an SFT file. Each output row is its input row with every field kept,
+plus ``completion`` (a prompt row; an existing one is replaced) or the
+conversation up to its last non-assistant message followed by
+``{"role": "assistant", "content": ...}`` (a messages row), and ``index`` (the
+row's 0-based position among the input's non-blank lines) and ``finish``
+(``"eos"`` or ``"length"``). The generated text is the new tokens up to, not
+including, the first end token, decoded with ``skip_special_tokens=True``.
+End tokens are the tokenizer's eos and the special tokens that the model's
+``generation_config.json`` names as eos (chat models end a turn with their own
+token). The rest of ``generation_config.json`` (sampling defaults, repetition
+penalties) is ignored: the data must be the model's own distribution, shaped
+only by our flags.
+
+Batches. The rows that can be generated are sorted by prompt length (then
+index) and cut into batches of ``--batch-size``, left-padded. The batches depend
+only on the input and the flags, never on what an earlier run finished, so a
+resumed run computes exactly the batches an uninterrupted run would: a batch
+some of whose rows are already done is computed whole again and only its
+missing rows are written. The out file is therefore in batch order (shortest
+prompts first), not input order; ``index`` says where each row came from.
+
+Sampling (``--temperature`` > 0) is argmax(logits / T, top-p filtered, + Gumbel
+noise), which is a draw from the filtered softmax, with the noise of each row
+from its own generator seeded by (``--seed``, index). With the same flags a
+row's output is therefore the same whether or not the run was interrupted, the
+same as greedy decoding (``--temperature 0``) is. Changing ``--batch-size``
+changes the padding around a row and so its floating-point rounding, which can
+flip a near-tie: compare runs with the same flags.
+
+Resumption and accounting. Every batch's rows are appended in one write,
+flushed and fsynced. On start, the rows already in ``--out`` are "skipped"; a
+torn last line (an interrupted write: no newline at the end, or not JSON) is cut
+off first. Rows that cannot be generated (not JSON, not an object, rejected by
+``encode_prompt``, a prompt longer than ``--max-prompt-tokens``, or an exception
+while generating it alone, after its batch failed and was retried row by row)
+are "failed" and listed in ``<out>.failed.jsonl`` ({"index", "line", "reason"}),
+rewritten by every run (removed when a run has none). One summary line says
+where every row went: succeeded + failed + skipped (+ not reached, when
+interrupted) == input rows.
+
+Exit codes: 0 every row succeeded or was skipped; 1 some rows failed (the rest
+are written); 2 bad input (nothing written); 130 interrupted by SIGINT /
+SIGTERM: the batch in flight is abandoned, the out file holds whole rows only,
+and the same command continues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from treadle.errors import UserError, first_line
+
+EXIT_ROWS_FAILED = 1
+EXIT_INTERRUPTED = 130
+_MAX_SEED = 2**32
+_PROGRESS_EVERY_S = 30.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, type=Path, metavar="DIR",
+                        help="Hugging Face model directory (with its tokenizer), or a treadle run directory (its hf/ export)")
+    parser.add_argument("--prompts", required=True, type=Path, metavar="FILE.jsonl",
+                        help="JSONL rows with a 'prompt' string or SFT 'messages'")
+    parser.add_argument("--out", required=True, type=Path, metavar="FILE.jsonl",
+                        help="output JSONL (an SFT file); an existing one is continued, its rows are not generated again")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per row at most (default: 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1.0, off)")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per generate call (default: 8)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed; row i draws from its own (seed, i) stream (default: 0)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="longer prompts are failed rows (default: the model's context minus --max-new-tokens)")
+    parser.add_argument("--chat-template", choices=["auto", "builtin"], default="auto",
+                        help="messages rows: auto = the tokenizer's chat template if it has one, else treadle's built-in one")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available (default)")
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclass
+class GenerateReport:
+    """Where every input row went: ``succeeded + failed + skipped + not_reached == total``."""
+
+    total: int
+    out: Path
+    succeeded: int = 0
+    failed: int = 0
+    skipped: int = 0
+    not_reached: int = 0
+    failed_path: Path | None = None  # None: no failed rows (and no failures file)
+    torn_bytes: int = 0  # bytes of a torn last line cut from the out file before appending
+    interrupted: bool = False
+
+    def summary_line(self) -> str:
+        line = (f"generate: {self.total} input rows: {self.succeeded} succeeded, {self.failed} failed, "
+                f"{self.skipped} skipped (already in {self.out})")
+        if self.interrupted:
+            line += f", {self.not_reached} not reached (interrupted; run again to continue)"
+        return line
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        return EXIT_ROWS_FAILED if self.failed else 0
+
+
+# --------------------------------------------------------------------------- input rows
+
+
+@dataclass
+class _Row:
+    index: int  # among non-blank lines
+    line: int  # 1-based line number in the prompts file
+    data: dict | None = None  # the parsed object; None when the line is not one
+    ids: list[int] | None = None  # the encoded prompt; None when the row failed before generation
+    reason: str | None = None  # why the row failed
+
+
+def _trimmed_messages(messages: list) -> list:
+    """A conversation without its trailing assistant message(s): what is being answered."""
+    end = len(messages)
+    while end and isinstance(messages[end - 1], dict) and messages[end - 1].get("role") == "assistant":
+        end -= 1
+    return messages[:end]
+
+
+def _read_rows(path: Path) -> list[_Row]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"--prompts {path}: no such file") from None
+    except OSError as e:
+        raise UserError(f"--prompts {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--prompts {path}: not UTF-8 text") from None
+    rows = []
+    # Lines end at "\n" only: str.splitlines would also split at U+2028, U+0085 and others, legal inside JSON strings.
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        row = _Row(index=len(rows), line=lineno)
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as e:
+            row.reason = f"not valid JSON ({e.msg})"
+        else:
+            if isinstance(data, dict):
+                row.data = data
+            else:
+                row.reason = "row is not a JSON object"
+        rows.append(row)
+    return rows
+
+
+def _encode_rows(rows: list[_Row], tokenizer, template: str, max_prompt_tokens: int, limit_why: str) -> None:
+    from treadle.data.sft import encode_prompt
+
+    for row in rows:
+        if row.data is None:
+            continue
+        try:
+            ids = encode_prompt(tokenizer, row.data, template)
+        except ValueError as e:
+            row.reason = str(e)
+            continue
+        if not ids:
+            row.reason = "the prompt encodes to no tokens"
+        elif len(ids) > max_prompt_tokens:
+            row.reason = f"prompt of {len(ids)} tokens exceeds {limit_why}"
+        else:
+            row.ids = ids
+
+
+def _output_row(row: _Row, text: str, finish: str) -> dict:
+    out = dict(row.data)
+    if "messages" in out:
+        out["messages"] = _trimmed_messages(out["messages"]) + [{"role": "assistant", "content": text}]
+    else:
+        out["completion"] = text
+    out["index"] = row.index
+    out["finish"] = finish
+    return out
+
+
+# --------------------------------------------------------------------------- the out file
+
+
+def _same_source(done: dict, row: _Row) -> bool:
+    """Whether an out row was generated from this input row (a guard against mixing prompts files)."""
+    data = row.data
+    if data is None:
+        return False
+    if "messages" in data:
+        messages, asked = done.get("messages"), data["messages"]
+        return isinstance(messages, list) and isinstance(asked, list) and messages[:-1] == _trimmed_messages(asked)
+    return done.get("prompt") == data.get("prompt")
+
+
+def _scan_out(out: Path, rows: list[_Row], prompts: Path) -> tuple[set[int], int | None]:
+    """(indices already in ``out``, byte offset of a torn last line to cut, or None).
+
+    Only the last line may be torn: a write interrupted by a crash leaves a
+    partial line at the end and nowhere else. Anything wrong earlier is damage
+    we cannot explain, so it is reported and the file is left alone.
+    """
+    if not out.exists():
+        return set(), None
+    try:
+        data = out.read_bytes()
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot read it ({e.strerror})") from None
+    pieces = data.split(b"\n")  # the last piece is b"" exactly when the file ends with a newline
+    last_nonblank = max((i for i, p in enumerate(pieces) if p.strip()), default=-1)
+    done: dict[int, int] = {}
+    offset = 0
+    for i, piece in enumerate(pieces):
+        start, offset = offset, offset + len(piece) + 1
+        if not piece.strip():
+            continue
+        lineno = i + 1
+        complete = i < len(pieces) - 1
+        try:
+            obj = json.loads(piece)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            obj = None
+        if i == last_nonblank and (not complete or obj is None):
+            return set(done), start
+        if obj is None:
+            raise UserError(f"--out {out} line {lineno}: not valid JSON, and not the last line (an interrupted "
+                            "write only tears the last one); repair or move the file")
+        index = obj.get("index") if isinstance(obj, dict) else None
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise UserError(f"--out {out} line {lineno}: not a treadle generate row (no integer 'index')")
+        if not 0 <= index < len(rows):
+            raise UserError(f"--out {out} line {lineno}: index {index}, but --prompts {prompts} has only "
+                            f"{len(rows)} rows; was --out written from another prompts file? (use a new --out)")
+        if index in done:
+            raise UserError(f"--out {out} lines {done[index]} and {lineno}: both hold index {index}; "
+                            "remove one of them")
+        if not _same_source(obj, rows[index]):
+            raise UserError(f"--out {out} line {lineno}: its row (index {index}) does not match --prompts "
+                            f"{prompts} line {rows[index].line}; was --out written from another prompts file? "
+                            "(use a new --out)")
+        done[index] = lineno
+    return set(done), None
+
+
+def _cut_torn_line(out: Path, offset: int) -> int:
+    """Truncate ``out`` to ``offset`` (durably); the number of bytes removed."""
+    size = out.stat().st_size
+    with open(out, "r+b") as f:
+        f.truncate(offset)
+        f.flush()
+        os.fsync(f.fileno())
+    return size - offset
+
+
+def _json_line(row: dict) -> str:
+    # UTF-8 as is, except the line separators JSON leaves raw in strings (U+0085, U+2028, U+2029): readers
+    # that split lines with str.splitlines would cut a row there.
+    text = json.dumps(row, ensure_ascii=False)
+    return text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029") + "\n"
+
+
+def _append(f, rows: list[dict]) -> None:
+    # One write of whole lines per batch, made durable before the next batch starts.
+    f.write("".join(map(_json_line, rows)).encode("utf-8"))
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _write_failures(path: Path, rows: list[_Row]) -> Path | None:
+    """Rewrite the failures file (atomically); remove a stale one when nothing failed."""
+    failed = [r for r in rows if r.reason is not None]
+    if not failed:
+        path.unlink(missing_ok=True)
+        return None
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in failed:
+            f.write(_json_line({"index": r.index, "line": r.line, "reason": r.reason}))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+class _Stop:
+    """Set by SIGINT / SIGTERM; the batch in flight ends at its next decoding step and is discarded."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[_Stop]:
+    stop = _Stop()
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may install handlers
+        yield stop
+        return
+
+    def handler(signum, frame):
+        if stop.requested:  # a second signal: do not wait for the current step
+            raise KeyboardInterrupt
+        stop.signal = signal.Signals(signum).name
+        print(f"treadle: generate: {stop.signal}: stopping after the current decoding step; "
+              "the rows written so far are kept", file=sys.stderr, flush=True)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@dataclass
+class _Settings:
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    pad_id: int
+    eos_ids: list[int]
+    device: torch.device
+
+
+def _row_seed(seed: int, index: int) -> int:
+    """Row ``index``'s generator seed: distinct for every row of a run (up to 2**32 rows).
+
+    torch's CPU generator keeps only the low 32 bits of a seed, so ``seed`` is
+    folded in by an odd multiplier (a bijection mod 2**32), not by a shift.
+    """
+    return (seed * 0x9E3779B9 + index) % 2**32
+
+
+class _RowGumbel(LogitsProcessor):
+    """Adds Gumbel noise from one generator per row, seeded by (seed, index): argmax of the result is a
+    draw from softmax(scores), and a row's draws do not depend on which rows share its batch."""
+
+    def __init__(self, seed: int, indices: list[int], device: torch.device) -> None:
+        self.generators = [torch.Generator(device=device).manual_seed(_row_seed(seed, i)) for i in indices]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # -log(Exp(1)) is Gumbel(0, 1); masked (-inf) scores stay -inf.
+        noise = torch.stack([torch.empty(scores.shape[-1], device=scores.device, dtype=scores.dtype)
+                             .exponential_(generator=g) for g in self.generators])
+        return scores - noise.log()
+
+
+class _StopRequested(StoppingCriteria):
+    """Ends every row of the batch at the next step once a stop is requested (the batch is then discarded)."""
+
+    def __init__(self, stop: _Stop) -> None:
+        self.stop = stop
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.stop.requested, dtype=torch.bool, device=input_ids.device)
+
+
+def _processors(settings: _Settings, indices: list[int]) -> LogitsProcessorList | None:
+    """None for greedy; else temperature, top-p, then the per-row noise that makes argmax a draw."""
+    if settings.temperature == 0:
+        return None
+    warpers = [TemperatureLogitsWarper(settings.temperature)]
+    if settings.top_p < 1:
+        warpers.append(TopPLogitsWarper(settings.top_p))
+    return LogitsProcessorList([*warpers, _RowGumbel(settings.seed, indices, settings.device)])
+
+
+def _generate_batch(model, settings: _Settings, prompts: list[list[int]], indices: list[int],
+                    stop: _Stop) -> list[tuple[list[int], str]]:
+    """Left-padded ``model.generate``: per row, (new tokens before the first end token, finish)."""
+    width = max(map(len, prompts))
+    input_ids = torch.full((len(prompts), width), settings.pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, ids in enumerate(prompts):
+        input_ids[r, width - len(ids):] = torch.tensor(ids)
+        attention_mask[r, width - len(ids):] = 1
+    config = GenerationConfig(max_new_tokens=settings.max_new_tokens, do_sample=False, num_beams=1, use_cache=True,
+                              pad_token_id=settings.pad_id, eos_token_id=settings.eos_ids)
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids.to(settings.device), attention_mask=attention_mask.to(settings.device),
+                             generation_config=config, logits_processor=_processors(settings, indices),
+                             stopping_criteria=StoppingCriteriaList([_StopRequested(stop)]))
+    results = []
+    for tokens in out[:, width:].tolist():
+        ends = [k for k, t in enumerate(tokens) if t in settings.eos_ids]
+        results.append((tokens[: ends[0]], "eos") if ends else (tokens, "length"))
+    return results
+
+
+def _batches(rows: list[_Row], batch_size: int) -> list[list[_Row]]:
+    ready = sorted((r for r in rows if r.ids is not None), key=lambda r: (len(r.ids), r.index))
+    return [ready[s : s + batch_size] for s in range(0, len(ready), batch_size)]
+
+
+def _run_batch(model, tokenizer, settings: _Settings, batch: list[_Row], stop: _Stop) -> list[dict] | None:
+    """Output rows of one batch, without its failed rows (they get a reason); None when a stop cut it short."""
+
+    def failed(row: _Row, error: Exception) -> None:
+        row.reason = f"generation failed: {first_line(error)}"
+
+    try:
+        results = _generate_batch(model, settings, [r.ids for r in batch], [r.index for r in batch], stop)
+    except Exception as e:
+        if len(batch) == 1:
+            failed(batch[0], e)
+            return []
+        # One bad row (or too big a batch) should not fail the others: each row alone.
+        results = []
+        for row in batch:
+            if stop.requested:
+                return None
+            try:
+                results += _generate_batch(model, settings, [row.ids], [row.index], stop)
+            except Exception as e:
+                failed(row, e)
+                results.append(None)
+    if stop.requested:
+        return None
+    return [_output_row(row, tokenizer.decode(res[0], skip_special_tokens=True), res[1])
+            for row, res in zip(batch, results) if res is not None]
+
+
+def generate_rows(model, tokenizer, rows: list[_Row], done: set[int], settings: _Settings, batch_size: int,
+                  out: Path, report: GenerateReport, stop: _Stop) -> None:
+    """Generate every ready row not in ``done``, batch by batch, appending to ``out``; fills ``report``."""
+    pending = {r.index for r in rows if r.ids is not None and r.index not in done}
+    last_progress = time.monotonic()
+    with open(out, "ab") as f:
+        for batch in _batches(rows, batch_size):
+            todo = [r for r in batch if r.index in pending]
+            if not todo:
+                continue
+            if stop.requested:
+                break
+            produced = _run_batch(model, tokenizer, settings, batch, stop)
+            if produced is None:
+                break
+            new = [r for r in produced if r["index"] in pending]
+            if new:
+                _append(f, sorted(new, key=lambda r: r["index"]))
+            report.succeeded += len(new)
+            pending -= {r.index for r in todo}
+            if time.monotonic() - last_progress > _PROGRESS_EVERY_S:
+                last_progress = time.monotonic()
+                print(f"treadle: generate: {report.succeeded} rows written, {len(pending)} to go",
+                      file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- command
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    if not args.temperature >= 0:  # also refuses nan
+        raise UserError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size}: must be >= 1")
+    if not 0 <= args.seed < _MAX_SEED:
+        raise UserError(f"--seed {args.seed}: must be in [0, {_MAX_SEED})")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise UserError(f"--max-prompt-tokens {args.max_prompt_tokens}: must be >= 1")
+    if not args.prompts.is_file():
+        raise UserError(f"--prompts {args.prompts}: no such file")
+    if not args.out.parent.is_dir():
+        raise UserError(f"--out {args.out}: directory {args.out.parent} does not exist")
+    if args.out.exists() and not args.out.is_file():
+        raise UserError(f"--out {args.out}: not a regular file")
+    if args.out.exists() and args.out.samefile(args.prompts):
+        raise UserError(f"--out {args.out}: is the --prompts file itself; choose another output path")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available; accepted: --device cpu or auto")
+
+
+def _prompt_limit(args: argparse.Namespace, model) -> tuple[int, str]:
+    """The longest prompt accepted, and how to name that limit in a failure reason."""
+    if args.max_prompt_tokens is not None:
+        return args.max_prompt_tokens, f"--max-prompt-tokens {args.max_prompt_tokens}"
+    context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if context is None:
+        return sys.maxsize, "no limit"
+    limit = context - args.max_new_tokens
+    if limit < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: leaves no room for a prompt in the model's "
+                        f"context of {context} tokens")
+    return limit, f"the model's context of {context} tokens minus --max-new-tokens {args.max_new_tokens} ({limit})"
+
+
+def _end_tokens(tokenizer, model) -> list[int]:
+    """The tokenizer's eos, then the special tokens the model's generation config names as eos.
+
+    Chat models often end a turn with a token other than the tokenizer's eos
+    (Llama 3's <|eot_id|>, Qwen's <|im_end|> / <|endoftext|>). A generation
+    config naming an ordinary text token (a randomly initialised config's
+    default eos 2) is not believed: cutting there would truncate text.
+    """
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    for t in configured if isinstance(configured, (list, tuple)) else [configured]:
+        if t is not None and int(t) in special and int(t) not in ids:
+            ids.append(int(t))
+    return ids
+
+
+def run(args: argparse.Namespace) -> int:
+    """The generate command; the exit code is ``GenerateReport.exit_code``."""
+    report = generate(args)
+    print(report.summary_line(), flush=True)
+    if report.failed_path is not None:
+        print(f"treadle: generate: the failed rows and why are in {report.failed_path}", file=sys.stderr)
+    return report.exit_code
+
+
+def generate(args: argparse.Namespace) -> GenerateReport:
+    """Check everything (``UserError``, nothing written), then generate what ``--out`` lacks."""
+    from treadle.data.sft import load_tokenizer
+    from treadle.models.hf import load_causal_lm, resolve_model_dir
+
+    _check_args(args)
+    rows = _read_rows(args.prompts)
+    done, torn_at = _scan_out(args.out, rows, args.prompts)
+    model_dir = resolve_model_dir(args.model, "--model")
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir, "--model")
+    limit, limit_why = _prompt_limit(args, model)
+    eos_ids = _end_tokens(tokenizer, model)
+    if not eos_ids:
+        raise UserError(f"--model {model_dir}: neither its tokenizer nor its generation config names an eos token")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    _encode_rows(rows, tokenizer, args.chat_template, limit, limit_why)
+
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    model.to(device)
+    model.generation_config = GenerationConfig()  # the model's own defaults would reshape its distribution
+    settings = _Settings(args.max_new_tokens, args.temperature, args.top_p, args.seed, pad_id, eos_ids, device)
+
+    # Everything is checked: from here on the out file may change.
+    report = GenerateReport(total=len(rows), out=args.out)
+    if torn_at is not None:
+        report.torn_bytes = _cut_torn_line(args.out, torn_at)
+        print(f"treadle: generate: cut a torn last line ({report.torn_bytes} bytes, an interrupted write) from "
+              f"{args.out}; its row is generated again", file=sys.stderr)
+    report.skipped = len(done)
+    with _stop_on_signals() as stop:
+        try:
+            generate_rows(model, tokenizer, rows, done, settings, args.batch_size, args.out, report, stop)
+        except KeyboardInterrupt:  # a second signal mid-step: the out file holds whole lines (or one torn last one)
+            stop.signal = stop.signal or "SIGINT"
+    report.failed = sum(r.reason is not None and r.index not in done for r in rows)
+    report.interrupted = stop.requested
+    # Every row is succeeded, failed, skipped or, only after a stop, not reached.
+    report.not_reached = report.total - report.succeeded - report.failed - report.skipped
+    assert report.interrupted or report.not_reached == 0, report
+    report.failed_path = _write_failures(Path(f"{args.out}.failed.jsonl"), [r for r in rows if r.index not in done])
+    return report
