@@ -228,7 +228,7 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     distributed.on_main(save_config, cfg, out / "config.toml")
     where = f"{device}" if info.world_size == 1 else f"{info.world_size} ranks ({engine_name}, {device.type})"
     trainer.console.print(
-        f"treadle: {setup.describe()} on {where}, {train_ds.num_tokens:,} train tokens, "
+        f"treadle: {setup.describe()} on {where}, {sum(o.dataset.num_tokens for o in data.sources):,} train tokens, "
         f"{loader.global_batch} x {seq_len} tokens per step, run directory {out}"
     )
     if cfg.data.sources or any(o.kind == "sft" or o.skipped for o in data.sources):

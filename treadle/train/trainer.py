@@ -123,8 +123,8 @@ class Trainer:
         scale = self.loader.mixture.lr_scale(self.state.step)
         if scale != self.phase_lr_scale:
             if self.phase_lr_scale is not None:
-                self.console.print(f"step {self.state.step}: data phase {self.loader.mixture.phase_index(self.state.step)} "
-                                   f"begins (lr x{scale:g})")
+                self.console.print(f"data phase {self.loader.mixture.phase_index(self.state.step)} begins with step "
+                                   f"{self.state.step + 1} (lr x{scale:g})")
             self.phase_lr_scale = scale
             self._apply_lr_scale()
 
