@@ -107,6 +107,8 @@ def test_prefetch_gives_the_same_batches_and_survives_a_rewind(sources):
     for s in range(6):
         got = ahead.next_step(s)
         assert all(torch.equal(g[k], w[k]) for g, w in zip(got, want[s]) for k in w)
+    ahead.close()  # fit() closes its loader; a later fit() on the same trainer must still get data
+    assert all(torch.equal(g[k], w[k]) for g, w in zip(ahead.next_step(6), plain.next_step(6)) for k in w)
     ahead.close()
 
 

@@ -78,7 +78,8 @@ class StepLoader:
         self.position = 0
         self.cursors = [0] * len(self.names)
         self.steps = 0  # steps handed out (the step index when the caller does not give one)
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="treadle-prefetch") if prefetch else None
+        self.prefetch = prefetch
+        self._pool: cf.ThreadPoolExecutor | None = None  # started on first use, again after close()
         self._pending: tuple[_Plan, cf.Future] | None = None
 
     @property
@@ -122,13 +123,18 @@ class StepLoader:
     def next_step(self, step: int | None = None) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches of the step ``step`` (its phase decides the mixture); advances the state."""
         step = self.steps if step is None else step
-        plan = self._plan(self.position, self.cursors, step)
         pending, self._pending = self._pending, None
-        batches = pending[1].result() if pending is not None and pending[0].key == plan.key else self._build(plan)
+        if pending is not None and pending[0].key == (self.position, tuple(self.cursors), step):
+            plan, batches = pending[0], pending[1].result()
+        else:  # no prefetch, or a stale one (a rollback or resume moved the state)
+            plan = self._plan(self.position, self.cursors, step)
+            batches = self._build(plan)
         self.position += self.global_batch
         self.cursors = list(plan.cursors)
         self.steps = step + 1
-        if self._pool is not None:  # the next step, built while the model trains on this one
+        if self.prefetch:  # the next step, built while the model trains on this one
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="treadle-prefetch")
             upcoming = self._plan(self.position, self.cursors, step + 1)
             self._pending = (upcoming, self._pool.submit(self._build, upcoming))
         return batches
@@ -140,7 +146,7 @@ class StepLoader:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pending = None
+            self._pool, self._pending = None, None
 
     # ------------------------------------------------------------------ state
 

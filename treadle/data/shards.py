@@ -39,7 +39,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def _map(path: Path, dtype, count: int) -> np.ndarray:
     if count == 0:
         return np.zeros(0, dtype=dtype)  # np.memmap refuses empty files
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+    # A plain ndarray view of the map: slicing a np.memmap subclass costs more than reading the tokens.
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)
 
 
 class Shard:
