@@ -46,6 +46,7 @@ class MetricsCallback(Callback):
         self.log_every = log_every
         self.first_loss: float | None = None
         self.last_loss: float | None = None
+        self._window_steps = 0
         self._window_tokens = 0
         self._window_seconds = 0.0
         self._window_data_seconds = 0.0
@@ -53,6 +54,7 @@ class MetricsCallback(Callback):
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         st = trainer.state
+        self._window_steps += 1
         self._window_tokens += trainer.tokens_per_step
         self._window_seconds += trainer.last_step_seconds
         self._window_data_seconds += trainer.last_data_seconds
@@ -74,7 +76,7 @@ class MetricsCallback(Callback):
             **result.metrics,
             "tokens": st.tokens,
             "tokens_per_s": self._window_tokens / max(self._window_seconds, 1e-9),
-            "data_wait_s": self._window_data_seconds / max(self._window_tokens // trainer.tokens_per_step, 1),
+            "data_wait_s": self._window_data_seconds / self._window_steps,  # per step: what prefetch did not hide
             "elapsed_s": round(st.elapsed_s, 3),
         }
         if trainer.sources:  # each source's token-weighted loss over the window, and its tokens so far
@@ -85,7 +87,7 @@ class MetricsCallback(Callback):
         if st.skipped_steps:
             record["skipped_steps"] = st.skipped_steps
         trainer.log(record)
-        self._window_tokens, self._window_seconds, self._window_data_seconds = 0, 0.0, 0.0
+        self._window_steps, self._window_tokens, self._window_seconds, self._window_data_seconds = 0, 0, 0.0, 0.0
         self._window_sources = {}
 
     def state_dict(self) -> dict:
