@@ -290,12 +290,14 @@ def file_tokenizer(setting: str, candidates: list[Path | None]) -> Path:
 
 
 def open_source(name: str, entries: list[str], split: str, fmt: str, text_field: str, seq_len: int,
-                data, tokenizer: Path | None, key: str) -> OpenedSource:
+                data, tokenizer: Path | None, key: str,
+                resolved: tuple[list[Path], list[Path]] | None = None) -> OpenedSource:
     """A source as a dataset: shard directories as they are, data files through the tokenization cache.
 
-    ``data`` is the run's ``DataConfig`` (seq_len policies, bad rows, chat template).
+    ``data`` is the run's ``DataConfig`` (seq_len policies, bad rows, chat template); ``resolved``
+    is ``resolve(entries, split, key)`` when the caller has it already.
     """
-    shard_dirs, files = resolve(entries, split, key)
+    shard_dirs, files = resolved or resolve(entries, split, key)
     if files:
         if fmt == "tokens":
             raise UserError(f"{key}: format = 'tokens' needs shard directories, got data files such as {files[0]}")

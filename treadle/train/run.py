@@ -7,6 +7,7 @@ missing shard never damages an earlier run that lives there.
 from __future__ import annotations
 
 import datetime
+import json
 import random
 import uuid
 from dataclasses import dataclass
@@ -22,7 +23,6 @@ from treadle.config import Config, SourceConfig, parse_duration, save_config
 from treadle.data.loader import StepLoader, eval_batches
 from treadle.data.mixture import Mixture, Phase
 from treadle.data.packed import ExampleDataset, PackedDataset
-from treadle.data.shards import Shard
 from treadle.data.sources import OpenedSource, file_tokenizer, open_source, resolve
 from treadle.distributed import init_distributed
 from treadle.engine import build_engine, read_deepspeed_config, resolve_engine
@@ -76,15 +76,24 @@ class RunData:
         return self.sources[0].dataset
 
 
+def _recorded_tokenizer(shard_dir: Path) -> str | None:
+    """The tokenizer a shard directory's meta.json names (a broken meta.json is reported when the shards open)."""
+    try:
+        return json.loads((shard_dir / "meta.json").read_text()).get("tokenizer_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _open_data(cfg: Config) -> RunData:
     """Every source opened (data files tokenized into the cache on first use), checked to share one tokenizer."""
     d = cfg.data
     specs = d.sources or [SourceConfig(name="train", path=d.train)]
-    # Data files are tokenized with data.tokenizer, else the target's / model's, else the shards', else the built-in.
-    shard_meta = next((Shard(p).meta for s in specs for p in resolve(s.path, "train", "data.sources")[0]), {})
-    tokenizer = file_tokenizer(d.tokenizer, [cfg.draft.target, cfg.model.path, shard_meta.get("tokenizer_dir")])
     key = (lambda i: f"data.sources[{i}] ({specs[i].name})") if d.sources else (lambda i: "data.train")
-    opened = [open_source(s.name, s.path, "train", s.format, s.text_field, d.seq_len, d, tokenizer, key(i))
+    paths = [resolve(s.path, "train", key(i)) for i, s in enumerate(specs)]  # (shard dirs, data files) each
+    # Data files are tokenized with data.tokenizer, else the target's / model's, else the shards', else the built-in.
+    recorded = next((_recorded_tokenizer(p) for dirs, _ in paths for p in dirs), None)
+    tokenizer = file_tokenizer(d.tokenizer, [cfg.draft.target, cfg.model.path, recorded])
+    opened = [open_source(s.name, s.path, "train", s.format, s.text_field, d.seq_len, d, tokenizer, key(i), paths[i])
               for i, s in enumerate(specs)]
     val = open_source("val", d.val, "val", "auto", "text", d.seq_len, d, tokenizer, "data.val").dataset if d.val else None
     first = opened[0].dataset
