@@ -54,6 +54,7 @@ import torch
 
 from treadle import corpus
 from treadle.config import load_config
+from treadle.data.builtin import builtin_shards
 from treadle.data.loader import StepLoader
 from treadle.data.mixture import Mixture, Phase
 from treadle.data.packed import PackedDataset
@@ -137,7 +138,7 @@ def open_sources(args, tmp: Path) -> tuple[dict, dict]:
 
     data_cfg = load_config(None, [f"--data.seq_len={args.seq_len}"]).data
     tok = corpus.builtin_tokenizer_dir()
-    builtin = corpus.builtin_shards("train", tok)  # the user's cache: it is the training data too
+    builtin = builtin_shards("train", tok)  # the user's cache: it is the training data too
     t0 = time.perf_counter()
     files = write_samples(tmp / "samples", n=args.sample_rows, seed=0)
     timings = {"write_samples_s": time.perf_counter() - t0}

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from treadle import corpus
 from treadle.config import load_config
+from treadle.data.builtin import builtin_shards
 from treadle.data.mixture import SampleOrder
 from treadle.data.packed import PackedDataset
 from treadle.models.hf import build_model
@@ -46,7 +47,7 @@ class Bare:
     def __init__(self, args):
         torch.manual_seed(0)
         tok_dir = corpus.builtin_tokenizer_dir()
-        self.data = PackedDataset([corpus.builtin_shards("train", tok_dir)], args.seq_len)
+        self.data = PackedDataset([builtin_shards("train", tok_dir)], args.seq_len)
         self.order = SampleOrder(len(self.data), seed=0)
         self.model = build_model(load_config().model, self.data.vocab_size)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)

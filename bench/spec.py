@@ -34,10 +34,10 @@ from treadle.config import load_config
 from treadle.corpus import corpus_files, split_of
 from treadle.models.glide import load_glide
 from treadle.models.hf import load_causal_lm, resolve_model_dir
-from treadle.spec.drafters import ModelDrafter, PromptLookupDrafter
-from treadle.spec.evaluate import evaluate_drafter
-from treadle.spec.glide_drafter import GlideDrafter
-from treadle.spec.prompts import heldout_prompts
+from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
+from treadle.speculative.evaluate import evaluate_drafter
+from treadle.speculative.glide_drafter import GlideDrafter
+from treadle.speculative.prompts import heldout_prompts
 from treadle.train.run import run_training
 
 # An independent draft LM of about GLIDE's trainable size (~0.9M for the tiny target):

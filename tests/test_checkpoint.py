@@ -19,7 +19,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from treadle.checkpoint.manager import _HOST, CheckpointManager, check_compatible, damage
+from treadle.checkpoint.compat import check_compatible
+from treadle.checkpoint.layout import HOST
+from treadle.checkpoint.manager import CheckpointManager
+from treadle.checkpoint.validate import damage
 from treadle.config import Config, ModelConfig, to_toml
 from treadle.engine import LocalEngine
 from treadle.errors import UserError
@@ -110,7 +113,7 @@ def test_atomic_layout_latest_resave_and_startup_cleanup(tmp_path):
 
     # Start-up: abandoned work of dead writers goes, a live writer's and the checkpoints stay;
     # a step that a killed replace had moved aside comes back.
-    pid, host = dead_pid(), _HOST
+    pid, host = dead_pid(), HOST
     (root / f".tmp-step_3.{pid}@{host}.0badc0de" / "state").mkdir(parents=True)
     (root / f".tmp-step_5.{os.getpid()}@{host}.12345678").mkdir()  # ours, live
     (root / ".tmp-hf-0123abcd").mkdir()  # an HF export's, not ours to judge

@@ -9,14 +9,14 @@ import pytest
 
 from treadle import corpus
 from treadle.errors import UserError
+from treadle.data.builtin import builtin_shards
+from treadle.tokenizer import tokenizer_fingerprint
 from treadle.corpus import (
     EOS_TOKEN,
-    builtin_shards,
     builtin_tokenizer_dir,
     cache_dir,
     corpus_files,
     split_of,
-    tokenizer_fingerprint,
     train_tokenizer,
 )
 

@@ -25,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tests.distributed import DistributedTestError, run_distributed
 from treadle.data.packed import IGNORE_INDEX
 from treadle.engine.local import LocalEngine
-from treadle.train.optim import param_groups
+from treadle.engine.optim import param_groups
 from treadle.train.step import optimizer_step
 
 LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

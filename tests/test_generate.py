@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from treadle import generate
+from treadle.data import generate
 from treadle.cli import main
 from treadle.data.sft import encode_prompt, load_tokenizer
 from treadle.models.hf import load_causal_lm
-from treadle.spec.decode import target_generate
+from treadle.speculative.decode import target_generate
 
 REPO = Path(__file__).resolve().parents[1]
 NEW = 48

@@ -12,8 +12,9 @@ from treadle.cli import main
 from treadle.models.glide import (
     GlideDraft, GlideModel, anchored_positions, attention_mask, capture_last_kv, document_ids, load_glide,
 )
-from treadle.spec.acceptance import chain_acceptance, greedy_continuations
-from treadle.spec.glide_drafter import GlideDrafter
+from treadle.models.hf import greedy_continuations
+from treadle.speculative.acceptance import chain_acceptance
+from treadle.speculative.glide_drafter import GlideDrafter
 
 
 def glide(seed=1, window=0):
@@ -99,7 +100,7 @@ def test_decode_drafter_reproduces_training_logits_and_chain_acceptance():
 
 
 def test_glide_speculative_decoding_is_lossless():
-    from treadle.spec.decode import speculative_generate, target_generate
+    from treadle.speculative.decode import speculative_generate, target_generate
 
     model = glide()
     prompt = torch.randint(0, 512, (1, 8))

@@ -5,7 +5,7 @@ import torch
 
 from treadle.config import load_config
 from treadle.models.hf import build_model
-from treadle.train.optim import build_optimizer, build_schedule, lr_multiplier, param_groups
+from treadle.engine.optim import build_optimizer, build_schedule, lr_multiplier, param_groups
 
 
 def lrs(cfg):

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from treadle.corpus import corpus_files, load_backend_tokenizer, tokenizer_fingerprint, train_tokenizer
+from treadle.corpus import corpus_files, train_tokenizer
+from treadle.tokenizer import load_backend_tokenizer, tokenizer_fingerprint
 from treadle.data import prepare as prep
 from treadle.data.prepare import prepare, token_dtype
 from treadle.errors import UserError

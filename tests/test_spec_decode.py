@@ -11,10 +11,11 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from treadle import corpus
 from treadle.errors import UserError
 from treadle.models.hf import load_causal_lm
-from treadle.spec import evaluate
-from treadle.spec.decode import SpecResult, speculative_generate, summarize, target_generate
-from treadle.spec.drafters import ModelDrafter, PromptLookupDrafter, RandomDrafter
-from treadle.spec.prompts import heldout_prompts, load_prompts_jsonl
+from treadle.speculative import evaluate
+from treadle.speculative.decode import SpecResult, speculative_generate, summarize, target_generate
+from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter, RandomDrafter
+from treadle.speculative.prompts import heldout_prompts, load_prompts_jsonl
+from treadle.tokenizer import load_backend_tokenizer
 
 GAMMA = 4
 NEW = 24
@@ -241,7 +242,7 @@ def test_heldout_prompts_come_from_val_files_deterministically(tok_dir):
     prompts = heldout_prompts(tok_dir, 4, 16)
     assert prompts == heldout_prompts(str(tok_dir), 4, 16)
     assert [len(p) for p in prompts] == [16] * 4
-    backend = corpus.load_backend_tokenizer(tok_dir)
+    backend = load_backend_tokenizer(tok_dir)
     val_texts = [path.read_text() for rel, path in corpus.corpus_files() if corpus.split_of(rel) == "val"]
     for prompt in prompts:
         assert any(backend.decode(prompt) in text for text in val_texts)
@@ -252,7 +253,7 @@ def test_heldout_prompts_come_from_val_files_deterministically(tok_dir):
 def test_load_prompts_jsonl(tmp_path, tok_dir):
     good = tmp_path / "p.jsonl"
     good.write_text('{"prompt": "def f(x):"}\n\n{"text": "import os\\nimport sys\\n"}\n')
-    encode = corpus.load_backend_tokenizer(tok_dir).encode
+    encode = load_backend_tokenizer(tok_dir).encode
     prompts = load_prompts_jsonl(good, tok_dir, 3)
     assert prompts[0] == encode("def f(x):").ids[-3:]
     assert prompts[1] == encode("import os\nimport sys\n").ids[-3:]

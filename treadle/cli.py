@@ -100,9 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="TOML config file")
     train.set_defaults(func=_train)
 
-    from treadle import generate
+    from treadle.data import generate
     from treadle.data import prepare, samples
-    from treadle.spec import evaluate
+    from treadle.speculative import evaluate
 
     _module_command(sub, "prepare", prepare, "tokenize text / JSONL into a shard directory")
     _module_command(sub, "samples", samples, "write small chat / prompt-completion / text / prompt JSONL files from the built-in corpus")

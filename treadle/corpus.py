@@ -21,14 +21,13 @@ Caching rules (they hold for the tokenizer and for the shards):
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +108,7 @@ def split_of(relpath: str, val_fraction: float = DEFAULT_VAL_FRACTION) -> str:
     return "val" if u < val_fraction else "train"
 
 
-def _split_files(split: str, val_fraction: float = DEFAULT_VAL_FRACTION) -> list[Path]:
+def split_files(split: str, val_fraction: float = DEFAULT_VAL_FRACTION) -> list[Path]:
     from treadle.errors import UserError
 
     if split not in SPLITS:
@@ -198,110 +197,28 @@ def _publish_dir(tmp: Path, final: Path) -> Path:
     return final
 
 
-def _tmp_sibling(final: Path) -> Path:
-    return final.parent / f".tmp-{final.name}-{os.getpid()}"
+def corpus_key(*parts: str) -> str:
+    """A cache key for something built from the corpus: the corpus itself plus ``parts`` (what else decides it)."""
+    return _short_hash(_corpus_key_parts() + list(parts))
+
+
+def build_cached(final: Path, marker: str, build: Callable[[Path], object], what: str) -> Path:
+    """``final`` if it holds ``marker``; else ``build(tmp)`` into a private directory, then published (module docstring)."""
+    if (final / marker).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # leftover of an interrupted run with our pid
+    log.info("%s into %s", what, final)
+    try:
+        build(tmp)
+        return _publish_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def builtin_tokenizer_dir(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
     """The built-in tokenizer (byte-level BPE on the corpus train split), trained once and cached."""
-    key = _short_hash(_corpus_key_parts() + [f"vocab={vocab_size}"])
-    final = cache_dir() / f"tokenizer-{key}"
-    if (final / "tokenizer.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_sibling(final)
-    shutil.rmtree(tmp, ignore_errors=True)  # leftover of an interrupted run with our pid
-    log.info("training the built-in tokenizer (vocab %d) into %s", vocab_size, final)
-    try:
-        train_tokenizer(_split_files("train"), tmp, vocab_size)
-        return _publish_dir(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _canonical_tokenizer_json(obj: dict) -> str:
-    # Only the parts that decide which ids ``encode(text, add_special_tokens=False)``
-    # produces (and how they decode). Truncation, padding and the post-processor
-    # template are left out: transformers may rewrite them when it loads a
-    # tokenizer (e.g. to add a BOS), which must not make the same tokenizer look
-    # like a different one, and shards are always encoded without them.
-    keep = {k: obj.get(k) for k in ("added_tokens", "normalizer", "pre_tokenizer", "model", "decoder")}
-    return json.dumps(keep, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Short sha256 identifying a tokenizer's encoding; used to catch shard/model mismatches.
-
-    Accepts a tokenizer directory (or its ``tokenizer.json``), a
-    ``tokenizers.Tokenizer``, or a transformers fast tokenizer. All three give
-    the same fingerprint for the same tokenizer.
-    """
-    if isinstance(tokenizer, (str, os.PathLike)):
-        text = load_backend_tokenizer(Path(tokenizer)).to_str()
-    elif hasattr(tokenizer, "backend_tokenizer"):
-        text = tokenizer.backend_tokenizer.to_str()
-    elif hasattr(tokenizer, "to_str"):
-        text = tokenizer.to_str()
-    else:
-        raise TypeError(f"tokenizer_fingerprint: cannot fingerprint {type(tokenizer).__name__}")
-    canonical = _canonical_tokenizer_json(json.loads(text))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
-
-
-def load_backend_tokenizer(path: Path):
-    """The ``tokenizers.Tokenizer`` behind a HF tokenizer directory (or a tokenizer.json file).
-
-    Reads ``tokenizer.json`` directly when present (fast, no transformers
-    import: this runs in every prepare worker); otherwise lets transformers
-    convert whatever the directory holds.
-    """
-    from tokenizers import Tokenizer
-
-    from treadle.errors import UserError
-
-    path = Path(path)
-    json_file = path if path.is_file() else path / "tokenizer.json"
-    if json_file.is_file():
-        try:
-            return Tokenizer.from_file(str(json_file))
-        except Exception as e:  # the Rust side raises plain Exception subclasses
-            raise UserError(f"{json_file}: not a valid tokenizers JSON file ({e})") from None
-    if not path.is_dir():
-        raise UserError(f"tokenizer {path}: no such directory (expected a Hugging Face tokenizer directory or 'builtin')")
-    try:
-        from transformers import AutoTokenizer
-
-        fast = AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:
-        raise UserError(f"tokenizer {path}: cannot load it with AutoTokenizer ({e})") from None
-    if not hasattr(fast, "backend_tokenizer"):
-        raise UserError(f"tokenizer {path}: only fast (tokenizers-backed) tokenizers are supported")
-    return fast.backend_tokenizer
-
-
-# --------------------------------------------------------------------------- shards
-
-
-def builtin_shards(split: str, tokenizer_dir: Path | None = None) -> Path:
-    """Prepared shard directory for one split of the built-in corpus, built on first use and cached."""
-    from treadle.data.prepare import prepare
-
-    if tokenizer_dir is None:
-        tokenizer_dir = builtin_tokenizer_dir()
-    files = _split_files(split)
-    key = _short_hash(
-        _corpus_key_parts()
-        + [f"split={split}", f"val_fraction={DEFAULT_VAL_FRACTION}", f"tok={tokenizer_fingerprint(tokenizer_dir)}"]
-    )
-    final = cache_dir() / f"corpus-{key}" / split
-    if (final / "meta.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_sibling(final)
-    shutil.rmtree(tmp, ignore_errors=True)
-    log.info("tokenizing the built-in corpus (%s split, %d files) into %s", split, len(files), final)
-    try:
-        prepare([str(p) for p in files], tmp, Path(tokenizer_dir))
-        return _publish_dir(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    final = cache_dir() / f"tokenizer-{corpus_key(f'vocab={vocab_size}')}"
+    return build_cached(final, "tokenizer.json", lambda tmp: train_tokenizer(split_files("train"), tmp, vocab_size),
+                        f"training the built-in tokenizer (vocab {vocab_size})")

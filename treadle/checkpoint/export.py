@@ -96,7 +96,8 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
 
     ``to="hf"`` for a model run; ``to="draft"`` for a draft run (the draft alone, as at the end of the run).
     """
-    from treadle.checkpoint.manager import checkpoint_format, find_checkpoint
+    from treadle.checkpoint.discovery import find_checkpoint
+    from treadle.checkpoint.validate import checkpoint_format
     from treadle.checkpoint.safety import safe_dcp_load
     from treadle.config import load_config
     from treadle.models.hf import build_model
@@ -109,7 +110,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
     train_state = json.loads((ckpt / "train_state.json").read_text())
     meta = train_state["meta"]
     if cfg.draft.kind:
-        from treadle.train.draft import build_glide
+        from treadle.models.glide import build_glide
 
         model, target_dir, identity = build_glide(cfg.draft, meta["vocab_size"], meta["tokenizer_fingerprint"])
         module, prefix = model.draft_model, "draft_model."

@@ -130,7 +130,7 @@ def _init_worker(tokenizer_dir: str, parallel_inside: bool) -> None:
     # Rust thread pool inside each one would only oversubscribe them. Setting
     # the variable explicitly also silences tokenizers' fork warning.
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel_inside else "false"
-    from treadle.corpus import load_backend_tokenizer
+    from treadle.tokenizer import load_backend_tokenizer
 
     _worker_tokenizer = load_backend_tokenizer(Path(tokenizer_dir))
 
@@ -226,7 +226,7 @@ def _declared_eos(tokenizer_dir: Path) -> str | None:
 
 def _load_tokenizer_info(tokenizer_dir: Path):
     """(len(tokenizer), eos id or None, fingerprint) as transformers would see the tokenizer."""
-    from treadle.corpus import load_backend_tokenizer, tokenizer_fingerprint
+    from treadle.tokenizer import load_backend_tokenizer, tokenizer_fingerprint
 
     backend = load_backend_tokenizer(tokenizer_dir)  # raises a UserError for a bad directory
     fingerprint = tokenizer_fingerprint(backend)

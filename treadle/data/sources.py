@@ -31,15 +31,16 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from treadle import corpus
+from treadle.data.builtin import builtin_shards
 from treadle.data.packed import ExampleDataset, PackedDataset
 from treadle.data.shards import ShardWriter
 from treadle.errors import UserError, first_line
+from treadle.tokenizer import tokenizer_fingerprint
 
 CACHE_VERSION = 1
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -93,7 +94,7 @@ def resolve(entries: list[str], split: str, key: str) -> tuple[list[Path], list[
     shard_dirs, files = [], []
     for entry in entries:
         if entry == "builtin":
-            shard_dirs.append(corpus.builtin_shards(split, corpus.builtin_tokenizer_dir()))
+            shard_dirs.append(builtin_shards(split, corpus.builtin_tokenizer_dir()))
         elif (Path(entry).expanduser() / "meta.json").is_file():
             shard_dirs.append(Path(entry).expanduser())
         else:
@@ -215,7 +216,7 @@ def _cache_key(files: list[Path], tokenizer, kind: str, text_field: str, templat
     h = hashlib.sha256()
     chat = getattr(tokenizer, "chat_template", None) if kind == "sft" else None
     parts = [f"v{CACHE_VERSION}", kind, text_field if kind == "text" else template, bad_rows,
-             corpus.tokenizer_fingerprint(tokenizer), json.dumps(chat, sort_keys=True)]
+             tokenizer_fingerprint(tokenizer), json.dumps(chat, sort_keys=True)]
     for f in files:
         st = f.stat()
         parts += [str(f.resolve()), str(st.st_size), str(st.st_mtime_ns)]
@@ -228,13 +229,9 @@ def tokenize_files(files: list[Path], kind: str, tokenizer_dir: Path, text_field
     """The cached shard directory of ``files`` tokenized as ``kind``; built (streaming) on first use."""
     encode = _Encoder(kind, tokenizer_dir, text_field, template)
     final = corpus.cache_dir() / "sources" / _cache_key(files, encode.tokenizer, kind, text_field, template, bad_rows)
-    if (final / "meta.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = corpus._tmp_sibling(final)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+
+    def build(tmp: Path) -> None:
+        tmp.mkdir()
         writer = ShardWriter(tmp, len(encode.tokenizer), with_loss_mask=kind == "sft")
         rows = skipped = 0
         examples: list[str] = []
@@ -263,13 +260,12 @@ def tokenize_files(files: list[Path], kind: str, tokenizer_dir: Path, text_field
                 bad(str(path), "empty file (no rows)")
         if rows == 0:
             raise UserError(f"{key}: no usable row in {len(files)} file(s) ({skipped} skipped)")
-        writer.finish({"kind": kind, "tokenizer_fingerprint": corpus.tokenizer_fingerprint(encode.tokenizer),
+        writer.finish({"kind": kind, "tokenizer_fingerprint": tokenizer_fingerprint(encode.tokenizer),
                        "tokenizer_dir": str(Path(tokenizer_dir).absolute()), "eos_id": encode.eos_id,
                        "files": [str(f) for f in files], "rows": rows, "skipped_rows": skipped,
                        "skip_examples": examples, "text_field": text_field, "chat_template": template})
-        return corpus._publish_dir(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    return corpus.build_cached(final, "meta.json", build, f"tokenizing {len(files)} file(s) of {key}")
 
 
 # ----------------------------------------------------------------------------- opening a source

@@ -54,7 +54,7 @@ def read_deepspeed_config(path: str | None) -> dict | None:
 
 def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device, deepspeed_json: dict | None = None):
     """Wrap ``model`` (fp32, on ``device``, identical on every rank) and build its optimizer inside the engine."""
-    from treadle.train.optim import build_optimizer
+    from treadle.engine.optim import build_optimizer
 
     d = cfg.distributed
     if name == "local":

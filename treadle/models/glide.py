@@ -33,7 +33,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
-from treadle.spec.acceptance import greedy_continuations
+from treadle.models.hf import greedy_continuations, load_causal_lm, resolve_model_dir
+from treadle.tokenizer import tokenizer_fingerprint
 
 KIND = "glide"
 
@@ -358,3 +359,41 @@ def load_glide(draft_dir, target) -> GlideModel:
     draft = GlideDraft(target.config, window=config["window"])
     draft.load_state_dict(load_file(str(Path(draft_dir) / "model.safetensors")))
     return GlideModel(target, draft).eval()
+
+
+# ----------------------------------------------------------------------------- a draft run's target
+
+
+def load_target(path: Path, key: str = "draft.target"):
+    """The target in fp32 and eval mode; ``GlideModel`` freezes it."""
+    target = load_causal_lm(path, key)
+    if target.config.model_type not in ("llama", "qwen2", "qwen3", "mistral"):
+        raise UserError(f"{key} {path} is a {target.config.model_type!r} model; accepted: llama, qwen2, qwen3, "
+                        "mistral (decoders with q/k/v/o attention and rotary embeddings)")
+    target.config.use_cache = False  # training packs documents: no cache (PLATFORM.md)
+    return target
+
+
+def target_identity(target_dir: Path, target) -> dict:
+    """What a draft records about its target, and what a resume must find unchanged."""
+    tok = target_dir / "tokenizer.json"
+    return {
+        "path": str(target_dir.resolve()),
+        "config_fingerprint": target_config_fingerprint(target.config),
+        "tokenizer_fingerprint": tokenizer_fingerprint(target_dir) if tok.is_file() else None,
+    }
+
+
+def build_glide(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None):
+    """(GlideModel, target dir, target identity) for a ``DraftConfig``, checked against the data. Seed torch first."""
+    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
+    target = load_target(target_dir)
+    ident = target_identity(target_dir, target)
+    if target.config.vocab_size < data_vocab:
+        raise UserError(f"draft.target {target_dir} has vocab_size {target.config.vocab_size}, smaller than the "
+                        f"data's {data_vocab}; accepted: data tokenized with the target's tokenizer")
+    theirs = ident["tokenizer_fingerprint"]
+    if theirs and data_tokenizer_fingerprint and theirs != data_tokenizer_fingerprint:
+        raise UserError(f"data.train was tokenized with tokenizer {data_tokenizer_fingerprint}, draft.target "
+                        f"{target_dir} uses {theirs}; accepted: shards made with the target's tokenizer")
+    return GlideModel(target, GlideDraft(target.config, window=cfg.window)), target_dir, ident

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from treadle.config import ModelConfig
 from treadle.errors import UserError, first_line
@@ -102,3 +102,19 @@ def count_parameters(model: nn.Module) -> int:
 
 def trainable_parameters(model: nn.Module) -> int:
     return sum(_numel(p) for p in model.parameters() if p.requires_grad)
+
+
+@torch.no_grad()
+def greedy_continuations(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """[N, P] prompts of one length -> [N, P + new_tokens], continued greedily by the target."""
+    was_training = target.training
+    target.eval()
+    cache = DynamicCache()
+    out = target(input_ids=prompts, use_cache=True, past_key_values=cache)
+    tokens = [prompts]
+    for _ in range(new_tokens):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(nxt)
+        out = target(input_ids=nxt, use_cache=True, past_key_values=cache)
+    target.train(was_training)
+    return torch.cat(tokens, dim=1)

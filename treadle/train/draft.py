@@ -14,56 +14,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from treadle import corpus
 from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
-from treadle.models.hf import load_causal_lm, resolve_model_dir
-from treadle.models.glide import GlideDraft, GlideModel, anchored_positions, target_config_fingerprint
-from treadle.spec.acceptance import chain_acceptance
+from treadle.models.glide import anchored_positions
+from treadle.speculative.acceptance import chain_acceptance
 from treadle.train.callbacks import Callback, EvalCallback
 from treadle.train.step import Batch, row_cross_entropy
 
 if TYPE_CHECKING:
     from treadle.train.trainer import Trainer
-
-
-# ----------------------------------------------------------------------------- the target
-
-
-def load_target(path: Path, key: str = "draft.target"):
-    """The target in fp32 and eval mode; ``GlideModel`` freezes it."""
-    target = load_causal_lm(path, key)
-    if target.config.model_type not in ("llama", "qwen2", "qwen3", "mistral"):
-        raise UserError(f"{key} {path} is a {target.config.model_type!r} model; accepted: llama, qwen2, qwen3, "
-                        "mistral (decoders with q/k/v/o attention and rotary embeddings)")
-    target.config.use_cache = False  # training packs documents: no cache (PLATFORM.md)
-    return target
-
-
-def target_identity(target_dir: Path, target) -> dict:
-    """What a draft records about its target, and what a resume must find unchanged."""
-    tok = target_dir / "tokenizer.json"
-    return {
-        "path": str(target_dir.resolve()),
-        "config_fingerprint": target_config_fingerprint(target.config),
-        "tokenizer_fingerprint": corpus.tokenizer_fingerprint(target_dir) if tok.is_file() else None,
-    }
-
-
-def build_glide(cfg: DraftConfig, data_vocab: int, data_tokenizer_fingerprint: str | None):
-    """(GlideModel, target dir, target identity), checked against the data. Seed torch first."""
-    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
-    target = load_target(target_dir)
-    ident = target_identity(target_dir, target)
-    if target.config.vocab_size < data_vocab:
-        raise UserError(f"draft.target {target_dir} has vocab_size {target.config.vocab_size}, smaller than the "
-                        f"data's {data_vocab}; accepted: data tokenized with the target's tokenizer")
-    theirs = ident["tokenizer_fingerprint"]
-    if theirs and data_tokenizer_fingerprint and theirs != data_tokenizer_fingerprint:
-        raise UserError(f"data.train was tokenized with tokenizer {data_tokenizer_fingerprint}, draft.target "
-                        f"{target_dir} uses {theirs}; accepted: shards made with the target's tokenizer")
-    return GlideModel(target, GlideDraft(target.config, window=cfg.window)), target_dir, ident
 
 
 # ----------------------------------------------------------------------------- the objective

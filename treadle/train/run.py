@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from treadle import corpus, distributed
+from treadle import distributed
 from treadle.checkpoint.manager import CheckpointManager
 from treadle.config import Config, SourceConfig, parse_duration, save_config
 from treadle.data.loader import StepLoader, eval_batches
@@ -30,11 +30,13 @@ from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.models.hf import build_model, compile_layers, count_parameters, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
-from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, build_glide, eval_prompts
-from treadle.train.optim import build_schedule
+from treadle.models.glide import build_glide
+from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
+from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
 from treadle.train.step import loss_sum
 from treadle.train.trainer import Trainer
+from treadle.tokenizer import tokenizer_fingerprint
 
 
 @dataclass
@@ -113,7 +115,7 @@ def _tokenizer_dir(cfg: Config, train) -> Path | None:
         recorded = Path(train.tokenizer_dir) if train.tokenizer_dir else None
         return recorded if recorded is not None and recorded.is_dir() else None
     path = Path(cfg.data.tokenizer)
-    if corpus.tokenizer_fingerprint(path) != train.tokenizer_fingerprint:
+    if tokenizer_fingerprint(path) != train.tokenizer_fingerprint:
         raise UserError(f"data.tokenizer {path} is not the tokenizer the training data was made with (fingerprint {train.tokenizer_fingerprint})")
     return path
 

@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from treadle.corpus import corpus_files, load_backend_tokenizer, split_of
+from treadle.corpus import corpus_files, split_of
 from treadle.errors import UserError
+from treadle.tokenizer import load_backend_tokenizer
 
 
 def _encoder(tokenizer) -> Callable[[str], list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from treadle.spec.decode import crop_cache, forward_logits
+from treadle.speculative.decode import crop_cache, forward_logits
 
 
 class ModelDrafter:

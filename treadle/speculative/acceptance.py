@@ -16,23 +16,6 @@ own acceptances lead to, so the two differ a little on short texts.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
-
-
-@torch.no_grad()
-def greedy_continuations(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """[N, P] prompts of one length -> [N, P + new_tokens], continued greedily by the target."""
-    was_training = target.training
-    target.eval()
-    cache = DynamicCache()
-    out = target(input_ids=prompts, use_cache=True, past_key_values=cache)
-    tokens = [prompts]
-    for _ in range(new_tokens):
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        tokens.append(nxt)
-        out = target(input_ids=nxt, use_cache=True, past_key_values=cache)
-    target.train(was_training)
-    return torch.cat(tokens, dim=1)
 
 
 @torch.no_grad()

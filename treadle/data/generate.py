@@ -53,8 +53,6 @@ and the same command continues.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import signal
 import sys
 import threading
@@ -75,6 +73,16 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from treadle.data.generation_files import (
+    Row,
+    append_rows,
+    cut_torn_line,
+    encode_rows,
+    output_row,
+    read_rows,
+    scan_out,
+    write_failures,
+)
 from treadle.errors import UserError, first_line
 
 EXIT_ROWS_FAILED = 1
@@ -131,187 +139,6 @@ class GenerateReport:
         if self.interrupted:
             return EXIT_INTERRUPTED
         return EXIT_ROWS_FAILED if self.failed else 0
-
-
-# --------------------------------------------------------------------------- input rows
-
-
-@dataclass
-class _Row:
-    index: int  # among non-blank lines
-    line: int  # 1-based line number in the prompts file
-    data: dict | None = None  # the parsed object; None when the line is not one
-    ids: list[int] | None = None  # the encoded prompt; None when the row failed before generation
-    reason: str | None = None  # why the row failed
-
-
-def _trimmed_messages(messages: list) -> list:
-    """A conversation without its trailing assistant message(s): what is being answered."""
-    end = len(messages)
-    while end and isinstance(messages[end - 1], dict) and messages[end - 1].get("role") == "assistant":
-        end -= 1
-    return messages[:end]
-
-
-def _read_rows(path: Path) -> list[_Row]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"--prompts {path}: no such file") from None
-    except OSError as e:
-        raise UserError(f"--prompts {path}: cannot read it ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"--prompts {path}: not UTF-8 text") from None
-    rows = []
-    # Lines end at "\n" only: str.splitlines would also split at U+2028, U+0085 and others, legal inside JSON strings.
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        row = _Row(index=len(rows), line=lineno)
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as e:
-            row.reason = f"not valid JSON ({e.msg})"
-        else:
-            if isinstance(data, dict):
-                row.data = data
-            else:
-                row.reason = "row is not a JSON object"
-        rows.append(row)
-    return rows
-
-
-def _encode_rows(rows: list[_Row], tokenizer, template: str, max_prompt_tokens: int, limit_why: str) -> None:
-    from treadle.data.sft import encode_prompt
-
-    for row in rows:
-        if row.data is None:
-            continue
-        try:
-            ids = encode_prompt(tokenizer, row.data, template)
-        except ValueError as e:
-            row.reason = str(e)
-            continue
-        if not ids:
-            row.reason = "the prompt encodes to no tokens"
-        elif len(ids) > max_prompt_tokens:
-            row.reason = f"prompt of {len(ids)} tokens exceeds {limit_why}"
-        else:
-            row.ids = ids
-
-
-def _output_row(row: _Row, text: str, finish: str) -> dict:
-    out = dict(row.data)
-    if "messages" in out:
-        out["messages"] = _trimmed_messages(out["messages"]) + [{"role": "assistant", "content": text}]
-    else:
-        out["completion"] = text
-    out["index"] = row.index
-    out["finish"] = finish
-    return out
-
-
-# --------------------------------------------------------------------------- the out file
-
-
-def _same_source(done: dict, row: _Row) -> bool:
-    """Whether an out row was generated from this input row (a guard against mixing prompts files)."""
-    data = row.data
-    if data is None:
-        return False
-    if "messages" in data:
-        messages, asked = done.get("messages"), data["messages"]
-        return isinstance(messages, list) and isinstance(asked, list) and messages[:-1] == _trimmed_messages(asked)
-    return done.get("prompt") == data.get("prompt")
-
-
-def _scan_out(out: Path, rows: list[_Row], prompts: Path) -> tuple[set[int], int | None]:
-    """(indices already in ``out``, byte offset of a torn last line to cut, or None).
-
-    Only the last line may be torn: a write interrupted by a crash leaves a
-    partial line at the end and nowhere else. Anything wrong earlier is damage
-    we cannot explain, so it is reported and the file is left alone.
-    """
-    if not out.exists():
-        return set(), None
-    try:
-        data = out.read_bytes()
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot read it ({e.strerror})") from None
-    pieces = data.split(b"\n")  # the last piece is b"" exactly when the file ends with a newline
-    last_nonblank = max((i for i, p in enumerate(pieces) if p.strip()), default=-1)
-    done: dict[int, int] = {}
-    offset = 0
-    for i, piece in enumerate(pieces):
-        start, offset = offset, offset + len(piece) + 1
-        if not piece.strip():
-            continue
-        lineno = i + 1
-        complete = i < len(pieces) - 1
-        try:
-            obj = json.loads(piece)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            obj = None
-        if i == last_nonblank and (not complete or obj is None):
-            return set(done), start
-        if obj is None:
-            raise UserError(f"--out {out} line {lineno}: not valid JSON, and not the last line (an interrupted "
-                            "write only tears the last one); repair or move the file")
-        index = obj.get("index") if isinstance(obj, dict) else None
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise UserError(f"--out {out} line {lineno}: not a treadle generate row (no integer 'index')")
-        if not 0 <= index < len(rows):
-            raise UserError(f"--out {out} line {lineno}: index {index}, but --prompts {prompts} has only "
-                            f"{len(rows)} rows; was --out written from another prompts file? (use a new --out)")
-        if index in done:
-            raise UserError(f"--out {out} lines {done[index]} and {lineno}: both hold index {index}; "
-                            "remove one of them")
-        if not _same_source(obj, rows[index]):
-            raise UserError(f"--out {out} line {lineno}: its row (index {index}) does not match --prompts "
-                            f"{prompts} line {rows[index].line}; was --out written from another prompts file? "
-                            "(use a new --out)")
-        done[index] = lineno
-    return set(done), None
-
-
-def _cut_torn_line(out: Path, offset: int) -> int:
-    """Truncate ``out`` to ``offset`` (durably); the number of bytes removed."""
-    size = out.stat().st_size
-    with open(out, "r+b") as f:
-        f.truncate(offset)
-        f.flush()
-        os.fsync(f.fileno())
-    return size - offset
-
-
-def _json_line(row: dict) -> str:
-    # UTF-8 as is, except the line separators JSON leaves raw in strings (U+0085, U+2028, U+2029): readers
-    # that split lines with str.splitlines would cut a row there.
-    text = json.dumps(row, ensure_ascii=False)
-    return text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029") + "\n"
-
-
-def _append(f, rows: list[dict]) -> None:
-    # One write of whole lines per batch, made durable before the next batch starts.
-    f.write("".join(map(_json_line, rows)).encode("utf-8"))
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def _write_failures(path: Path, rows: list[_Row]) -> Path | None:
-    """Rewrite the failures file (atomically); remove a stale one when nothing failed."""
-    failed = [r for r in rows if r.reason is not None]
-    if not failed:
-        path.unlink(missing_ok=True)
-        return None
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in failed:
-            f.write(_json_line({"index": r.index, "line": r.line, "reason": r.reason}))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
 
 
 # --------------------------------------------------------------------------- stopping
@@ -429,15 +256,15 @@ def _generate_batch(model, settings: _Settings, prompts: list[list[int]], indice
     return results
 
 
-def _batches(rows: list[_Row], batch_size: int) -> list[list[_Row]]:
+def _batches(rows: list[Row], batch_size: int) -> list[list[Row]]:
     ready = sorted((r for r in rows if r.ids is not None), key=lambda r: (len(r.ids), r.index))
     return [ready[s : s + batch_size] for s in range(0, len(ready), batch_size)]
 
 
-def _run_batch(model, tokenizer, settings: _Settings, batch: list[_Row], stop: _Stop) -> list[dict] | None:
+def _run_batch(model, tokenizer, settings: _Settings, batch: list[Row], stop: _Stop) -> list[dict] | None:
     """Output rows of one batch, without its failed rows (they get a reason); None when a stop cut it short."""
 
-    def failed(row: _Row, error: Exception) -> None:
+    def failed(row: Row, error: Exception) -> None:
         row.reason = f"generation failed: {first_line(error)}"
 
     try:
@@ -458,11 +285,11 @@ def _run_batch(model, tokenizer, settings: _Settings, batch: list[_Row], stop: _
                 results.append(None)
     if stop.requested:
         return None
-    return [_output_row(row, tokenizer.decode(res[0], skip_special_tokens=True), res[1])
+    return [output_row(row, tokenizer.decode(res[0], skip_special_tokens=True), res[1])
             for row, res in zip(batch, results) if res is not None]
 
 
-def generate_rows(model, tokenizer, rows: list[_Row], done: set[int], settings: _Settings, batch_size: int,
+def generate_rows(model, tokenizer, rows: list[Row], done: set[int], settings: _Settings, batch_size: int,
                   out: Path, report: GenerateReport, stop: _Stop) -> None:
     """Generate every ready row not in ``done``, batch by batch, appending to ``out``; fills ``report``."""
     pending = {r.index for r in rows if r.ids is not None and r.index not in done}
@@ -479,7 +306,7 @@ def generate_rows(model, tokenizer, rows: list[_Row], done: set[int], settings: 
                 break
             new = [r for r in produced if r["index"] in pending]
             if new:
-                _append(f, sorted(new, key=lambda r: r["index"]))
+                append_rows(f, sorted(new, key=lambda r: r["index"]))
             report.succeeded += len(new)
             pending -= {r.index for r in todo}
             if time.monotonic() - last_progress > _PROGRESS_EVERY_S:
@@ -562,8 +389,8 @@ def generate(args: argparse.Namespace) -> GenerateReport:
     from treadle.models.hf import load_causal_lm, resolve_model_dir
 
     _check_args(args)
-    rows = _read_rows(args.prompts)
-    done, torn_at = _scan_out(args.out, rows, args.prompts)
+    rows = read_rows(args.prompts)
+    done, torn_at = scan_out(args.out, rows, args.prompts)
     model_dir = resolve_model_dir(args.model, "--model")
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, "--model")
@@ -572,7 +399,7 @@ def generate(args: argparse.Namespace) -> GenerateReport:
     if not eos_ids:
         raise UserError(f"--model {model_dir}: neither its tokenizer nor its generation config names an eos token")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    _encode_rows(rows, tokenizer, args.chat_template, limit, limit_why)
+    encode_rows(rows, tokenizer, args.chat_template, limit, limit_why)
 
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
@@ -583,7 +410,7 @@ def generate(args: argparse.Namespace) -> GenerateReport:
     # Everything is checked: from here on the out file may change.
     report = GenerateReport(total=len(rows), out=args.out)
     if torn_at is not None:
-        report.torn_bytes = _cut_torn_line(args.out, torn_at)
+        report.torn_bytes = cut_torn_line(args.out, torn_at)
         print(f"treadle: generate: cut a torn last line ({report.torn_bytes} bytes, an interrupted write) from "
               f"{args.out}; its row is generated again", file=sys.stderr)
     report.skipped = len(done)
@@ -597,5 +424,5 @@ def generate(args: argparse.Namespace) -> GenerateReport:
     # Every row is succeeded, failed, skipped or, only after a stop, not reached.
     report.not_reached = report.total - report.succeeded - report.failed - report.skipped
     assert report.interrupted or report.not_reached == 0, report
-    report.failed_path = _write_failures(Path(f"{args.out}.failed.jsonl"), [r for r in rows if r.index not in done])
+    report.failed_path = write_failures(Path(f"{args.out}.failed.jsonl"), [r for r in rows if r.index not in done])
     return report

@@ -18,9 +18,9 @@ import torch
 from treadle.errors import UserError, first_line
 from treadle.models.glide import load_glide, read_draft_config
 from treadle.models.hf import load_causal_lm, resolve_model_dir
-from treadle.spec.decode import Drafter, speculative_generate, summarize, target_generate
-from treadle.spec.drafters import ModelDrafter, PromptLookupDrafter
-from treadle.spec.prompts import heldout_prompts, load_prompts_jsonl
+from treadle.speculative.decode import Drafter, speculative_generate, summarize, target_generate
+from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
+from treadle.speculative.prompts import heldout_prompts, load_prompts_jsonl
 
 _WARMUP_TOKENS = 4
 
@@ -56,7 +56,7 @@ def _load_tokenizer(model_dir: Path):
 
 def _check_same_tokenizer(draft_dir: Path, tokenizer) -> None:
     """A draft with another tokenizer would propose ids that mean other text to the target."""
-    from treadle.corpus import tokenizer_fingerprint
+    from treadle.tokenizer import tokenizer_fingerprint
 
     if not (draft_dir / "tokenizer.json").is_file() or not hasattr(tokenizer, "backend_tokenizer"):
         return
@@ -72,7 +72,7 @@ def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
     path = Path(spec)
     for candidate in (path, path / "draft"):  # a draft run directory holds its export in draft/
         if read_draft_config(candidate) is not None:
-            from treadle.spec.glide_drafter import GlideDrafter
+            from treadle.speculative.glide_drafter import GlideDrafter
 
             return GlideDrafter(load_glide(candidate, target))
     draft_dir = resolve_model_dir(path, "--draft")

@@ -1,0 +1,111 @@
+"""Whether a checkpoint fits this run: the same model, data and tokenizer (config and meta), the same tensors."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from treadle.errors import UserError
+
+# [model] keys a resumed run may change: weights are fp32 either way, and in-place compile keeps names.
+_HARMLESS_MODEL_KEYS = {"model.dtype", "model.compile"}
+# [draft] keys that shape the trained module; the rest (objective, lag, offsets, eval) are training choices.
+_DRAFT_ARCH_KEYS = {"draft.kind", "draft.window"}
+_META_KEYS = ("vocab_size", "tokenizer_fingerprint", "target_fingerprint")
+
+
+def _flat(tree: dict, prefix: str) -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _show(v: Any) -> str:
+    return "unset" if v is None else repr(v) if isinstance(v, str) else str(v)
+
+
+def _architecture(config: dict) -> dict[str, Any]:
+    """The config keys that decide which tensors a checkpoint holds."""
+    model = {k: v for k, v in _flat(config.get("model", {}), "model.").items() if k not in _HARMLESS_MODEL_KEYS}
+    draft = {k: v for k, v in _flat(config.get("draft", {}), "draft.").items() if k in _DRAFT_ARCH_KEYS}
+    return model | draft
+
+
+def check_compatible(path: Path, config_toml_now: str | None, meta_now: dict | None) -> None:
+    """UserError if the checkpoint at ``path`` was trained as another model or on other data.
+
+    Compares the checkpoint's ``config.toml`` ``[model]`` section (except
+    ``model.dtype`` and ``model.compile``, harmless to change) and the draft's kind and
+    window with ``config_toml_now``, and ``vocab_size`` / ``tokenizer_fingerprint`` /
+    ``target_fingerprint`` of its train_state.json ``meta`` with ``meta_now``. Everything else (steps, lr, logging, eval, data paths) may change.
+    Either argument may be None to skip that half.
+    """
+    path = Path(path)
+    if config_toml_now is not None:
+        try:
+            then = _architecture(tomllib.loads((path / "config.toml").read_text()))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise UserError(f"checkpoint {path}: config.toml is unreadable ({str(exc).splitlines()[0]})") from None
+        now = _architecture(tomllib.loads(config_toml_now))
+        for key in sorted(then.keys() | now.keys()):
+            if then.get(key) != now.get(key):
+                raise UserError(
+                    f"checkpoint {path} was trained with {key} = {_show(then.get(key))}, this run has "
+                    f"{_show(now.get(key))}; resume with the same model or start a new output_dir"
+                )
+    if meta_now is not None:
+        try:
+            meta_then = json.loads((path / "train_state.json").read_text()).get("meta") or {}
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
+            raise UserError(f"checkpoint {path}: train_state.json is unreadable ({str(exc).splitlines()[0]})") from None
+        for key in _META_KEYS:
+            if key in meta_then and key in meta_now and meta_then[key] != meta_now[key]:
+                raise UserError(
+                    f"checkpoint {path} was trained with {key} = {_show(meta_then[key])}, this run has "
+                    f"{_show(meta_now[key])}; resume with the same data and tokenizer or start a new output_dir"
+                )
+
+
+def _tensor_shapes(obj: Any, key: tuple = ()) -> dict[tuple, tuple]:
+    if isinstance(obj, torch.Tensor):
+        return {key: tuple(obj.shape)}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    out: dict[tuple, tuple] = {}
+    for k, v in items:
+        out |= _tensor_shapes(v, key + (k,))
+    return out
+
+
+def check_fit(path: Path, md: Metadata, state: dict) -> None:
+    """One-line UserError for a tensor this model has and the checkpoint lacks (or the reverse) or a shape change.
+
+    DCP would report these as a multi-line CheckpointException (or, for a checkpoint
+    holding more layers, not at all); the check uses the vetted metadata only.
+    """
+    paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+    saved = {tuple(paths[fqn]): tuple(entry.size) for fqn, entry in md.state_dict_metadata.items()
+             if isinstance(entry, TensorStorageMetadata) and fqn in paths}
+    if not saved:
+        return  # written by a planner that records no paths: leave it to DCP's own checks
+    ours = _tensor_shapes(state)
+    name = lambda k: ".".join(map(str, k))  # noqa: E731
+    hint = "resume with the same model or start a new output_dir"
+    for k, shape in ours.items():
+        if k not in saved:
+            raise UserError(f"checkpoint {path} does not fit this model: it has no {name(k)} {list(shape)}; {hint}")
+        if saved[k] != shape:
+            raise UserError(f"checkpoint {path} does not fit this model: {name(k)} is {list(saved[k])} there, "
+                            f"{list(shape)} here; {hint}")
+    for k, shape in saved.items():
+        if k not in ours:
+            raise UserError(f"checkpoint {path} does not fit this model: it holds {name(k)} {list(shape)}, "
+                            f"which this model lacks; {hint}")

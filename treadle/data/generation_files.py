@@ -1,0 +1,193 @@
+"""The files of ``treadle generate``: the prompts file read into rows, the out file scanned on resume
+(a torn last line cut, rows matched to their prompts), batches appended durably, and the failures file.
+The formats are described in ``treadle.data.generate``'s docstring."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from treadle.errors import UserError
+
+
+# --------------------------------------------------------------------------- input rows
+
+
+@dataclass
+class Row:
+    index: int  # among non-blank lines
+    line: int  # 1-based line number in the prompts file
+    data: dict | None = None  # the parsed object; None when the line is not one
+    ids: list[int] | None = None  # the encoded prompt; None when the row failed before generation
+    reason: str | None = None  # why the row failed
+
+
+def trimmed_messages(messages: list) -> list:
+    """A conversation without its trailing assistant message(s): what is being answered."""
+    end = len(messages)
+    while end and isinstance(messages[end - 1], dict) and messages[end - 1].get("role") == "assistant":
+        end -= 1
+    return messages[:end]
+
+
+def read_rows(path: Path) -> list[Row]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"--prompts {path}: no such file") from None
+    except OSError as e:
+        raise UserError(f"--prompts {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--prompts {path}: not UTF-8 text") from None
+    rows = []
+    # Lines end at "\n" only: str.splitlines would also split at U+2028, U+0085 and others, legal inside JSON strings.
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        row = Row(index=len(rows), line=lineno)
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as e:
+            row.reason = f"not valid JSON ({e.msg})"
+        else:
+            if isinstance(data, dict):
+                row.data = data
+            else:
+                row.reason = "row is not a JSON object"
+        rows.append(row)
+    return rows
+
+
+def encode_rows(rows: list[Row], tokenizer, template: str, max_prompt_tokens: int, limit_why: str) -> None:
+    from treadle.data.sft import encode_prompt
+
+    for row in rows:
+        if row.data is None:
+            continue
+        try:
+            ids = encode_prompt(tokenizer, row.data, template)
+        except ValueError as e:
+            row.reason = str(e)
+            continue
+        if not ids:
+            row.reason = "the prompt encodes to no tokens"
+        elif len(ids) > max_prompt_tokens:
+            row.reason = f"prompt of {len(ids)} tokens exceeds {limit_why}"
+        else:
+            row.ids = ids
+
+
+def output_row(row: Row, text: str, finish: str) -> dict:
+    out = dict(row.data)
+    if "messages" in out:
+        out["messages"] = trimmed_messages(out["messages"]) + [{"role": "assistant", "content": text}]
+    else:
+        out["completion"] = text
+    out["index"] = row.index
+    out["finish"] = finish
+    return out
+
+
+# --------------------------------------------------------------------------- the out file
+
+
+def same_source(done: dict, row: Row) -> bool:
+    """Whether an out row was generated from this input row (a guard against mixing prompts files)."""
+    data = row.data
+    if data is None:
+        return False
+    if "messages" in data:
+        messages, asked = done.get("messages"), data["messages"]
+        return isinstance(messages, list) and isinstance(asked, list) and messages[:-1] == trimmed_messages(asked)
+    return done.get("prompt") == data.get("prompt")
+
+
+def scan_out(out: Path, rows: list[Row], prompts: Path) -> tuple[set[int], int | None]:
+    """(indices already in ``out``, byte offset of a torn last line to cut, or None).
+
+    Only the last line may be torn: a write interrupted by a crash leaves a
+    partial line at the end and nowhere else. Anything wrong earlier is damage
+    we cannot explain, so it is reported and the file is left alone.
+    """
+    if not out.exists():
+        return set(), None
+    try:
+        data = out.read_bytes()
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot read it ({e.strerror})") from None
+    pieces = data.split(b"\n")  # the last piece is b"" exactly when the file ends with a newline
+    last_nonblank = max((i for i, p in enumerate(pieces) if p.strip()), default=-1)
+    done: dict[int, int] = {}
+    offset = 0
+    for i, piece in enumerate(pieces):
+        start, offset = offset, offset + len(piece) + 1
+        if not piece.strip():
+            continue
+        lineno = i + 1
+        complete = i < len(pieces) - 1
+        try:
+            obj = json.loads(piece)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            obj = None
+        if i == last_nonblank and (not complete or obj is None):
+            return set(done), start
+        if obj is None:
+            raise UserError(f"--out {out} line {lineno}: not valid JSON, and not the last line (an interrupted "
+                            "write only tears the last one); repair or move the file")
+        index = obj.get("index") if isinstance(obj, dict) else None
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise UserError(f"--out {out} line {lineno}: not a treadle generate row (no integer 'index')")
+        if not 0 <= index < len(rows):
+            raise UserError(f"--out {out} line {lineno}: index {index}, but --prompts {prompts} has only "
+                            f"{len(rows)} rows; was --out written from another prompts file? (use a new --out)")
+        if index in done:
+            raise UserError(f"--out {out} lines {done[index]} and {lineno}: both hold index {index}; "
+                            "remove one of them")
+        if not same_source(obj, rows[index]):
+            raise UserError(f"--out {out} line {lineno}: its row (index {index}) does not match --prompts "
+                            f"{prompts} line {rows[index].line}; was --out written from another prompts file? "
+                            "(use a new --out)")
+        done[index] = lineno
+    return set(done), None
+
+
+def cut_torn_line(out: Path, offset: int) -> int:
+    """Truncate ``out`` to ``offset`` (durably); the number of bytes removed."""
+    size = out.stat().st_size
+    with open(out, "r+b") as f:
+        f.truncate(offset)
+        f.flush()
+        os.fsync(f.fileno())
+    return size - offset
+
+
+def json_line(row: dict) -> str:
+    # UTF-8 as is, except the line separators JSON leaves raw in strings (U+0085, U+2028, U+2029): readers
+    # that split lines with str.splitlines would cut a row there.
+    text = json.dumps(row, ensure_ascii=False)
+    return text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029") + "\n"
+
+
+def append_rows(f, rows: list[dict]) -> None:
+    # One write of whole lines per batch, made durable before the next batch starts.
+    f.write("".join(map(json_line, rows)).encode("utf-8"))
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def write_failures(path: Path, rows: list[Row]) -> Path | None:
+    """Rewrite the failures file (atomically); remove a stale one when nothing failed."""
+    failed = [r for r in rows if r.reason is not None]
+    if not failed:
+        path.unlink(missing_ok=True)
+        return None
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in failed:
+            f.write(json_line({"index": r.index, "line": r.line, "reason": r.reason}))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
