@@ -1,0 +1,159 @@
+"""Bad input through the real CLI: one ``treadle:`` line, exit code 2, no traceback, nothing on disk changed.
+
+Every case runs ``treadle.cli.main`` in-process (the same function the console script calls) with stderr
+captured, next to a good run directory and a user's own files, and checks that both are byte-identical
+afterwards (``Watched``). A few cases run as real subprocesses, where only a fresh interpreter tells the truth
+(a crafted pickle that would run code, the console script itself).
+
+Sections follow the holes of issue 12 they pin; a case that names a hole failed before its fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import args
+from treadle.cli import main
+
+
+# ---------------------------------------------------------------------------- the harness
+
+
+def snapshot(*roots: Path) -> dict[str, tuple]:
+    """Every entry under ``roots``: files by content hash and mode, symlinks by target, directories by mode."""
+    out: dict[str, tuple] = {}
+    for root in roots:
+        if not root.exists() and not root.is_symlink():
+            out[str(root)] = ("absent",)
+            continue
+        entries = [root] + (sorted(root.rglob("*")) if root.is_dir() and not root.is_symlink() else [])
+        for p in entries:
+            st = p.lstat()
+            if p.is_symlink():
+                out[str(p)] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[str(p)] = ("dir", st.st_mode)
+            else:
+                out[str(p)] = ("file", st.st_mode, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+class Watched:
+    """Paths that a refused command must leave exactly as they were."""
+
+    def __init__(self, *roots: Path):
+        self.roots = roots
+        self.before = snapshot(*roots)
+
+    def assert_unchanged(self) -> None:
+        after = snapshot(*self.roots)
+        changed = sorted(k for k in self.before.keys() | after.keys() if self.before.get(k) != after.get(k))
+        assert not changed, f"changed on disk: {changed[:5]}"
+
+
+def _check_one_line(rc: int, stderr: str, expect: str | None, code: int = 2) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("treadle:")]
+    assert len(lines) == 1, f"expected exactly one treadle: line, got {stderr!r}"
+    assert rc == code, f"exit code {rc} ({lines[0]})"
+    if expect is not None:
+        assert expect in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def refused(capsys, world):
+    """``refused(argv, expect, *also_watch)``: run the CLI in-process; assert one line, exit 2, nothing changed."""
+
+    def run(argv: list[str], expect: str | None = None, *also_watch: Path, code: int = 2) -> str:
+        watched = Watched(*world.watched, *also_watch)
+        capsys.readouterr()
+        rc = main([str(a) for a in argv])
+        line = _check_one_line(rc, capsys.readouterr().err, expect, code)
+        watched.assert_unchanged()
+        return line
+
+    return run
+
+
+def refused_subprocess(argv: list[str], expect: str | None, *watch: Path, env: dict | None = None) -> str:
+    """The same checks on a real ``python -m treadle`` process."""
+    watched = Watched(*watch)
+    proc = subprocess.run([sys.executable, "-m", "treadle", *map(str, argv)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+    line = _check_one_line(proc.returncode, proc.stderr, expect)
+    watched.assert_unchanged()
+    return line
+
+
+class World:
+    """A good, finished run (two checkpoints, an export) and a user's own files beside it."""
+
+    def __init__(self, root: Path, shards: Path):
+        self.root, self.shards = root, shards
+        self.run = root / "runs" / "good"
+        self.user = root / "mine"  # a user's directory: nothing treadle does may touch it
+        self.thesis = self.user / "thesis.txt"
+
+    @property
+    def watched(self) -> tuple[Path, ...]:
+        return (self.run, self.user, self.shards)
+
+    def args(self, out: Path, *extra: str) -> list[str]:
+        return args(self.shards, out, "--train.max_steps=2", "--train.eval_batches=1", *extra)
+
+
+@pytest.fixture(scope="module")
+def world_template(shards, tmp_path_factory) -> World:
+    w = World(tmp_path_factory.mktemp("world"), shards)
+    assert main(w.args(w.run, "--checkpoint.every=1", "--checkpoint.keep_last=2")) == 0
+    w.user.mkdir()
+    w.thesis.write_text("four years of work\n")
+    (w.user / "notes.jsonl").write_text('{"text": "mine"}\n')
+    return w
+
+
+@pytest.fixture
+def world(world_template, tmp_path) -> World:
+    """A private copy of the good world, so a case that fails its checks cannot spoil the next one."""
+    w = World(tmp_path / "w", world_template.shards)
+    shutil.copytree(world_template.root, w.root, symlinks=True)
+    return w
+
+
+def ckpt(w: World, step: int = 2) -> Path:
+    return w.run / "checkpoints" / f"step_{step}"
+
+
+def test_harness_sees_a_change_and_a_second_line(world, capsys):
+    """The checks can fail: a changed byte, a second treadle line and exit 0 are all caught."""
+    watched = Watched(world.run, world.user)
+    world.thesis.write_text("four years of work!\n")
+    with pytest.raises(AssertionError, match="changed on disk"):
+        watched.assert_unchanged()
+    with pytest.raises(AssertionError, match="exactly one"):
+        _check_one_line(2, "treadle: error: a\ntreadle: error: b\n", None)
+    with pytest.raises(AssertionError, match="exit code 0"):
+        _check_one_line(0, "treadle: error: a\n", None)
+
+
+# ---------------------------------------------------------------------------- config and flags
+
+
+# ---------------------------------------------------------------------------- output paths (holes 1, 9, 10c)
+
+
+# ---------------------------------------------------------------------------- checkpoints and pickles (hole 2)
+
+
+# ---------------------------------------------------------------------------- data (holes 3, 4, 5, 10a, 10b)
+
+
+# ---------------------------------------------------------------------------- resume (holes 6, 7, 8)
