@@ -147,6 +147,72 @@ def test_harness_sees_a_change_and_a_second_line(world, capsys):
 # ---------------------------------------------------------------------------- config and flags
 
 
+# (flags after the run's own argv, expected words in the one line)
+_BAD_FLAGS = [
+    (["--train.max_stps=5"], "did you mean train.max_steps"),
+    (["--trian.max_steps=5"], "trian"),
+    (["--train.max_steps=abc"], "train.max_steps"),
+    (["--train.max_steps=-5"], "train.max_steps"),
+    (["--schedule.decay=cosin"], "schedule.decay"),
+    (["--model.dtype=fp16"], "model.dtype"),
+    (["--train.time_limit=3hours"], "3hours"),
+    (["--schedule.warmup_steps=5"], "warmup_steps"),
+    (["--model.path=gpt2"], "model.path"),
+    (["--data.train=/no/such/shards"], "/no/such/shards"),
+    (["--data.val=/no/such/val"], "/no/such/val"),
+    (["--checkpoint.resume=/no/such/checkpoint"], "/no/such/checkpoint"),
+    (["--distributed.engine=ddp"], "torchrun"),
+    (["--distributed.zero_stage=4"], "distributed.zero_stage"),
+    (["--train.max_steps", "5"], "--train.max_steps=VALUE"),
+    (["--data.phases=[{start_step=1,weights={nosuch=1}}]"], "nosuch"),
+]
+
+
+@pytest.mark.parametrize("flags,expect", _BAD_FLAGS, ids=[f[0][0].split("=")[0] + f"-{i}" for i, f in enumerate(_BAD_FLAGS)])
+def test_bad_flags_are_one_line(world, refused, flags, expect):
+    new = world.root / "runs" / "new"
+    argv = [a for a in world.args(new) if not a.startswith("--data.phases")] + flags
+    refused(argv, expect, new)
+
+
+def test_bad_config_files_are_one_line(world, refused):
+    new = world.root / "runs" / "new"
+    cases = {
+        "missing.toml": (None, "missing.toml"),
+        "syntax.toml": ("[train\nmax_steps = 3\n", "syntax.toml"),
+        "typo.toml": ("[train]\nmax_stepz = 3\n", "did you mean train.max_steps"),
+        "latin1.toml": (b"[train]\n# caf\xe9\n", "latin1.toml"),
+        "list.toml": ("train = [1, 2]\n", "train"),
+    }
+    for name, (content, expect) in cases.items():
+        path = world.root / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        elif content is not None:
+            path.write_text(content)
+        refused(["train", path, f"--train.output_dir={new}"], expect, new, *([path] if content is not None else []))
+    refused(["train", world.user, f"--train.output_dir={new}"], str(world.user), new)  # a directory, not a file
+
+
+def test_bad_tool_flags_are_one_line(world, refused):
+    nowhere = world.root / "nowhere"
+    refused(["export", nowhere, world.root / "out"], "nowhere", world.root / "out")
+    refused(["export", world.run, world.root / "out", "--extra"], "--extra", world.root / "out")
+    refused(["prepare", world.root / "no-such-input.txt", "--out", world.root / "shards-new"], "no-such-input.txt",
+            world.root / "shards-new")
+    refused(["generate", "--model", nowhere, "--prompts", world.user / "notes.jsonl", "--out", world.root / "g.jsonl"],
+            "nowhere", world.root / "g.jsonl")
+    refused(["spec-eval", "--target", nowhere, "--draft", "prompt-lookup"], "nowhere")
+
+
+def test_console_script_refuses_a_bad_toml_in_one_line(world):
+    """A real process: what a user's shell sees (exit code, stderr), not only what main() returns."""
+    bad = world.root / "bad.toml"
+    bad.write_text("[optim]\nlr = 'fast'\n")
+    refused_subprocess(["train", bad, f"--train.output_dir={world.root / 'new'}"], "optim.lr", *world.watched,
+                       world.root / "new")
+
+
 # ---------------------------------------------------------------------------- output paths (holes 1, 9, 10c)
 
 

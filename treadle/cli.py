@@ -24,6 +24,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
     if bad:
         raise UserError(f"unexpected argument {bad[0]!r}; accepted: [config.toml] [--section.key=value ...]")
+    # `--train.max_steps 5` (a space, not '='): argparse would take 5 for the config file.
+    valueless = [a for a in extra if "=" not in a]
+    if valueless:
+        raise UserError(f"{valueless[0]} has no value; accepted: {valueless[0]}=VALUE (one argument, joined by '=')")
     from treadle.train.resilience import EXIT_STOPPED_RESUMABLE
 
     cfg = load_config(args.config, extra)
