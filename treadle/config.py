@@ -373,8 +373,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 
 
 def to_toml(cfg: Config) -> str:
-    # TOML has no null: unset optional keys are left out and come back as None.
-    return tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))
+    # TOML has no null: unset optional keys are left out and come back as None. data.sources replaces data.train,
+    # and a file that sets both is refused: the default data.train is left out, so the file loads again.
+    tree = cfg.model_dump(mode="json", exclude_none=True)
+    if cfg.data.sources:
+        del tree["data"]["train"]
+    return tomli_w.dumps(tree)
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

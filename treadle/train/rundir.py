@@ -32,7 +32,17 @@ from pydantic import ValidationError
 from treadle.checkpoint.compat import check_compatible
 from treadle.checkpoint.layout import step_of
 from treadle.checkpoint.manager import CheckpointManager
-from treadle.config import Config, changed_keys, save_config, show_value, to_toml
+from treadle.config import (
+    Config,
+    OptimConfig,
+    PhaseConfig,
+    ScheduleConfig,
+    TrainConfig,
+    changed_keys,
+    save_config,
+    show_value,
+    to_toml,
+)
 from treadle.engine.optim import lr_function
 from treadle.errors import UserError, first_line
 
@@ -76,22 +86,22 @@ def check_output_dir(out: Path) -> None:
 
 
 def prepare_output_dir(out: Path, cfg: Config, checkpoints: CheckpointManager) -> None:
-    """The run's first write: the directory, a write probe, and the marker that makes it a treadle run."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{uuid.uuid4().hex[:8]}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"train.output_dir = {str(out)!r} is not writable ({exc.strerror}); accepted: a directory you can write") from None
+    """The run's first write: the directory and the marker that makes it a treadle run, then a write probe."""
     if cfg.checkpoint.resume == "none" and checkpoints.complete():
         raise UserError(
             f"train.output_dir {out} already holds checkpoints and checkpoint.resume = 'none'; "
             "accepted: checkpoint.resume = 'auto' to continue it, or another train.output_dir"
         )
-    if not (out / MARKER).is_file():
-        created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        (out / MARKER).write_text(json.dumps({"treadle_run": 1, "created": created}) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / MARKER).is_file():  # before any other write: a kill after it leaves a directory known as a run
+            created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            (out / MARKER).write_text(json.dumps({"treadle_run": 1, "created": created}) + "\n")
+        probe = out / f".write-test-{uuid.uuid4().hex[:8]}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"train.output_dir = {str(out)!r} is not writable ({exc.strerror}); accepted: a directory you can write") from None
 
 
 @dataclass
@@ -148,10 +158,14 @@ def _read(ckpt: Path) -> tuple[dict, dict]:
     return then, state
 
 
-def _lr_at(cfg: Config, position: int, step: int) -> float:
-    """The lr ``cfg`` gives the update after ``position`` applied updates and ``step`` steps (phase scale included)."""
-    phase = [p.lr_scale for p in cfg.data.phases if p.start_step <= step]
-    return cfg.optim.lr * lr_function(cfg)(position) * (phase[-1] if phase else 1.0)
+def _lr_at(tree: dict, position: int, step: int) -> float:
+    """The lr a config tree gives the update after ``position`` applied updates, at step ``step`` (its data phase's
+    lr_scale included). Only what the schedule reads is validated: a checkpoint's whole config need not load."""
+    cfg = Config(**{name: model.model_validate(tree.get(name, {}))
+                    for name, model in (("train", TrainConfig), ("optim", OptimConfig), ("schedule", ScheduleConfig))})
+    phases = [PhaseConfig.model_validate(p) for p in tree.get("data", {}).get("phases", [])]
+    scale = [p.lr_scale for p in phases if p.start_step <= step]
+    return cfg.optim.lr * lr_function(cfg)(position) * (scale[-1] if scale else 1.0)
 
 
 def _check_continuity(cfg: Config, ckpt: Path, then: dict, state: dict, changes: list) -> None:
@@ -165,13 +179,13 @@ def _check_continuity(cfg: Config, ckpt: Path, then: dict, state: dict, changes:
                 f"train.output_dir{weights}")
     if cfg.checkpoint.allow_schedule_change:
         return
-    try:
-        before = Config.model_validate(then)
-    except ValidationError as exc:
-        raise UserError(f"checkpoint {ckpt}: its config.toml no longer validates ({first_line(exc)}), so its schedule "
-                        "cannot be compared; accepted: checkpoint.allow_schedule_change = true") from None
     position = state.get("schedule", {}).get("last_epoch", step)  # applied updates: skipped steps do not count
-    old, new = _lr_at(before, position, step), _lr_at(cfg, position, step)
+    try:
+        old = _lr_at(then, position, step)
+    except (ValidationError, TypeError, AttributeError) as exc:
+        raise UserError(f"checkpoint {ckpt}: the schedule in its config.toml does not validate ({first_line(exc)}), so "
+                        "it cannot be compared; accepted: checkpoint.allow_schedule_change = true") from None
+    new = _lr_at(tomllib.loads(to_toml(cfg)), position, step)
     if not math.isclose(old, new, rel_tol=1e-9):
         keys = [f"{k} {show_value(a)} -> {show_value(b)}" for k, a, b in changes if k.startswith(_SCHEDULE_KEYS)]
         raise UserError(
