@@ -223,3 +223,63 @@ def test_console_script_refuses_a_bad_toml_in_one_line(world):
 
 
 # ---------------------------------------------------------------------------- resume (holes 6, 7, 8)
+
+
+def _other_run(w: World) -> Path:
+    """A second finished run beside the good one (a copy: a treadle run with its own checkpoints and metrics)."""
+    other = w.root / "runs" / "other"
+    shutil.copytree(w.run, other, symlinks=True)
+    return other
+
+
+def test_output_dir_that_is_not_a_treadle_run_is_refused(world, refused):
+    """Hole 1 (train.output_dir): a user's directory, a file, a hand-written recipe or an export is never a run dir."""
+    recipe = world.root / "recipe"
+    recipe.mkdir()
+    (recipe / "config.toml").write_text("# my recipe\n[train]\nmax_steps = 2\n")
+    refused(world.args(world.user), "holds files that are not a treadle run (notes.jsonl, thesis.txt)")
+    refused(world.args(world.thesis), "is a file, not a directory")
+    refused(world.args(recipe), "holds files that are not a treadle run (config.toml)", recipe)
+    refused(world.args(world.run / "hf"), "holds files that are not a treadle run", world.run / "hf")
+
+
+def test_output_dir_of_a_user_is_refused_by_the_console_script(world):
+    refused_subprocess(world.args(world.user), "not a treadle run", *world.watched)
+
+
+def test_resume_that_would_overwrite_a_run_is_refused(world, refused):
+    """Hole 7: another run's checkpoint into an existing run; this run's older checkpoint while newer ones exist."""
+    other = _other_run(world)
+    line = refused(world.args(other, f"--checkpoint.resume={ckpt(world, 1)}"), "is another run's checkpoint", other)
+    assert str(ckpt(world, 1)) in line and str(other) in line and "a new train.output_dir" in line
+    line = refused(world.args(world.run, f"--checkpoint.resume={ckpt(world, 1)}"), "older checkpoint of this run")
+    assert "(step_2)" in line and "checkpoint.allow_rollback = true" in line
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--optim.lr=1e-2"], "optim.lr 0.005 -> 0.01 changes the learning rate there from"),
+    (["--train.max_steps=4"], "train.max_steps 2 -> 4 changes the learning rate there from"),
+    (["--schedule.min_lr_ratio=0.5"], "schedule.min_lr_ratio 0.1 -> 0.5"),
+    (["--data.phases=[{start_step=1,lr_scale=0.5}]", "--train.max_steps=2"], "data.phases"),
+])
+def test_resume_that_breaks_the_schedule_is_refused(world, refused, flags, expect):
+    """Hole 8: a finished cosine run resumed with another lr or length would jump its lr; the flag is named."""
+    line = refused(world.args(world.run, *flags), expect)
+    assert "checkpoint.allow_schedule_change = true" in line
+
+
+def test_resume_messages_name_the_key_and_the_remedy(world, refused):
+    """Hole 6b/6c: the override's leaf key and both values; another seq_len or seed names what to do instead."""
+    refused(world.args(world.run, "--model.overrides={}"), "model.overrides.hidden_size = 32, this run has unset")
+    line = refused(world.args(world.run, "--data.seq_len=16"), "data.seq_len = 32, this run has 16")
+    assert "data.seq_len = 32 to continue it" in line and f"--model.path={world.run}" in line
+    refused(world.args(world.run, "--train.seed=1"), "train.seed = 0 to continue it")
+
+
+def test_export_messages_name_what_the_user_typed(world, refused):
+    """Hole 6a: `treadle export` is not `checkpoint.resume`, and auto/none are not its keywords."""
+    out = world.root / "exported"
+    for source, expect in [(world.root / "missing", "does not exist"), (world.user, "holds no checkpoint"),
+                           (Path("auto"), "does not exist")]:
+        line = refused(["export", source, out], f"treadle export SOURCE {str(source)!r} {expect}", out)
+        assert "checkpoint.resume" not in line and "auto, none" not in line

@@ -360,6 +360,10 @@ def test_incompatible_resume_is_one_line_user_error(tmp_path):
           "resume with the same model or start a new output_dir", config_toml(hidden_size=64))
     fails("model.overrides.rope_theta = unset, this run has 500.0", config_toml(rope_theta=500.0))
     fails("model.preset = 'tiny', this run has 'small'", to_toml(Config(model=ModelConfig(preset="small", overrides=TINY))))
+    # An override added to a run trained without any names its leaf key and both values (not "overrides = {}").
+    bare = cm.save(7, engine(), train_state(7), to_toml(Config()))
+    with pytest.raises(UserError, match=r"model\.overrides\.num_hidden_layers = unset, this run has 2;"):
+        check_compatible(bare, to_toml(Config(model=ModelConfig(overrides={"num_hidden_layers": 2}))), None)
     fails("vocab_size = 97, this run has 8192", meta=dict(META, vocab_size=8192))
     fails("tokenizer_fingerprint = 'f00d', this run has 'beef'", meta=dict(META, tokenizer_fingerprint="beef"))
     with pytest.raises(UserError, match="hidden_size = 32, this run has 64"):  # load checks when told the run
@@ -374,6 +378,18 @@ def test_incompatible_resume_is_one_line_user_error(tmp_path):
         cm.load(path, engine(num_hidden_layers=3))
     with pytest.raises(UserError, match=r"holds model\.model\.layers\.1\..*which this model lacks"):
         cm.load(path, engine(num_hidden_layers=1))
+
+
+def test_roll_back_to_moves_latest_and_best_then_retires_newer(tmp_path):
+    cm = CheckpointManager(tmp_path / "ck", keep_last=5, best_metric="eval_loss")
+    eng = engine()
+    first = cm.save(1, eng, train_state(1), config_toml(), metrics={"eval_loss": 3.0})
+    newer = [cm.save(s, eng, train_state(s), config_toml(), metrics={"eval_loss": 3.0 - s}) for s in (2, 3)]
+    assert cm.best().name == "step_3"
+    cm.roll_back_to(first, newer)
+    assert [p.name for p in cm.complete()] == ["step_1"] and cm.latest() == first
+    assert not (cm.root / "best").is_symlink() and not (cm.root / "best.json").exists()
+    assert tmp_entries(cm.root) == [] and cm.find_resume("auto") == first
 
 
 # ---------------------------------------------------------------------------- disk full

@@ -31,9 +31,64 @@ def test_resume_continues_bit_for_bit(shards, tmp_path):
     # The training changed the model and the validation loss went down.
     evals = records(a, "eval_loss")
     assert evals[6] < evals[0]
-    # Auto-resume of a finished run does no more steps, and the run dir's config runs as is.
-    assert main(["train", str(a / "config.toml"), "--train.max_steps=7"]) == 0
+    # Extending a finished cosine run re-stretches the schedule: the lr at step 6 would jump from its floor back
+    # up, so it needs the explicit flag. With it the run continues from the run dir's config as is, the config
+    # that trained steps 1-6 is kept beside the new one, and the flag is not saved as granted for the next time.
+    first_config = (a / "config.toml").read_text()
+    assert main(["train", str(a / "config.toml"), "--train.max_steps=7"]) == 2
+    assert main(["train", str(a / "config.toml"), "--train.max_steps=7", "--checkpoint.allow_schedule_change=true"]) == 0
     assert max(records(a)) == 7 and (a / "checkpoints" / "latest").resolve().name == "step_7"
+    assert (a / "config.step_6.toml").read_text() == first_config
+    assert main(["train", str(a / "config.toml"), "--train.max_steps=8"]) == 2
+    # B forked from A's step_3: its own config.toml continues B (checkpoint.resume is saved as auto).
+    assert main(["train", str(b / "config.toml")]) == 0 and max(records(b)) == 6
+
+
+def test_resume_prints_changes_keeps_the_previous_config_and_applies_them(shards, tmp_path, capsys):
+    from treadle.config import load_config
+    from treadle.train.run import build_trainer
+
+    run, base = tmp_path / "run", ("--schedule.decay=constant", "--checkpoint.every=1", "--checkpoint.keep_last=5")
+    assert main(args(shards, run, "--train.max_steps=2", *base)) == 0
+    first_config = (run / "config.toml").read_text()
+    (run / ".treadle-run").unlink()  # a run from before the marker is still a run
+    capsys.readouterr()
+    # A constant schedule keeps its lr at step 2 when extended: no flag needed. weight_decay takes effect although
+    # the optimizer's state dict in the checkpoint carries the old one.
+    trainer = build_trainer(load_config(None, args(shards, run, "--train.max_steps=3", "--optim.weight_decay=0.5", *base)[1:]))
+    try:
+        trainer.fit()
+    finally:
+        trainer.metrics.close()
+    out = capsys.readouterr().out
+    kept = run / "config.step_2.toml"
+    assert f"changed since step_2 (the previous config is kept as {kept}):\n  optim.weight_decay: 0.1 -> 0.5\n" \
+           "  train.max_steps: 2 -> 3\n" in out
+    assert kept.read_text() == first_config and (run / ".treadle-run").is_file()
+    assert [g["weight_decay"] for g in trainer.engine.optimizer.param_groups] == [0.5, 0.0]
+    assert max(records(run)) == 3 and load_config(run / "config.toml").optim.weight_decay == 0.5
+
+
+def test_rollback_to_an_older_checkpoint_needs_the_flag_and_replays_exactly(shards, tmp_path):
+    from treadle.config import load_config
+    from treadle.train.run import build_trainer
+
+    run = tmp_path / "run"
+    argv = args(shards, run, "--train.max_steps=3", "--checkpoint.every=1", "--checkpoint.keep_last=5")
+    assert main(argv) == 0
+    loss, step1 = records(run), run / "checkpoints" / "step_1"
+    assert main(argv + [f"--checkpoint.resume={step1}"]) == 2  # would replace step_2 and step_3 silently
+    trainer = build_trainer(load_config(None, argv[1:] + [f"--checkpoint.resume={step1}", "--checkpoint.allow_rollback=true"]))
+    try:
+        # Rolled back before training: a crash from here on resumes step_1's branch, never the abandoned one.
+        assert [p.name for p in trainer.checkpoints.complete()] == ["step_1"] and trainer.checkpoints.latest() == step1
+        assert max(records(run)) == 1
+        trainer.fit()
+    finally:
+        trainer.metrics.close()
+    assert records(run) == loss  # the same steps again, bit for bit
+    saved = load_config(run / "config.toml").checkpoint
+    assert (saved.resume, saved.allow_rollback) == ("auto", False)
 
 
 def test_export_matches_trained_model_and_cli_export(shards, tmp_path):

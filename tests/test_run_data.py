@@ -6,6 +6,7 @@ import math
 import pytest
 
 from treadle.cli import main
+from treadle.config import load_config
 from tests.helpers import mixture_args, records, write_pairs
 
 
@@ -35,6 +36,8 @@ def test_mixture_phase_and_resume_across_it(shards, tmp_path):
             lo, hi = sorted([recs[s]["loss/code"], recs[s]["loss/sft"]])
             assert lo <= recs[s]["loss"] <= hi
 
+    # The run directory's config runs again as it is (data.sources without the default data.train beside it).
+    assert load_config(a / "config.toml").data.sources[1].name == "sft"
     # Resumed before the phase (step 2) and inside it (step 4): the same steps, losses, lr and source tokens.
     for ckpt in ("step_2", "step_4"):
         b = tmp_path / f"from_{ckpt}"

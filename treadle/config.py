@@ -103,6 +103,12 @@ class CheckpointConfig(Section):
     async_save: bool = Field(False, description="write checkpoints in the background; latest moves when durable")
     best_metric: str | None = Field(None, description="a logged metric (e.g. eval_loss) whose best checkpoint is kept")
     best_mode: Literal["min", "max"] = "min"
+    allow_schedule_change: bool = Field(
+        False, description="resume although the learning rate at the resumed step changes (optim.lr, train.max_steps "
+                           "under a decaying schedule, schedule.*, data.phases); one run only, not saved as true")
+    allow_rollback: bool = Field(
+        False, description="resume from an older checkpoint of this run: newer checkpoints are removed and metrics after "
+                           "it dropped; one run only, not saved as true")
 
 
 class ResilienceConfig(Section):
@@ -367,8 +373,36 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 
 
 def to_toml(cfg: Config) -> str:
-    # TOML has no null: unset optional keys are left out and come back as None.
-    return tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))
+    # TOML has no null: unset optional keys are left out and come back as None. data.sources replaces data.train,
+    # and a file that sets both is refused: the default data.train is left out, so the file loads again.
+    tree = cfg.model_dump(mode="json", exclude_none=True)
+    if cfg.data.sources:
+        del tree["data"]["train"]
+    return tomli_w.dumps(tree)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"model": {"overrides": {"a": 1}}}`` -> ``{"model.overrides.a": 1}``: one entry per leaf key.
+
+    An empty table has no leaves, so ``overrides = {}`` and an unset override compare per key.
+    """
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out |= flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changed_keys(then: dict, now: dict) -> list[tuple[str, Any, Any]]:
+    """(key, old, new) for every leaf key whose value differs between two config trees (None: unset), sorted."""
+    a, b = flatten(then), flatten(now)
+    return [(k, a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+
+
+def show_value(v: Any) -> str:
+    return "unset" if v is None else repr(v) if isinstance(v, str) else str(v)
 
 
 def save_config(cfg: Config, path: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from treadle.config import flatten, show_value
 from treadle.errors import UserError
 
 # [model] keys a resumed run may change: weights are fp32 either way, and in-place compile keeps names.
@@ -19,24 +20,10 @@ _DRAFT_ARCH_KEYS = {"draft.kind", "draft.window"}
 _META_KEYS = ("vocab_size", "tokenizer_fingerprint", "target_fingerprint")
 
 
-def _flat(tree: dict, prefix: str) -> dict[str, Any]:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            out |= _flat(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _show(v: Any) -> str:
-    return "unset" if v is None else repr(v) if isinstance(v, str) else str(v)
-
-
 def _architecture(config: dict) -> dict[str, Any]:
     """The config keys that decide which tensors a checkpoint holds."""
-    model = {k: v for k, v in _flat(config.get("model", {}), "model.").items() if k not in _HARMLESS_MODEL_KEYS}
-    draft = {k: v for k, v in _flat(config.get("draft", {}), "draft.").items() if k in _DRAFT_ARCH_KEYS}
+    model = {k: v for k, v in flatten(config.get("model", {}), "model.").items() if k not in _HARMLESS_MODEL_KEYS}
+    draft = {k: v for k, v in flatten(config.get("draft", {}), "draft.").items() if k in _DRAFT_ARCH_KEYS}
     return model | draft
 
 
@@ -59,8 +46,8 @@ def check_compatible(path: Path, config_toml_now: str | None, meta_now: dict | N
         for key in sorted(then.keys() | now.keys()):
             if then.get(key) != now.get(key):
                 raise UserError(
-                    f"checkpoint {path} was trained with {key} = {_show(then.get(key))}, this run has "
-                    f"{_show(now.get(key))}; resume with the same model or start a new output_dir"
+                    f"checkpoint {path} was trained with {key} = {show_value(then.get(key))}, this run has "
+                    f"{show_value(now.get(key))}; resume with the same model or start a new output_dir"
                 )
     if meta_now is not None:
         try:
@@ -70,8 +57,8 @@ def check_compatible(path: Path, config_toml_now: str | None, meta_now: dict | N
         for key in _META_KEYS:
             if key in meta_then and key in meta_now and meta_then[key] != meta_now[key]:
                 raise UserError(
-                    f"checkpoint {path} was trained with {key} = {_show(meta_then[key])}, this run has "
-                    f"{_show(meta_now[key])}; resume with the same data and tokenizer or start a new output_dir"
+                    f"checkpoint {path} was trained with {key} = {show_value(meta_then[key])}, this run has "
+                    f"{show_value(meta_now[key])}; resume with the same data and tokenizer or start a new output_dir"
                 )
 
 

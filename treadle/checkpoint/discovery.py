@@ -15,6 +15,7 @@ from treadle.errors import UserError
 
 log = logging.getLogger("treadle")
 
+_PATH_ACCEPTED = "accepted: a step_<N> checkpoint directory, or a run directory that has checkpoints"
 _RESUME_ACCEPTED = "accepted: auto, none, a step_<N> checkpoint directory, or a run directory that has checkpoints"
 
 
@@ -49,27 +50,35 @@ def newest_valid(root: Path) -> Path | None:
 
 
 def find_checkpoint(root: Path, resume: str) -> Path | None:
-    """The checkpoint to resume from.
+    """The checkpoint to resume from (``checkpoint.resume``).
 
     ``none`` -> None. ``auto`` -> ``latest`` if sound, else the newest sound checkpoint
     (one warning line names what was skipped and why), None if there is none; UserError
-    if every one is damaged. A path: a checkpoint directory, which must be sound, or a
-    run / checkpoints directory searched like ``auto``; UserError otherwise.
+    if every one is damaged. A path: see ``checkpoint_at``.
     """
     if resume == "none":
         return None
     if resume == "auto":
         return newest_valid(Path(root))
-    path = Path(resume)
+    return checkpoint_at(Path(resume), f"checkpoint.resume = {resume!r}", _RESUME_ACCEPTED)
+
+
+def checkpoint_at(path: Path, named: str, accepted: str = _PATH_ACCEPTED) -> Path:
+    """The checkpoint a path the user gave stands for: a checkpoint directory, which must be sound, or a run /
+    checkpoints directory searched like ``auto``; UserError otherwise.
+
+    ``named`` is how the user gave the path (``checkpoint.resume = '...'``, ``treadle export SOURCE '...'``):
+    messages name what the user typed, not a key of another command.
+    """
     if not path.exists():
-        raise UserError(f"checkpoint.resume = {resume!r} does not exist; {_RESUME_ACCEPTED}")
+        raise UserError(f"{named} does not exist; {accepted}")
     if STEP_DIR.match(path.name) or (path / "train_state.json").exists() or (path / "state").is_dir():
         reason = damage(path)
         if reason is not None:
-            raise UserError(f"checkpoint.resume = {resume!r} is not a usable checkpoint: {reason}; {_RESUME_ACCEPTED}")
+            raise UserError(f"{named} is not a usable checkpoint: {reason}; {accepted}")
         return path
     for candidate in (path / "checkpoints", path):  # a run directory, or its checkpoints directory
         found = newest_valid(candidate) if candidate.is_dir() else None
         if found is not None:
             return found
-    raise UserError(f"checkpoint.resume = {resume!r} holds no checkpoint; {_RESUME_ACCEPTED}")
+    raise UserError(f"{named} holds no checkpoint; {accepted}")

@@ -96,13 +96,13 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
 
     ``to="hf"`` for a model run; ``to="draft"`` for a draft run (the draft alone, as at the end of the run).
     """
-    from treadle.checkpoint.discovery import find_checkpoint
+    from treadle.checkpoint.discovery import checkpoint_at
     from treadle.checkpoint.validate import checkpoint_format
     from treadle.checkpoint.safety import safe_dcp_load
     from treadle.config import load_config
     from treadle.models.hf import build_model
 
-    ckpt = find_checkpoint(source, str(source))  # read-only: a live run's temporaries are not ours to touch
+    ckpt = checkpoint_at(Path(source), f"treadle export SOURCE {str(source)!r}")  # read-only: a live run's temporaries stay
     cfg = load_config(ckpt / "config.toml")
     if (cfg.draft.kind is not None) != (to == "draft"):
         kind = "a draft run" if cfg.draft.kind else "a model run"

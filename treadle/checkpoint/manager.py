@@ -358,13 +358,29 @@ class CheckpointManager:
                 keep.add(target.name)
         for p in done:
             if p.name not in keep:
-                trash = self.root / tmp_name(f"del-{p.name}")
-                try:
-                    os.rename(p, trash)  # invisible first: a kill mid-delete leaves .tmp-*, not a partial step_<N>
-                except OSError as exc:
-                    log.warning(f"checkpoint: could not remove {p} ({exc.strerror}); it is kept")
-                    continue
-                remove(trash)
+                self._discard(p)
+
+    def _discard(self, p: Path) -> None:
+        trash = self.root / tmp_name(f"del-{p.name}")
+        try:
+            os.rename(p, trash)  # invisible first: a kill mid-delete leaves .tmp-*, not a partial step_<N>
+        except OSError as exc:
+            log.warning(f"checkpoint: could not remove {p} ({exc.strerror}); it is kept")
+            return
+        remove(trash)
+
+    def roll_back_to(self, path: Path, newer: list[Path]) -> None:
+        """An explicit rollback: ``latest`` (and ``best``, if it was among them) leave ``newer``, which are removed.
+
+        ``latest`` moves first, so a kill in between leaves a run that resumes from ``path``, never a dangling link.
+        """
+        self._point(self.root / "latest", path)
+        best = link_target(self.root / "best")
+        if best is not None and best.name in {p.name for p in newer}:
+            remove(self.root / "best")
+            remove(self.root / "best.json")
+        for p in newer:
+            self._discard(p)
 
     # ------------------------------------------------------------------ reading
 

@@ -38,6 +38,12 @@ def _collate(dataset, indices: Sequence[int]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
 
+# What a user can do when the saved data position does not fit: continue with the old data, or leave this run
+# (a new run starts from the checkpoint's weights with model.path = the old run directory, whose hf/ holds them).
+_REMEDY = ("accepted: the checkpoint's data and data.seq_len to continue the run, or a new train.output_dir "
+           "(--model.path=<this run directory> starts from its exported weights)")
+
+
 @dataclass(frozen=True, eq=False)
 class _Plan:
     """Everything needed to build one step's batches for one rank, computed from the loader state."""
@@ -164,21 +170,22 @@ class StepLoader:
         if state.get("seed") != self.seed:
             raise UserError(
                 f"loader state: checkpoint data seed {state.get('seed')!r} differs from the configured seed "
-                f"{self.seed}; resuming would change the sample order (use the checkpoint's seed)"
+                f"{self.seed}; resuming would change the sample order; accepted: the checkpoint's seed to continue, or "
+                "a new train.output_dir"
             )
         saved = state.get("sources")
         if not isinstance(saved, dict) or sorted(saved) != sorted(self.names):
             raise UserError(
                 f"loader state: the checkpoint's sources {sorted(saved) if isinstance(saved, dict) else saved!r} differ "
-                f"from the configured ones {sorted(self.names)}; the sample order would not continue "
-                "(resume with the same data.sources, or start a new output_dir)"
+                f"from the configured ones {sorted(self.names)}; the sample order would not continue; "
+                f"{_REMEDY}"
             )
         for name, order in zip(self.names, self.orders):
             n = saved[name].get("num_samples")
             if n != order.num_samples:
                 raise UserError(
                     f"loader state: source {name!r} had {n} samples in the checkpoint, it has {order.num_samples} "
-                    "now (different data or seq_len); the sample order would not continue"
+                    f"now (different data or seq_len); the sample order would not continue; {_REMEDY}"
                 )
         self.position = position
         self.cursors = [int(saved[name]["cursor"]) for name in self.names]

@@ -59,10 +59,15 @@ def lr_multiplier(step: int, max_steps: int, warmup: int, decay: str, min_ratio:
     return 1.0 - (1.0 - min_ratio) * progress  # linear and wsd's cool-down
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
+def lr_function(cfg: Config):
+    """The schedule's multiplier of the peak lr as a function of the schedule's step (applied updates)."""
     s, max_steps, warmup = cfg.schedule, cfg.train.max_steps, cfg.warmup_steps()
 
     def fn(step: int) -> float:
         return lr_multiplier(step, max_steps, warmup, s.decay, s.min_lr_ratio, s.wsd_decay_proportion)
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+    return fn
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_function(cfg))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import json
 import random
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -19,7 +18,7 @@ import torch
 
 from treadle import distributed
 from treadle.checkpoint.manager import CheckpointManager
-from treadle.config import Config, SourceConfig, parse_duration, save_config
+from treadle.config import Config, SourceConfig, parse_duration
 from treadle.data.loader import StepLoader, eval_batches
 from treadle.data.mixture import Mixture, Phase
 from treadle.data.packed import ExampleDataset, PackedDataset
@@ -34,6 +33,7 @@ from treadle.models.glide import build_glide
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
 from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
+from treadle.train.rundir import check_output_dir, check_resume, prepare_output_dir, save_run_config
 from treadle.train.step import loss_sum
 from treadle.train.trainer import Trainer
 from treadle.tokenizer import tokenizer_fingerprint
@@ -120,21 +120,6 @@ def _tokenizer_dir(cfg: Config, train) -> Path | None:
     return path
 
 
-def _prepare_output_dir(out: Path, cfg: Config, checkpoints: CheckpointManager) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{uuid.uuid4().hex[:8]}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"train.output_dir = {str(out)!r} is not writable ({exc.strerror}); accepted: a directory you can write") from None
-    if cfg.checkpoint.resume == "none" and checkpoints.complete():
-        raise UserError(
-            f"train.output_dir {out} already holds checkpoints and checkpoint.resume = 'none'; "
-            "accepted: checkpoint.resume = 'auto' to continue it, or another train.output_dir"
-        )
-
-
 @dataclass
 class ModelSetup:
     """What the kind of run decides: the module trained, its loss, its evals and its export."""
@@ -182,11 +167,12 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     deepspeed_json = read_deepspeed_config(d.deepspeed_config) if engine_name == "deepspeed" else None
     device, main = info.device, info.is_main
     seq_len = cfg.data.seq_len
+    out = Path(cfg.train.output_dir)
+    distributed.on_main(check_output_dir, out)  # a user's directory is refused before anything else
     # Rank 0 tokenizes data files into the cache; the others then find them there.
     data = distributed.on_main(_open_data, cfg) or _open_data(cfg)
     train_ds, val_ds, tokenizer_dir = data.train, data.val, data.tokenizer_dir
 
-    out = Path(cfg.train.output_dir)
     checkpoints = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last, info.rank, world_size=info.world_size,
                                     async_save=cfg.checkpoint.async_save, best_metric=cfg.checkpoint.best_metric,
                                     best_mode=cfg.checkpoint.best_mode)
@@ -196,7 +182,10 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     meta = {"vocab_size": train_ds.vocab_size, "eos_id": train_ds.meta.get("eos_id"),
             "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_fingerprint": train_ds.tokenizer_fingerprint}
     setup = _draft_setup(cfg, train_ds, val_ds, meta) if cfg.draft.kind else _model_setup(cfg, meta, tokenizer_dir)
-    distributed.on_main(_prepare_output_dir, out, cfg, checkpoints)  # the first write: every input above is valid
+    resume = distributed.on_main(check_resume, cfg, out, resume_from, checkpoints, meta)
+    distributed.on_main(prepare_output_dir, out, cfg, checkpoints)  # the first write: every input above is valid
+    if resume is not None and resume.rollback:  # asked for with checkpoint.allow_rollback
+        checkpoints.roll_back_to(resume.checkpoint, resume.rollback)
     model = setup.model
     model.to(device).train()
     if cfg.model.compile:  # a draft is one block: compile it whole; the frozen target stays eager
@@ -236,7 +225,9 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
         trainer.resume(resume_from)
     # Records after the checkpoint (or all, on a fresh start) came from a run that died: they are logged again.
     trainer.metrics.truncate_after(trainer.state.step if resume_from is not None else -1)
-    distributed.on_main(save_config, cfg, out / "config.toml")
+    kept = distributed.on_main(save_run_config, cfg, out, resume)
+    if resume is not None and resume.describe(kept):
+        trainer.console.print(resume.describe(kept))
     where = f"{device}" if info.world_size == 1 else f"{info.world_size} ranks ({engine_name}, {device.type})"
     trainer.console.print(
         f"treadle: {setup.describe()} on {where}, {sum(o.dataset.num_tokens for o in data.sources):,} train tokens, "

@@ -21,6 +21,9 @@ from treadle.train.resilience import ShutdownWatcher, TrainingFailed
 from treadle.train.step import StepResult, loss_sum, optimizer_step
 
 
+_CONFIGURED_HYPERPARAMETERS = ("weight_decay", "betas", "eps")  # lr is the schedule's (``_apply_lr_scale``)
+
+
 @dataclass
 class TrainState:
     step: int = 0  # optimizer steps taken (skipped ones included: they consumed data)
@@ -177,7 +180,13 @@ class Trainer:
                 cb.load_state_dict(saved)
 
     def resume(self, path: Path) -> None:
+        # The optimizer's state dict carries its hyperparameters: this run's config (as built) wins over the
+        # checkpoint's, or another optim.weight_decay / betas / eps would be reported as changed and silently ignored.
+        groups = self.engine.optimizer.param_groups
+        configured = [{k: g[k] for k in _CONFIGURED_HYPERPARAMETERS if k in g} for g in groups]
         self.load_state_dict(self.checkpoints.load(path, self.engine, config_toml=to_toml(self.cfg), meta=self.meta))
+        for group, values in zip(self.engine.optimizer.param_groups, configured):
+            group.update(values)
         self.resumed_from = path
         self.console.print(f"resumed from {path} at step {self.state.step}")
 
