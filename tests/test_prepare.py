@@ -203,7 +203,7 @@ def test_bad_outputs_and_inputs(tmp_path, small_tok):
     with pytest.raises(UserError, match="not a directory"):
         prepare([str(tmp_path / "a.txt")], tmp_path / "blocker", small_tok, workers=1)
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    with pytest.raises(UserError, match="latin1.txt: not UTF-8"):
+    with pytest.raises(UserError, match=r"latin1.txt:1: not UTF-8 \(byte 0xe9 at byte 4 of the line\)"):
         prepare([str(tmp_path / "latin1.txt")], tmp_path / "out", small_tok, workers=1)
     with pytest.raises(UserError, match="no such directory"):
         prepare([str(tmp_path / "a.txt")], tmp_path / "out", tmp_path / "no-tokenizer", workers=1)
