@@ -289,3 +289,30 @@ def test_micro_batch_layout_interleaves_ranks_within_a_step(id_dataset):
             lo = (m * 2 + r) * 2
             assert sample_ids([steps[r][m]]) == order[lo : lo + 2]
     assert all(r.position == 8 for r in ranks)
+
+
+def test_loader_refuses_ids_beyond_the_vocab_naming_the_source(tmp_path):
+    """Hole 4: shards without a recorded max_token_id (another tool's) are checked per micro-batch."""
+    good = write_shard(tmp_path / "good", [list(range(1, 40))])
+    bad = write_shard(tmp_path / "bad", [list(range(1, 20)) + [600] + list(range(20, 40))])
+    datasets = {"a": PackedDataset([good], seq_len=4), "b": PackedDataset([bad], seq_len=4)}
+    assert "max_token_id" not in datasets["b"].meta and datasets["b"].shards[0].max_token_id is None
+    loader = StepLoader({"a": datasets["a"]}, 2, 2, seed=0, vocab_size=40)
+    loader.next_step()  # every id of source a is below 40
+    loader = StepLoader(datasets["b"], 9, 1, seed=0, vocab_size=512)
+    with pytest.raises(UserError, match=rf"source 'train' \(shard directory {bad}\) holds token id 600.*vocab_size 512"):
+        loader.next_step()
+    assert StepLoader(datasets["b"], 9, 1, seed=0, vocab_size=601).next_step()  # 600 fits a vocabulary of 601
+    with pytest.raises(UserError, match=rf"evaluation data \(shard directory {bad}\) holds token id 600"):
+        list(eval_batches(datasets["b"], 4, vocab_size=600))
+
+
+def test_writer_records_the_largest_id(tmp_path):
+    from treadle.data.shards import ShardWriter
+
+    (tmp_path / "s").mkdir()
+    writer = ShardWriter(tmp_path / "s", vocab_size=1000, with_loss_mask=False)
+    writer.add([3, 999, 4])
+    writer.add([7])
+    assert writer.finish({"tokenizer_fingerprint": "fp"})["max_token_id"] == 999
+    assert PackedDataset([tmp_path / "s"], seq_len=2).shards[0].max_token_id == 999
