@@ -225,12 +225,17 @@ def test_damaged_shard_files_are_one_line(world, refused):
     refused(world.args(out, f"--data.train={d}"), f"{d / 'offsets.npy'}: not a readable .npy array", d, out)
 
 
-def test_token_ids_beyond_the_vocab_are_refused_before_the_run_starts(world, refused):
+def test_token_ids_beyond_the_vocab_are_refused_before_the_run_starts(world, refused, target_dir):
     """Hole 4: a recorded max_token_id at or past the model's vocab_size is refused before anything is written."""
+    from tests.helpers import draft_args
+
     out = world.root / "runs" / "new"
     # A shard that says its vocabulary is 512 but holds id 600 (written by another tool, or edited).
     d = crafted_shards(world, "big_ids", lambda m: json_text(dict(m, max_token_id=600)), ids={5: 600})
     line = refused(world.args(out, f"--data.train={d}"), "largest token id is 600", d, out)
+    assert str(d) in line and "vocab_size is 512" in line
+    # A draft run: its target's vocabulary (512) is the one that counts.
+    line = refused(draft_args(world.shards, target_dir, out, f"--data.train={d}"), "largest token id is 600", d, out)
     assert str(d) in line and "vocab_size is 512" in line
     # The data fits its tokenizer, but model.overrides shrinks the model's vocabulary below it.
     small = "{hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size=300}"

@@ -19,7 +19,7 @@ Formats (``format = "auto"`` looks at the first row): ``text`` (a string field,
 or ``prompt``/``completion``: loss on assistant / completion tokens only, packed as
 whole examples; see ``treadle.data.sft``).
 
-Bad rows (not JSON, not an object, a missing or ill-typed field, no assistant
+Bad rows (not UTF-8, not JSON, not an object, a missing or ill-typed field, no assistant
 turn) stop the run with ``file:line: what is wrong`` under ``data.bad_rows =
 "error"``; under ``"skip"`` they are skipped, counted in the cache's meta.json
 and reported when the run starts. An empty file is a bad file either way; a
