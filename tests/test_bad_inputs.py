@@ -222,6 +222,132 @@ def test_console_script_refuses_a_bad_toml_in_one_line(world):
 # ---------------------------------------------------------------------------- data (holes 3, 4, 5, 10a, 10b)
 
 
+def crafted_shards(world: World, name: str, meta_edit=None, ids: dict[int, int] | None = None) -> Path:
+    """A copy of the good train shards beside the user's files: meta.json edited by ``meta_edit(meta)`` (which may
+    return the new file's text, or bytes), and token ``i`` set to ``ids[i]`` (uint16)."""
+    import json
+
+    import numpy as np
+
+    d = world.root / name
+    shutil.copytree(world.shards / "train", d)
+    if ids:
+        tokens = np.fromfile(d / "tokens.bin", dtype=np.uint16)
+        for i, value in ids.items():
+            tokens[i] = value
+        tokens.tofile(d / "tokens.bin")
+    if meta_edit is not None:
+        meta = json.loads((d / "meta.json").read_text())
+        new = meta_edit(meta)
+        new = json.dumps(meta) if new is None else new
+        (d / "meta.json").write_bytes(new if isinstance(new, bytes) else new.encode())
+    return d
+
+
+def _without(key):
+    return lambda meta: json_text({k: v for k, v in meta.items() if k != key})
+
+
+def json_text(obj) -> str:
+    import json
+
+    return json.dumps(obj)
+
+
+BROKEN_META = {  # hole 3: each was a JSONDecodeError / TypeError / ValueError traceback, or passed unnoticed
+    "not JSON": (lambda m: "{this is not json", "meta.json: not valid JSON"),
+    "empty": (lambda m: "", "meta.json: empty; expected the JSON object"),
+    "binary garbage": (lambda m: bytes(range(256)) * 4, "meta.json: not UTF-8 text"),
+    "a list": (lambda m: json_text([m]), "meta.json: a JSON list, not an object"),
+    "num_tokens a string": (lambda m: json_text(dict(m, num_tokens=str(m["num_tokens"]))), "num_tokens = \""),
+    "num_documents a string": (lambda m: json_text(dict(m, num_documents="2")), 'num_documents = "2" is not'),
+    "missing vocab_size": (_without("vocab_size"), "missing key 'vocab_size'"),
+    "unknown format_version": (lambda m: json_text(dict(m, format_version=7)), "format_version 7 is not one"),
+    "tokenizer_dir a number": (lambda m: json_text(dict(m, tokenizer_dir=5)), "tokenizer_dir = 5 is not a path"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_META))
+def test_broken_shard_meta_is_one_line(world, refused, case):
+    edit, expect = BROKEN_META[case]
+    d = crafted_shards(world, "crafted", edit)
+    out = world.root / "runs" / "new"
+    line = refused(world.args(out, f"--data.train={d}"), expect, d, out)
+    assert str(d / "meta.json") in line
+
+
+def test_damaged_shard_files_are_one_line(world, refused):
+    import numpy as np
+
+    out = world.root / "runs" / "new"
+    d = crafted_shards(world, "short_tokens")
+    (d / "tokens.bin").write_bytes((d / "tokens.bin").read_bytes()[:-3])
+    refused(world.args(out, f"--data.train={d}"), f"{d / 'tokens.bin'}: ", d, out)
+    d = crafted_shards(world, "short_offsets")
+    np.save(d / "offsets.npy", np.load(d / "offsets.npy")[:-1])
+    refused(world.args(out, f"--data.train={d}"), f"{d / 'offsets.npy'}: expected non-decreasing", d, out)
+    d = crafted_shards(world, "garbage_offsets")
+    (d / "offsets.npy").write_bytes(b"\x93NUMPY\x01\x00garbage")
+    refused(world.args(out, f"--data.train={d}"), f"{d / 'offsets.npy'}: not a readable .npy array", d, out)
+
+
+def test_token_ids_beyond_the_vocab_are_refused_before_the_run_starts(world, refused, target_dir):
+    """Hole 4: a recorded max_token_id at or past the model's vocab_size is refused before anything is written."""
+    from tests.helpers import draft_args
+
+    out = world.root / "runs" / "new"
+    # A shard that says its vocabulary is 512 but holds id 600 (written by another tool, or edited).
+    d = crafted_shards(world, "big_ids", lambda m: json_text(dict(m, max_token_id=600)), ids={5: 600})
+    line = refused(world.args(out, f"--data.train={d}"), "largest token id is 600", d, out)
+    assert str(d) in line and "vocab_size is 512" in line
+    # A draft run: its target's vocabulary (512) is the one that counts.
+    line = refused(draft_args(world.shards, target_dir, out, f"--data.train={d}"), "largest token id is 600", d, out)
+    assert str(d) in line and "vocab_size is 512" in line
+    # The data fits its tokenizer, but model.overrides shrinks the model's vocabulary below it.
+    small = "{hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size=300}"
+    line = refused(world.args(out, f"--model.overrides={small}"), "but the model's vocab_size is 300", out)
+    assert str(world.shards / "train") in line
+
+
+def test_token_ids_beyond_the_vocab_in_foreign_shards_stop_at_the_first_batch(world, refused):
+    """Hole 4: shards without max_token_id (another tool's) are checked per micro-batch by the loader.
+    Before: depending on the draw the run trained to the end with exit 0 or died inside the embedding."""
+    import numpy as np
+
+    def foreign(meta):
+        return json_text({k: v for k, v in meta.items() if k != "max_token_id"})
+
+    n = int(np.fromfile(world.shards / "train" / "tokens.bin", dtype=np.uint16).size)
+    d = crafted_shards(world, "foreign", foreign, ids={i: 4000 for i in range(0, n, 16)})  # in every window
+    out = world.root / "runs" / "new"
+    line = refused(world.args(out, f"--data.train={d}"), "holds token id 4000, beyond the model's vocabulary", d)
+    assert "source 'train'" in line and str(d) in line and "vocab_size 512" in line
+
+
+def test_non_utf8_jsonl_row_names_file_and_line(world, refused, monkeypatch):
+    """Hole 5: a row with bytes that are not UTF-8 was read with replacement characters, silently."""
+    monkeypatch.setenv("TREADLE_CACHE", str(world.root / "cache"))
+    data = world.root / "rows.jsonl"
+    data.write_bytes(b"".join(b'{"text": "def f%d(x):\\n    return x + %d\\n"}\n' % (i, i) for i in range(40))
+                     + b'{"text": "caf\xe9"}\n' + b'{"text": "x = 1"}\n')
+    out = world.root / "runs" / "new"
+    refused(world.args(out, f"--data.train={data}", f"--data.tokenizer={world.shards / 'tok'}"),
+            f"{data}:41: not UTF-8 (byte 0xe9", data, out)
+
+
+def test_bad_prepare_and_prompt_inputs_name_the_line(world, refused):
+    """Hole 5: treadle prepare, spec-eval --prompts and generate --prompts name the line that is not UTF-8."""
+    bad = world.root / "in.jsonl"
+    bad.write_bytes('{"prompt": "a\u2028b"}\n{"prompt": "ok"}\n'.encode() + b'{"prompt": "\xff"}\n')
+    out = world.root / "prepared"
+    refused(["prepare", bad, "--out", out, "--tokenizer", world.shards / "tok", "--workers", "1", "--text-field", "prompt"],
+            f"{bad}:3: not UTF-8 (byte 0xff at byte 13 of the line)", bad, out)
+    refused(["spec-eval", "--target", world.run, "--draft", "prompt-lookup", "--prompts", bad],
+            f"{bad}:3: not UTF-8", bad)
+    gen = world.root / "gen.jsonl"
+    refused(["generate", "--model", world.run, "--prompts", bad, "--out", gen], f"{bad}:3: not UTF-8", bad, gen)
+
+
 # ---------------------------------------------------------------------------- resume (holes 6, 7, 8)
 
 

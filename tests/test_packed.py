@@ -102,12 +102,43 @@ def _break(kind: str, shard: Path) -> str:
     if kind == "bad dtype":
         meta = json.loads((shard / "meta.json").read_text())
         (shard / "meta.json").write_text(json.dumps(dict(meta, dtype="float32")))
-        return "dtype 'float32'"
+        return 'dtype = "float32" is not one of'
+    meta = json.loads((shard / "meta.json").read_text())
+    edits = {  # hole 3: each of these was a traceback (TypeError, ValueError) or passed unnoticed
+        "meta a list": ([meta], "meta.json: a JSON list, not an object"),
+        "meta empty": ("", "meta.json: empty"),
+        "num_tokens a string": (dict(meta, num_tokens="10"), 'num_tokens = "10" is not a non-negative integer'),
+        "num_documents a float": (dict(meta, num_documents=2.0), "num_documents = 2.0 is not"),
+        "vocab_size negative": (dict(meta, vocab_size=-5), "vocab_size = -5 is not a positive integer"),
+        "fingerprint missing": ({k: v for k, v in meta.items() if k != "tokenizer_fingerprint"},
+                                "missing key 'tokenizer_fingerprint'"),
+        "format_version 2": (dict(meta, format_version=2), "format_version 2 is not one this treadle reads"),
+        "max_token_id a bool": (dict(meta, max_token_id=True), "max_token_id = true is not"),
+    }
+    if kind in edits:
+        value, needle = edits[kind]
+        (shard / "meta.json").write_text(value if isinstance(value, str) else json.dumps(value))
+        return needle
+    if kind == "meta binary":
+        (shard / "meta.json").write_bytes(bytes(range(256)))
+        return "meta.json: not UTF-8 text"
+    if kind == "offsets empty file":
+        (shard / "offsets.npy").write_bytes(b"")
+        return "offsets.npy: not a readable .npy array"
+    if kind == "offsets garbage":
+        (shard / "offsets.npy").write_bytes(b"\x93NUMPY garbage")
+        return "offsets.npy: not a readable .npy array"
+    if kind == "tokens too long":
+        (shard / "tokens.bin").write_bytes((shard / "tokens.bin").read_bytes() + b"\0\0")
+        return "tokens.bin: 22 bytes, expected 20"
     raise AssertionError(kind)
 
 
 @pytest.mark.parametrize("kind", ["missing dir", "missing meta", "bad json", "missing tokens",
-                                  "truncated tokens", "bad offsets", "bad dtype"])
+                                  "truncated tokens", "bad offsets", "bad dtype", "meta a list", "meta empty",
+                                  "num_tokens a string", "num_documents a float", "vocab_size negative",
+                                  "fingerprint missing", "format_version 2", "max_token_id a bool", "meta binary",
+                                  "offsets empty file", "offsets garbage", "tokens too long"])
 def test_damaged_shards_are_user_errors(tmp_path, kind):
     shard = write_shard(tmp_path / "s", [list(range(1, 6)), list(range(6, 11))])
     needle = _break(kind, shard)
@@ -258,3 +289,30 @@ def test_micro_batch_layout_interleaves_ranks_within_a_step(id_dataset):
             lo = (m * 2 + r) * 2
             assert sample_ids([steps[r][m]]) == order[lo : lo + 2]
     assert all(r.position == 8 for r in ranks)
+
+
+def test_loader_refuses_ids_beyond_the_vocab_naming_the_source(tmp_path):
+    """Hole 4: shards without a recorded max_token_id (another tool's) are checked per micro-batch."""
+    good = write_shard(tmp_path / "good", [list(range(1, 40))])
+    bad = write_shard(tmp_path / "bad", [list(range(1, 20)) + [600] + list(range(20, 40))])
+    datasets = {"a": PackedDataset([good], seq_len=4), "b": PackedDataset([bad], seq_len=4)}
+    assert "max_token_id" not in datasets["b"].meta and datasets["b"].shards[0].max_token_id is None
+    loader = StepLoader({"a": datasets["a"]}, 2, 2, seed=0, vocab_size=40)
+    loader.next_step()  # every id of source a is below 40
+    loader = StepLoader(datasets["b"], 9, 1, seed=0, vocab_size=512)
+    with pytest.raises(UserError, match=rf"source 'train' \(shard directory {bad}\) holds token id 600.*vocab_size 512"):
+        loader.next_step()
+    assert StepLoader(datasets["b"], 9, 1, seed=0, vocab_size=601).next_step()  # 600 fits a vocabulary of 601
+    with pytest.raises(UserError, match=rf"evaluation data \(shard directory {bad}\) holds token id 600"):
+        list(eval_batches(datasets["b"], 4, vocab_size=600))
+
+
+def test_writer_records_the_largest_id(tmp_path):
+    from treadle.data.shards import ShardWriter
+
+    (tmp_path / "s").mkdir()
+    writer = ShardWriter(tmp_path / "s", vocab_size=1000, with_loss_mask=False)
+    writer.add([3, 999, 4])
+    writer.add([7])
+    assert writer.finish({"tokenizer_fingerprint": "fp"})["max_token_id"] == 999
+    assert PackedDataset([tmp_path / "s"], seq_len=2).shards[0].max_token_id == 999

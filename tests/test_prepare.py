@@ -203,7 +203,7 @@ def test_bad_outputs_and_inputs(tmp_path, small_tok):
     with pytest.raises(UserError, match="not a directory"):
         prepare([str(tmp_path / "a.txt")], tmp_path / "blocker", small_tok, workers=1)
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    with pytest.raises(UserError, match="latin1.txt: not UTF-8"):
+    with pytest.raises(UserError, match=r"latin1.txt:1: not UTF-8 \(byte 0xe9 at byte 4 of the line\)"):
         prepare([str(tmp_path / "latin1.txt")], tmp_path / "out", small_tok, workers=1)
     with pytest.raises(UserError, match="no such directory"):
         prepare([str(tmp_path / "a.txt")], tmp_path / "out", tmp_path / "no-tokenizer", workers=1)
@@ -230,3 +230,43 @@ def test_cli_entry(tmp_path, small_tok, capsys):
     assert "\n" not in line and "2 documents" in line and "uint16" in line and str(tmp_path / "out") in line
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["num_documents"] == 2 and meta["append_eos"] is False
+
+
+def test_meta_records_the_largest_token_id(tmp_path):
+    tok = _wordlevel_tokenizer(tmp_path / "tok", 50)
+    (tmp_path / "a.txt").write_text("w3 w17 w2")
+    (tmp_path / "b.txt").write_text("w5")
+    assert prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], tmp_path / "out", tok, workers=1,
+                   append_eos=False)["max_token_id"] == 17
+    assert prepare([str(tmp_path / "b.txt")], tmp_path / "out2", tok, workers=1)["max_token_id"] == 49  # the eos
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["max_token_id"] == 17
+
+
+def test_jsonl_rows_with_line_separators_stay_whole(tmp_path, small_tok):
+    """Hole 10a: U+2028, U+2029 and U+0085 are legal raw inside JSON strings; str.splitlines cut rows there."""
+    texts = ["a\u2028b = 1\n", "c\u2029d\x85e\n", "plain\n"]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts),
+                                         encoding="utf-8")
+    meta = prepare([str(tmp_path / "rows.jsonl")], tmp_path / "out", small_tok, workers=1, append_eos=False)
+    _, tokens, offsets = _read_shard(tmp_path / "out")
+    assert meta["num_documents"] == len(texts)
+    backend = load_backend_tokenizer(small_tok)
+    assert [backend.decode(tokens[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])] == texts
+
+
+def test_special_token_text_in_a_document_is_plain_text(tmp_path, small_tok):
+    """Hole 10b: a document quoting "<|endoftext|>" keeps those characters; the eos goes only at its end."""
+    text = 'SEP = "<|endoftext|>"\nprint(SEP)\n'
+    (tmp_path / "a.py").write_text(text)
+    meta = prepare([str(tmp_path / "a.py")], tmp_path / "out", small_tok, workers=1)
+    _, tokens, offsets = _read_shard(tmp_path / "out")
+    eos = meta["eos_id"]
+    assert offsets.tolist() == [0, len(tokens)] and tokens.tolist().count(eos) == 1 and tokens[-1] == eos
+    assert load_backend_tokenizer(small_tok).decode(tokens[:-1].tolist(), skip_special_tokens=False) == text
+
+
+def test_non_utf8_jsonl_line_is_named(tmp_path, small_tok):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=rf"{bad}:3: not UTF-8 \(byte 0xe9 at byte 14 of the line\)"):
+        prepare([str(bad)], tmp_path / "out", small_tok, workers=1)

@@ -166,3 +166,32 @@ def test_chat_messages_source_masks_assistant_turns(shards, tmp_path):
     text = tok.decode(targets)
     assert all(f"x + {i}" in text for i in range(10)) and "add" not in text and "user" not in text
     assert np.sum(np.array(targets) == tok.eos_token_id) == 10  # each assistant turn ends with a target eos
+
+
+def test_rows_that_are_not_utf8_name_file_and_line_or_are_skipped(shards, tmp_path):
+    """Hole 5: such a row was read with replacement characters, silently."""
+    f = tmp_path / "mixed.jsonl"
+    f.write_bytes(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in TEXTS[:3])
+                  + b'{"text": "caf\xe9 = 1\\n"}\n\n' + json.dumps({"text": "a\u2028b"}, ensure_ascii=False).encode()
+                  + b"\n" + b"".join(json.dumps({"text": t}).encode() + b"\n" for t in TEXTS[3:]))
+    with pytest.raises(UserError, match=rf"{f}:4: not UTF-8 \(byte 0xe9 at byte 14 of the line\)"):
+        open_(shards, f)
+    src = open_(shards, f, bad_rows="skip")
+    assert src.skipped == 1 and src.skip_examples[0].startswith(f"{f}:4: not UTF-8")
+    tok = sft.load_tokenizer(shards / "tok")
+    # Every other row is kept whole, the U+2028 one (read by the line-by-line fallback) included.
+    texts = TEXTS[:3] + ["a\u2028b"] + TEXTS[3:]
+    assert src.dataset.meta["rows"] == len(texts)
+    assert src.dataset.num_tokens == sum(len(tok.encode(t, add_special_tokens=False)) + 1 for t in texts)
+
+
+def test_text_rows_keep_special_token_text_and_record_the_largest_id(shards, tmp_path):
+    """Hole 10b: "<|endoftext|>" inside a row is text; documents end where rows end. Hole 4: max_token_id."""
+    f = write_jsonl(tmp_path / "t.jsonl", [{"text": 'EOS = "<|endoftext|>"\n' + t} for t in TEXTS])
+    src = open_(shards, f)
+    tok = sft.load_tokenizer(shards / "tok")
+    shard = src.dataset.shards[0]
+    assert int((shard.tokens == tok.eos_token_id).sum()) == len(TEXTS)  # one eos per row, after it
+    assert shard.max_token_id == int(shard.tokens.max())
+    first = shard.tokens[: shard.offsets[1]].tolist()
+    assert tok.decode(first[:-1]) == 'EOS = "<|endoftext|>"\n' + TEXTS[0] and first[-1] == tok.eos_token_id

@@ -331,3 +331,14 @@ def test_spec_eval_bad_input(run_dir, tmp_path):
                                                    "target": {"config_fingerprint": "0" * 16, "path": "elsewhere"}}))
     with pytest.raises(UserError, match="trained for a target with config fingerprint 0+ "):
         evaluate.load_drafter(str(glide), load_causal_lm(run_dir, "--target"), None)
+
+
+def test_prompts_jsonl_lines_end_at_newline_only_and_must_be_utf8(tmp_path, tok_dir):
+    """Holes 10a and 5: a U+2028 inside a prompt cut the row in two; a byte that is not UTF-8 names its line."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "x = 1\u2028y = 2\x85z"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    encode = load_backend_tokenizer(tok_dir).encode
+    assert load_prompts_jsonl(f, tok_dir, 64) == [encode("x = 1\u2028y = 2\x85z").ids]
+    f.write_bytes(b'{"prompt": "a"}\n{"prompt": "b\xff"}\n')
+    with pytest.raises(UserError, match=rf"{f}:2: not UTF-8 \(byte 0xff at byte 14 of the line\)"):
+        load_prompts_jsonl(f, tok_dir, 8)

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from treadle.data.jsonl import numbered_lines
 from treadle.errors import UserError
 
 
@@ -34,18 +35,17 @@ def trimmed_messages(messages: list) -> list:
 
 def read_rows(path: Path) -> list[Row]:
     try:
-        text = path.read_text(encoding="utf-8")
+        # Lines end at "\n" only: str.splitlines would also split at U+2028, U+0085 and others, legal inside JSON strings.
+        lines = list(numbered_lines(path))
     except FileNotFoundError:
         raise UserError(f"--prompts {path}: no such file") from None
     except OSError as e:
         raise UserError(f"--prompts {path}: cannot read it ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"--prompts {path}: not UTF-8 text") from None
+    bad = next(((lineno, line) for lineno, line in lines if isinstance(line, ValueError)), None)
+    if bad is not None:  # a file in another encoding: every row would be read wrong, so none is
+        raise UserError(f"--prompts {path}:{bad[0]}: {bad[1]}")
     rows = []
-    # Lines end at "\n" only: str.splitlines would also split at U+2028, U+0085 and others, legal inside JSON strings.
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
+    for lineno, line in lines:
         row = Row(index=len(rows), line=lineno)
         try:
             data = json.loads(line)

@@ -13,6 +13,12 @@ Each micro-batch carries, besides ``input_ids`` / ``labels`` / ``position_ids``:
   per-micro-batch randomness, e.g. a draft's lag, that no world size changes);
 * ``source`` - each row's source index (per-source loss and tokens).
 
+Every micro-batch's largest token id is checked against the model's vocabulary
+(``vocab_size``) before it leaves the loader: a shard from another tool, without a
+recorded ``max_token_id``, would otherwise train on silently or die inside the
+embedding, depending on the draw. One max over a [mb, seq_len] tensor costs
+microseconds against a step of milliseconds or more.
+
 Prefetch: while the model trains on step ``s``, a background thread reads and
 collates step ``s + 1`` (its plan, the index math, is computed up front and is
 cheap). A plan that turns out wrong (a rollback rewound the step) is discarded.
@@ -44,6 +50,20 @@ _REMEDY = ("accepted: the checkpoint's data and data.seq_len to continue the run
            "(--model.path=<this run directory> starts from its exported weights)")
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int | None, where) -> None:
+    """A ``UserError`` if any id in ``ids`` is at or beyond ``vocab_size`` (None: no check); ``where()`` names
+    the data (called only then)."""
+    if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:
+        raise UserError(f"{where()} holds token id {int(ids.max())}, beyond the model's vocabulary (vocab_size "
+                        f"{vocab_size}); accepted: ids below {vocab_size}, i.e. data tokenized with the model's tokenizer")
+
+
+def _check_batch(batch: dict[str, torch.Tensor], vocab_size: int | None, where) -> None:
+    # Labels are the inputs shifted by one, but a window's last label is not among its inputs.
+    check_token_ids(batch["input_ids"], vocab_size, where)
+    check_token_ids(batch["labels"], vocab_size, where)
+
+
 @dataclass(frozen=True, eq=False)
 class _Plan:
     """Everything needed to build one step's batches for one rank, computed from the loader state."""
@@ -57,8 +77,10 @@ class _Plan:
 
 class StepLoader:
     def __init__(self, datasets, micro_batch_size: int, grad_accum_steps: int, seed: int,
-                 rank: int = 0, world_size: int = 1, mixture: Mixture | None = None, prefetch: bool = False):
-        """``datasets``: one dataset (a source named "train") or ``{name: dataset}`` mixed by ``mixture``."""
+                 rank: int = 0, world_size: int = 1, mixture: Mixture | None = None, prefetch: bool = False,
+                 vocab_size: int | None = None):
+        """``datasets``: one dataset (a source named "train") or ``{name: dataset}`` mixed by ``mixture``;
+        ``vocab_size``: the model's, which every token id must be below (None: unchecked)."""
         if micro_batch_size < 1 or grad_accum_steps < 1 or world_size < 1:
             raise UserError(
                 f"micro_batch_size={micro_batch_size}, grad_accum_steps={grad_accum_steps}, "
@@ -85,6 +107,7 @@ class StepLoader:
         self.cursors = [0] * len(self.names)
         self.steps = 0  # steps handed out (the step index when the caller does not give one)
         self.prefetch = prefetch
+        self.vocab_size = vocab_size
         self._pool: cf.ThreadPoolExecutor | None = None  # started on first use, again after close()
         self._pending: tuple[_Plan, cf.Future] | None = None
 
@@ -123,8 +146,16 @@ class StepLoader:
             batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
             batch["order_position"] = torch.arange(first, first + self.micro_batch_size)
             batch["source"] = torch.from_numpy(sources.copy())
+            _check_batch(batch, self.vocab_size, lambda: self._where(batch))
             batches.append(batch)
         return batches
+
+    def _where(self, batch: dict[str, torch.Tensor]) -> str:
+        """The source of a micro-batch's first row holding an id beyond the vocabulary, with its shard dirs."""
+        largest = torch.maximum(batch["input_ids"].max(dim=1).values, batch["labels"].max(dim=1).values)
+        k = int(batch["source"][int(largest.argmax())])
+        dataset = self.datasets[k]
+        return f"source {self.names[k]!r}" + (f" ({dataset.where})" if hasattr(dataset, "where") else "")
 
     def next_step(self, step: int | None = None) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches of the step ``step`` (its phase decides the mixture); advances the state."""
@@ -193,7 +224,7 @@ class StepLoader:
 
 
 def eval_batches(dataset, batch_size: int, max_batches: int | None = None,
-                 rank: int = 0, world_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
+                 rank: int = 0, world_size: int = 1, vocab_size: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Sequential (unshuffled) evaluation batches: samples 0, 1, ... split across ranks.
 
     The evaluation covers the first ``max_batches * batch_size`` samples (all of them
@@ -202,7 +233,7 @@ def eval_batches(dataset, batch_size: int, max_batches: int | None = None,
     rank ``r`` takes its ``batch_size`` slice. Every rank yields the same
     number of equally shaped batches (collectives in the eval loop must match):
     slots past the covered samples are filled with sample 0 and labels of
-    -100, so they count for nothing.
+    -100, so they count for nothing. Token ids are checked against ``vocab_size`` as in ``StepLoader``.
     """
     if batch_size < 1:
         raise UserError(f"eval batch_size {batch_size}: expected a positive integer")
@@ -216,4 +247,5 @@ def eval_batches(dataset, batch_size: int, max_batches: int | None = None,
         batch = _collate(dataset, idx + [0] * pad)
         if pad:
             batch["labels"][batch_size - pad :] = IGNORE_INDEX
+        _check_batch(batch, vocab_size, lambda: f"the evaluation data ({getattr(dataset, 'where', 'data.val')})")
         yield batch

@@ -72,6 +72,11 @@ class _ShardSet(torch.utils.data.Dataset):
         ).astype(np.int64)
         self._has_mask = any(s.has_loss_mask for s in self.shards)
 
+    @property
+    def where(self) -> str:
+        """The shard directories, for messages."""
+        return f"shard director{'y' if len(self.shards) == 1 else 'ies'} {', '.join(str(s.path) for s in self.shards)}"
+
     def _read(self, start: int, stop: int, mask: bool = False) -> np.ndarray:
         """Global tokens [start, stop) as int64 (with ``mask``: their loss mask), stitched across shards."""
         first = int(np.searchsorted(self._shard_starts, start, side="right")) - 1

@@ -19,7 +19,14 @@ The output directory holds
   followed by the tokenizer's eos id unless ``--no-eos``;
 * ``offsets.npy`` - int64, ``num_documents + 1`` entries: document ``d`` is
   ``tokens[offsets[d]:offsets[d+1]]`` and the last entry is ``num_tokens``;
-* ``meta.json``   - dtype, vocab size, tokenizer fingerprint and counts.
+* ``meta.json``   - dtype, vocab size, tokenizer fingerprint, counts and ``max_token_id`` (the largest id
+  written, null for an empty output).
+
+Special-token text inside a document (``<|endoftext|>``, ``<|im_end|>``) is
+encoded as the plain characters it is made of, never as the special token: a
+document ends where its file or JSONL row ends, and only there does the eos go.
+A corpus that marks document boundaries with a literal ``<|endoftext|>`` inside
+one file should be split into files or rows (one document each) first.
 
 Determinism: files are deduplicated and sorted, and worker results are
 reassembled in input order, so the output is byte-identical whatever the
@@ -40,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from treadle.data.jsonl import not_utf8, numbered_lines
 from treadle.data.shards import FORMAT_VERSION, token_dtype
 from treadle.errors import UserError
 from treadle.fsutil import fsync_tree, replace_dir
@@ -133,23 +141,35 @@ def _init_worker(tokenizer_dir: str, parallel_inside: bool) -> None:
     from treadle.tokenizer import load_backend_tokenizer
 
     _worker_tokenizer = load_backend_tokenizer(Path(tokenizer_dir))
+    # Text is text: a document that quotes "<|endoftext|>" (code about tokenizers, a chat log) keeps those
+    # characters; documents end where files and rows end, with the eos appended below.
+    _worker_tokenizer.encode_special_tokens = True
 
 
-def _read_documents(path: Path, text_field: str) -> list[str]:
+def _whole_file(path: Path) -> str:
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (bad byte at offset {e.start}); only UTF-8 input is accepted") from None
+        line_start = raw.rfind(b"\n", 0, e.start) + 1
+        lineno = raw.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}:{lineno}: {not_utf8(raw[line_start:], e.start - line_start)}") from None
+
+
+def _read_documents(path: Path, text_field: str) -> list[str]:
     if path.suffix != ".jsonl":
-        return [text]
+        return [_whole_file(path)]
     docs = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    try:
+        lines = list(numbered_lines(path))  # lines end at "\n" only: U+2028 and friends are legal inside strings
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    for lineno, line in lines:
+        if isinstance(line, ValueError):
+            raise UserError(f"{path}:{lineno}: {line}") from None
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
@@ -288,6 +308,7 @@ def prepare(
         workers = min(workers, len(chunks))
         all_lengths: list[np.ndarray] = []
         num_tokens = num_skipped = 0
+        max_token_id = None
         # spawn, not fork: the parent may hold torch/tokenizers thread pools
         # whose locks a forked child would inherit in an undefined state.
         ctx = multiprocessing.get_context("spawn")
@@ -311,6 +332,8 @@ def prepare(
                     all_lengths.append(lengths)
                     num_tokens += int(tokens.size)
                     num_skipped += n_empty
+                    if tokens.size:
+                        max_token_id = max(int(tokens.max()), max_token_id or 0)
             except BaseException:
                 for fut in futures:
                     fut.cancel()
@@ -329,6 +352,7 @@ def prepare(
             "tokenizer_dir": str(tokenizer_dir),
             "num_tokens": int(num_tokens),
             "num_documents": int(len(lengths)),
+            "max_token_id": max_token_id,
             "num_skipped_empty": int(num_skipped),
             "sources": len(files),
             "eos_id": None if eos_id is None else int(eos_id),

@@ -34,6 +34,13 @@ mask is exact at token level; the generation prompt is ``<|assistant|>\\n``.
 With treadle's built-in tokenizer the role markers are plain text (its only
 special token is ``<|endoftext|>``, the eos).
 
+**Special-token text in content is plain text.** A message, prompt or completion
+that contains the text of a special token (``<|endoftext|>``, a template's
+``<|im_end|>``) is encoded as the ordinary characters of that text, never as the
+control token: user data cannot end an answer or open a turn. The template's own
+markup keeps its special tokens (``encode_text`` for content, ``_encode_rendering``
+for a chat template's rendering).
+
 With a tokenizer's chat template, the whole conversation is rendered to text
 with ``apply_chat_template`` and tokenized once. The character span of
 assistant message ``i`` runs from the end of the rendering of messages
@@ -178,8 +185,20 @@ def _use_builtin(tokenizer, template: str) -> bool:
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    # No special tokens: every piece is placed exactly where the template says.
+    """Ids of template markup: its special-token text ("<|im_start|>") becomes the special token."""
+    # No BOS/EOS added by the tokenizer: every piece is placed exactly where the template says.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Ids of user text (a message, a prompt, a completion, a document) as plain text.
+
+    The text of a special token in it ("<|endoftext|>", a template's "<|im_end|>") is encoded as the
+    ordinary characters it is made of, never as the control token itself: data must not end a document
+    or a turn where the template did not. ``split_special_tokens`` switches off matching of *special*
+    added tokens only; the rest of the pipeline (normalizer, pre-tokenizer, model) is unchanged.
+    """
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]) if text else []
 
 
 def _eos_id(tokenizer) -> int:
@@ -220,7 +239,7 @@ def encode_prompt(tokenizer, row: dict, template: str = AUTO_TEMPLATE_NAME) -> l
             raise ValueError("missing 'messages' or 'prompt'")
         if not isinstance(row["prompt"], str):
             raise ValueError("'prompt' is not a string")
-        return _encode(tokenizer, row["prompt"])
+        return encode_text(tokenizer, row["prompt"])
     # A conversation to be answered need not contain an assistant message yet.
     reason = _check_messages(row["messages"])
     if reason is not None and reason != "no assistant message":
@@ -234,12 +253,12 @@ def encode_prompt(tokenizer, row: dict, template: str = AUTO_TEMPLATE_NAME) -> l
         ids, _ = _encode_builtin(tokenizer, messages)
         return ids + _encode(tokenizer, _HEADER.format(role="assistant"))
     text = _render(tokenizer, messages, add_generation_prompt=True)
-    return _encode(tokenizer, text)
+    return _encode_rendering(tokenizer, messages, text, add_generation_prompt=True)[0]
 
 
 def _encode_prompt_completion(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-    prompt_ids = _encode(tokenizer, prompt)
-    target_ids = _encode(tokenizer, completion) + [_eos_id(tokenizer)]
+    prompt_ids = encode_text(tokenizer, prompt)
+    target_ids = encode_text(tokenizer, completion) + [_eos_id(tokenizer)]
     return prompt_ids + target_ids, [0] * len(prompt_ids) + [1] * len(target_ids)
 
 
@@ -255,9 +274,9 @@ def _encode_builtin(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int
         add(_encode(tokenizer, _HEADER.format(role=m["role"])), 0)
         if m["role"] == "assistant":
             # The eos teaches the model where its answer stops, so it is a target too.
-            add(_encode(tokenizer, m["content"]) + [_eos_id(tokenizer)], 1)
+            add(encode_text(tokenizer, m["content"]) + [_eos_id(tokenizer)], 1)
         else:
-            add(_encode(tokenizer, m["content"] + _END_OF_MESSAGE), 0)
+            add(encode_text(tokenizer, m["content"] + _END_OF_MESSAGE), 0)
     return ids, mask
 
 
@@ -301,11 +320,77 @@ def _assistant_spans(tokenizer, messages: list[dict[str, str]], full: str) -> li
 def _encode_chat_template(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     full = _render(tokenizer, messages)
     spans = _assistant_spans(tokenizer, messages, full)
-    # Special tokens are already in the rendered text (a template writes its own BOS, if any).
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    mask = []
-    for start, _end in enc["offset_mapping"]:
-        # A token straddling a span boundary counts where it starts.
-        mask.append(int(any(a <= start < b for a, b in spans)))
+    ids, offsets = _encode_rendering(tokenizer, messages, full)
+    # A token straddling a span boundary counts where it starts.
+    mask = [int(any(a <= start < b for a, b in spans)) for start, _end in offsets]
     return ids, mask
+
+
+# --------------------------------------------------------------------------- special tokens in content
+
+
+def _special_tokens(tokenizer) -> dict[int, str]:
+    """id -> text of the tokenizer's special added tokens: those ``split_special_tokens`` leaves as text."""
+    return {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
+def _content_spans(tokenizer, messages: list[dict[str, str]], full: str, add_generation_prompt: bool) -> list[tuple[int, int]]:
+    """Character spans [start, end) of every message's content in ``full``, its rendering.
+
+    The conversation is rendered again with a placeholder for each content; filling the contents back in
+    must give ``full`` exactly, which also proves the template neither edits nor repeats a content.
+    """
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters: no template tests them
+    skeleton = _render(tokenizer, [{"role": m["role"], "content": mark} for m, mark in zip(messages, marks)],
+                       add_generation_prompt)
+    spans, rebuilt, at, length = [], [], 0, 0
+    for m, mark in zip(messages, marks):
+        k = skeleton.find(mark, at)
+        if k < 0:
+            break
+        rebuilt += [skeleton[at:k], m["content"]]
+        length += k - at
+        spans.append((length, length + len(m["content"])))
+        length += len(m["content"])
+        at = k + len(mark)
+    if len(spans) != len(messages) or "".join(rebuilt) + skeleton[at:] != full:
+        raise ValueError("a message contains the text of a special token, which must stay plain text, but the "
+                         "tokenizer's chat template changes or repeats message contents, so they cannot be located; "
+                         f"set data.chat_template = \"{BUILTIN_TEMPLATE_NAME}\" or remove that text")
+    return spans
+
+
+def _encode_rendering(tokenizer, messages: list[dict[str, str]], text: str,
+                      add_generation_prompt: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
+    """(ids, character offsets) of a rendered conversation: the template's special tokens are special, the
+    messages' contents plain text (a user's "<|im_end|>" must not end the turn).
+
+    The tokenizer splits text at special tokens before anything else, so the text between two of the
+    template's own special tokens is encoded on its own either way. Encoding each such stretch with
+    ``split_special_tokens`` gives exactly the ids the contents would have if their special-token text were
+    ordinary text, and leaves every other token as it was.
+    """
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    special = _special_tokens(tokenizer)
+    if not any(t in m["content"] for m in messages for t in special.values()):
+        return ids, offsets  # nothing to protect (nearly every row): the plain rendering's encoding
+    contents = _content_spans(tokenizer, messages, text, add_generation_prompt)
+    out_ids: list[int] = []
+    out_offsets: list[tuple[int, int]] = []
+
+    def plain(lo: int, hi: int) -> None:
+        if hi > lo:
+            piece = tokenizer(text[lo:hi], add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+            out_ids.extend(piece["input_ids"])
+            out_offsets.extend((a + lo, b + lo) for a, b in piece["offset_mapping"])
+
+    cut = 0
+    for i, (start, end) in zip(ids, offsets):
+        if i in special and not any(a <= start < b for a, b in contents):  # the template's own: kept
+            plain(cut, start)
+            out_ids.append(i)
+            out_offsets.append((start, end))
+            cut = end
+    plain(cut, len(text))
+    return out_ids, out_offsets

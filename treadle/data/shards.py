@@ -10,7 +10,9 @@ tokenization cache) holds
 * ``loss_mask.bin`` - optional (SFT): one uint8 per token, 1 where the token is
   a target whose prediction carries loss (an assistant's or a completion's
   token), 0 for prompts, role headers and system text;
-* ``meta.json``     - dtype, vocab size, tokenizer fingerprint, counts.
+* ``meta.json``     - dtype, vocab size, tokenizer fingerprint, counts, and ``max_token_id`` (the largest id
+  in tokens.bin, null when there is none; a run compares it with its model's vocabulary before it starts).
+  Shards without it (older treadle, other tools) are still read: the loader then checks each micro-batch.
 
 Everything is memory-mapped: a source larger than memory costs no memory.
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from treadle.errors import UserError
+from treadle.errors import UserError, first_line
 from treadle.fsutil import fsync_tree
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -43,6 +45,59 @@ def _map(path: Path, dtype, count: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)
 
 
+# meta.json: key -> (accepted types, what it is). Ints are non-negative (vocab_size positive); optional keys
+# may be null. Keys not listed are kept as they are (other writers' notes).
+_REQUIRED = {"dtype": (str, "'uint16' or 'uint32'"), "num_tokens": (int, "a non-negative integer"),
+             "vocab_size": (int, "a positive integer"), "tokenizer_fingerprint": (str, "a string")}
+_OPTIONAL = {"format_version": (int, f"{FORMAT_VERSION}"), "num_documents": (int, "a non-negative integer"),
+             "max_token_id": (int, "a non-negative integer (the largest token id in tokens.bin)"),
+             "eos_id": (int, "a non-negative integer"), "tokenizer_dir": (str, "a path"),
+             "loss_mask": (bool, "true or false"), "kind": (str, "a string"),
+             "skipped_rows": (int, "a non-negative integer"), "skip_examples": (list, "a list")}
+_EXPECTED = ("expected the JSON object `treadle prepare` writes, with dtype ('uint16' or 'uint32'), num_tokens, "
+             "vocab_size and tokenizer_fingerprint")
+
+
+def _fits(value, kind: type) -> bool:
+    if kind is int:  # JSON true/false are Python bools, which are ints
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, kind)
+
+
+def read_meta(directory: Path) -> dict:
+    """A shard directory's meta.json, checked key by key; anything wrong is one ``UserError`` naming the file."""
+    meta_file = Path(directory) / "meta.json"
+    if not meta_file.is_file():
+        raise UserError(f"{meta_file}: missing (expected a shard directory written by `treadle prepare`)")
+    try:
+        text = meta_file.read_bytes().decode("utf-8")
+        meta = json.loads(text)
+    except OSError as e:
+        raise UserError(f"{meta_file}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{meta_file}: not UTF-8 text; {_EXPECTED}") from None
+    except json.JSONDecodeError as e:
+        what = "empty" if not text.strip() else f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+        raise UserError(f"{meta_file}: {what}; {_EXPECTED}") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{meta_file}: a JSON {type(meta).__name__}, not an object; {_EXPECTED}")
+    missing = [key for key in _REQUIRED if key not in meta]
+    if missing:
+        raise UserError(f"{meta_file}: missing key {missing[0]!r}; {_EXPECTED}")
+    for key, (kind, accepted) in (_REQUIRED | _OPTIONAL).items():
+        value = meta.get(key)
+        if (key in _REQUIRED or value is not None) and not _fits(value, kind):
+            raise UserError(f"{meta_file}: {key} = {json.dumps(value)[:60]} is not {accepted}")
+    if meta["dtype"] not in DTYPES:
+        raise UserError(f"{meta_file}: dtype = {json.dumps(meta['dtype'])[:60]} is not one of {', '.join(map(repr, DTYPES))}")
+    if meta["vocab_size"] == 0:
+        raise UserError(f"{meta_file}: vocab_size = 0 is not a positive integer")
+    if meta.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+        raise UserError(f"{meta_file}: format_version {meta['format_version']} is not one this treadle reads "
+                        f"({FORMAT_VERSION}); re-run `treadle prepare` with this version")
+    return meta
+
+
 class Shard:
     """One validated shard directory. Its tokens (and loss mask) are memory-mapped lazily (cheap to pickle)."""
 
@@ -50,23 +105,13 @@ class Shard:
         self.path = Path(path)
         if not self.path.is_dir():
             raise UserError(f"shard directory {self.path}: does not exist (expected the --out of `treadle prepare`)")
-        meta_file = self.path / "meta.json"
-        if not meta_file.is_file():
-            raise UserError(f"{meta_file}: missing (expected a shard directory written by `treadle prepare`)")
-        try:
-            meta = json.loads(meta_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{meta_file}: not valid JSON ({e})") from None
-        if not isinstance(meta, dict):
-            raise UserError(f"{meta_file}: expected a JSON object")
-        for key in ("dtype", "num_tokens", "vocab_size", "tokenizer_fingerprint"):
-            if key not in meta:
-                raise UserError(f"{meta_file}: missing key {key!r}")
-        if meta["dtype"] not in DTYPES:
-            raise UserError(f"{meta_file}: dtype {meta['dtype']!r} is not one of {', '.join(DTYPES)}")
+        meta = read_meta(self.path)
         self.meta = meta
         self.dtype = np.dtype(DTYPES[meta["dtype"]])
-        self.num_tokens = int(meta["num_tokens"])
+        self.num_tokens = meta["num_tokens"]
+        # The largest token id, recorded by treadle since it checks them against the model's vocabulary when a
+        # run starts; None in shards of older versions or other tools (the loader checks every batch instead).
+        self.max_token_id: int | None = meta.get("max_token_id")
 
         tokens_file = self.path / "tokens.bin"
         if not tokens_file.is_file():
@@ -84,8 +129,9 @@ class Shard:
             raise UserError(f"{offsets_file}: missing (expected int64 document offsets)")
         try:
             offsets = np.load(offsets_file, allow_pickle=False)
-        except (ValueError, OSError) as e:
-            raise UserError(f"{offsets_file}: not a readable .npy array ({e})") from None
+        except (ValueError, OSError, EOFError) as e:  # numpy: ValueError for most damage, EOFError for an empty file
+            raise UserError(f"{offsets_file}: not a readable .npy array ({first_line(e)}); "
+                            f"expected int64 document offsets from 0 to num_tokens={self.num_tokens}") from None
         n_docs = meta.get("num_documents")
         if (
             offsets.ndim != 1
@@ -144,11 +190,14 @@ class ShardWriter:
         self._mask = open(self.directory / "loss_mask.bin", "wb") if with_loss_mask else None
         self._lengths: list[int] = []
         self.num_tokens = 0
+        self.max_token_id: int | None = None
 
     def add(self, ids, mask=None) -> None:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"token id {int(ids.max())} is outside the vocabulary of {self.vocab_size}")
+        if ids.size:
+            self.max_token_id = max(int(ids.max()), self.max_token_id or 0)
         self._tokens.write(ids.astype(self.dtype).tobytes())
         if self._mask is not None:
             self._mask.write(np.asarray(mask, dtype=np.uint8).tobytes())
@@ -164,7 +213,7 @@ class ShardWriter:
         np.cumsum(self._lengths, out=offsets[1:])
         np.save(self.directory / "offsets.npy", offsets)
         meta = {"format_version": FORMAT_VERSION, "dtype": self.dtype.name, "vocab_size": int(self.vocab_size),
-                "num_tokens": self.num_tokens, "num_documents": len(self._lengths),
+                "num_tokens": self.num_tokens, "num_documents": len(self._lengths), "max_token_id": self.max_token_id,
                 "loss_mask": self._mask is not None, **meta}
         (self.directory / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         fsync_tree(self.directory)

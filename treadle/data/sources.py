@@ -19,7 +19,7 @@ Formats (``format = "auto"`` looks at the first row): ``text`` (a string field,
 or ``prompt``/``completion``: loss on assistant / completion tokens only, packed as
 whole examples; see ``treadle.data.sft``).
 
-Bad rows (not JSON, not an object, a missing or ill-typed field, no assistant
+Bad rows (not UTF-8, not JSON, not an object, a missing or ill-typed field, no assistant
 turn) stop the run with ``file:line: what is wrong`` under ``data.bad_rows =
 "error"``; under ``"skip"`` they are skipped, counted in the cache's meta.json
 and reported when the run starts. An empty file is a bad file either way; a
@@ -37,12 +37,13 @@ from typing import Iterator
 
 from treadle import corpus
 from treadle.data.builtin import builtin_shards
+from treadle.data.jsonl import numbered_lines
 from treadle.data.packed import ExampleDataset, PackedDataset
-from treadle.data.shards import ShardWriter
+from treadle.data.shards import ShardWriter, read_meta
 from treadle.errors import UserError, first_line
 from treadle.tokenizer import tokenizer_fingerprint
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: special-token text in rows encoded as plain text; meta.json records max_token_id
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _BATCH_ROWS = 1024
 _REPORTED_SKIPS = 5  # skipped rows named in meta.json and on the console; the rest are counted
@@ -113,37 +114,34 @@ def resolve(entries: list[str], split: str, key: str) -> tuple[list[Path], list[
 def _line_of(path: Path, row: int) -> str:
     """``path:line`` of the ``row``-th row of a JSON-lines file (blank lines hold no row), else ``path row N``."""
     if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8", errors="replace") as f:
-            seen = -1
-            for lineno, line in enumerate(f, start=1):
-                seen += bool(line.strip())
-                if seen == row:
-                    return f"{path}:{lineno}"
+        for seen, (lineno, _) in enumerate(numbered_lines(path)):
+            if seen == row:
+                return f"{path}:{lineno}"
     return f"{path} row {row + 1}"
 
 
 def _json_lines(path: Path, skip_rows: int) -> Iterator[tuple[str, object]]:
-    """(where, row or a parse error) line by line, after the first ``skip_rows`` rows: the exact-line fallback."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        row = -1
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            row += 1
-            if row < skip_rows:
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                yield f"{path}:{lineno}", ValueError(f"not valid JSON ({e.msg})")
+    """(where, row or what is wrong with it) line by line, after the first ``skip_rows`` rows: the exact-line
+    fallback. A line that is not UTF-8 is a bad row (never read with replacement characters)."""
+    for row, (lineno, line) in enumerate(numbered_lines(path)):
+        if row < skip_rows:
+            continue
+        if isinstance(line, ValueError):
+            yield f"{path}:{lineno}", line
+            continue
+        try:
+            yield f"{path}:{lineno}", json.loads(line)
+        except json.JSONDecodeError as e:
+            yield f"{path}:{lineno}", ValueError(f"not valid JSON ({e.msg})")
 
 
 def _rows(path: Path) -> Iterator[tuple[int | str, object]]:
     """(row number, or where for the fallback; row) of one data file, streamed through Hugging Face datasets.
 
     Rows come in batches and are never all in memory. pyarrow gives up on a JSON file at
-    its first bad line (or at a field whose type changes); a JSON-lines file is then read
-    on line by line from the first row not yet given, which names exact lines.
+    its first bad line (or at a field whose type changes, or at a batch holding bytes that
+    are not UTF-8: a UnicodeDecodeError); a JSON-lines file is then read on line by line
+    from the first row not yet given, which names exact lines.
     """
     import datasets
 
@@ -191,7 +189,8 @@ class _Encoder:
         if not isinstance(text, str) or not text:
             what = "missing" if text is None else ("empty" if text == "" else f"a {type(text).__name__}, not a string")
             raise ValueError(f"field {self.text_field!r} is {what} (choose the field with text_field)")
-        return self.tokenizer.encode(text, add_special_tokens=False) + [self.eos_id], None
+        # The text's own "<|endoftext|>" (or any special token's text) is text: documents end where rows do.
+        return sft.encode_text(self.tokenizer, text) + [self.eos_id], None
 
 
 def detect_format(files: list[Path], fmt: str, key: str) -> str:
@@ -301,7 +300,7 @@ def open_source(name: str, entries: list[str], split: str, fmt: str, text_field:
         shard_dirs = [tokenize_files(files, kind, tokenizer or corpus.builtin_tokenizer_dir(), text_field,
                                      data.chat_template, data.bad_rows, key)]
     else:
-        metas = [json.loads((d / "meta.json").read_text()) for d in shard_dirs]
+        metas = [read_meta(d) for d in shard_dirs]
         kind = fmt if fmt in ("sft", "text") else ("sft" if all(m.get("kind") == "sft" for m in metas) else "tokens")
     if kind == "sft":
         dataset = ExampleDataset(shard_dirs, seq_len, data.overlong)

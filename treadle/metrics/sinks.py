@@ -39,7 +39,7 @@ class JsonlSink:
         if not (self.enabled and self.path.is_file()):
             return
         kept = []
-        for line in self.path.read_text().splitlines():
+        for line in self.path.read_text().split("\n"):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from treadle.corpus import corpus_files, split_of
+from treadle.data.jsonl import numbered_lines
 from treadle.errors import UserError
 from treadle.tokenizer import load_backend_tokenizer
 
@@ -80,16 +81,14 @@ def load_prompts_jsonl(path: str | Path, tokenizer, prompt_len_max: int) -> list
         raise UserError(f"--prompts: the prompt length limit must be >= 1, got {prompt_len_max}")
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = list(numbered_lines(path))  # split at "\n" only: U+2028 and friends are legal inside JSON strings
     except OSError as e:
         raise UserError(f"--prompts {path}: cannot read it ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"--prompts {path}: not UTF-8 text") from None
     encode = _encoder(tokenizer)
     prompts: list[list[int]] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    for lineno, line in lines:
+        if isinstance(line, ValueError):
+            raise UserError(f"--prompts {path}:{lineno}: {line}")
         ids = encode(_row_text(line, f"{path}:{lineno}"))
         if not ids:
             raise UserError(f"{path}:{lineno}: the prompt encodes to no tokens")

@@ -7,7 +7,6 @@ missing shard never damages an earlier run that lives there.
 from __future__ import annotations
 
 import datetime
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,10 @@ import torch
 from treadle import distributed
 from treadle.checkpoint.manager import CheckpointManager
 from treadle.config import Config, SourceConfig, parse_duration
-from treadle.data.loader import StepLoader, eval_batches
+from treadle.data.loader import StepLoader, check_token_ids, eval_batches
 from treadle.data.mixture import Mixture, Phase
 from treadle.data.packed import ExampleDataset, PackedDataset
+from treadle.data.shards import read_meta
 from treadle.data.sources import OpenedSource, file_tokenizer, open_source, resolve
 from treadle.distributed import init_distributed
 from treadle.engine import build_engine, read_deepspeed_config, resolve_engine
@@ -79,11 +79,23 @@ class RunData:
 
 
 def _recorded_tokenizer(shard_dir: Path) -> str | None:
-    """The tokenizer a shard directory's meta.json names (a broken meta.json is reported when the shards open)."""
-    try:
-        return json.loads((shard_dir / "meta.json").read_text()).get("tokenizer_dir")
-    except (OSError, ValueError, AttributeError):
-        return None
+    """The tokenizer a shard directory's meta.json names (a broken meta.json is one line naming it)."""
+    return read_meta(shard_dir).get("tokenizer_dir")
+
+
+def _check_token_ids(data: RunData, vocab_size: int) -> None:
+    """Every shard's recorded largest token id is below the model's vocabulary, before anything is written.
+
+    Shards without the record (older treadle, other tools) are checked by the loader, micro-batch by micro-batch.
+    """
+    datasets = [o.dataset for o in data.sources] + ([data.val] if data.val is not None else [])
+    for shard in (s for ds in datasets for s in ds.shards):
+        if shard.max_token_id is not None and shard.max_token_id >= vocab_size:
+            raise UserError(
+                f"shard directory {shard.path}: its largest token id is {shard.max_token_id} (meta.json max_token_id), "
+                f"but the model's vocab_size is {vocab_size}; accepted: token ids below {vocab_size} (data tokenized "
+                "with the model's tokenizer, or a model whose vocabulary covers them)"
+            )
 
 
 def _open_data(cfg: Config) -> RunData:
@@ -125,6 +137,7 @@ class ModelSetup:
     """What the kind of run decides: the module trained, its loss, its evals and its export."""
 
     model: torch.nn.Module
+    vocab_size: int  # the embedding's rows: every token id must be below it (a draft's: its target's)
     loss_fn: Callable
     eval_loss_fn: Callable | None
     eval_callbacks: list[Callback]
@@ -136,20 +149,24 @@ class ModelSetup:
         return f"{trainable / 1e6:.1f}M trainable parameters" + (f" ({frozen / 1e6:.1f}M frozen)" if frozen else "")
 
 
-def _model_setup(cfg: Config, meta: dict, tokenizer_dir: Path | None) -> ModelSetup:
+def _model_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
+    _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
     out = Path(cfg.train.output_dir) / "hf"
-    return ModelSetup(model, loss_sum, None, [], ExportCallback(out, tokenizer_dir))
+    return ModelSetup(model, model.config.vocab_size, loss_sum, None, [], ExportCallback(out, data.tokenizer_dir))
 
 
-def _draft_setup(cfg: Config, train_ds: PackedDataset, val_ds: PackedDataset | None, meta: dict) -> ModelSetup:
+def _draft_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     """A frozen target and a trainable draft; the rest of the run is unchanged."""
+    train_ds, val_ds = data.train, data.val
     model, target_dir, identity = build_glide(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint)
+    _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
     meta["target_fingerprint"] = identity["config_fingerprint"]
     objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
+    check_token_ids(prompts, model.target.config.vocab_size, lambda: f"the draft's eval prompts ({(val_ds or train_ds).where})")
     out = Path(cfg.train.output_dir) / "draft"
-    return ModelSetup(model, objective, objective.evaluate, [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every)],
+    return ModelSetup(model, model.target.config.vocab_size, objective, objective.evaluate, [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every)],
                       DraftExportCallback(out, target_dir, identity, cfg.draft))
 
 
@@ -181,7 +198,7 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     seed_everything(cfg.train.seed)
     meta = {"vocab_size": train_ds.vocab_size, "eos_id": train_ds.meta.get("eos_id"),
             "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_fingerprint": train_ds.tokenizer_fingerprint}
-    setup = _draft_setup(cfg, train_ds, val_ds, meta) if cfg.draft.kind else _model_setup(cfg, meta, tokenizer_dir)
+    setup = _draft_setup(cfg, data, meta) if cfg.draft.kind else _model_setup(cfg, data, meta)
     resume = distributed.on_main(check_resume, cfg, out, resume_from, checkpoints, meta)
     distributed.on_main(prepare_output_dir, out, cfg, checkpoints)  # the first write: every input above is valid
     if resume is not None and resume.rollback:  # asked for with checkpoint.allow_rollback
@@ -193,7 +210,7 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
     t, r = cfg.train, cfg.resilience
     loader = StepLoader({o.name: o.dataset for o in data.sources}, t.micro_batch_size, t.grad_accum_steps, t.seed,
-                        info.rank, info.world_size, data.mixture, prefetch=cfg.data.prefetch)
+                        info.rank, info.world_size, data.mixture, prefetch=cfg.data.prefetch, vocab_size=setup.vocab_size)
     # Order matters: the guard may roll back before eval and checkpoint see the step,
     # and eval (which may set the "best" metric) runs before the checkpoint.
     callbacks = [MetricsCallback(t.log_every), NanGuardCallback(r)]
@@ -210,7 +227,8 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     bf16 = cfg.model.dtype == "bf16"
     trainer = Trainer(
         cfg, engine, build_schedule(engine.optimizer, cfg), loader,
-        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches, info.rank, info.world_size),
+        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches, info.rank, info.world_size,
+                                         setup.vocab_size),
         callbacks=callbacks,
         checkpoints=checkpoints,
         metrics=JsonlSink(out / "metrics.jsonl", enabled=main),
