@@ -456,10 +456,14 @@ def test_a_deepspeed_checkpoint_is_refused_by_a_dcp_engine_in_one_line(tmp_path)
     shutil.rmtree(path / "state")
     (path / "deepspeed" / "state").mkdir(parents=True)
     (path / "deepspeed" / "latest").write_text("state")
+    (path / "deepspeed" / "treadle_deepspeed.json").write_text(
+        '{"world_size": 1, "zero_stage": 0, "bf16": false, "partitioned": false}')
+    torch.save({"module": engine().model.state_dict()}, path / "deepspeed" / "state" / "mp_rank_00_model_states.pt")
     assert damage(path) is None
     with pytest.raises(UserError) as err:
         cm.load(path, engine())
     assert "DeepSpeed checkpoint" in str(err.value) and "distributed.engine = deepspeed" in str(err.value)
-    (path / "deepspeed" / "latest").unlink()
-    shutil.rmtree(path / "deepspeed" / "state")
-    assert damage(path) == "deepspeed/ is empty"
+    (path / "deepspeed" / "state" / "mp_rank_00_model_states.pt").unlink()
+    assert damage(path) == "deepspeed/state/ holds no model_states.pt"
+    (path / "deepspeed" / "treadle_deepspeed.json").write_text("[]")
+    assert damage(path).startswith("deepspeed/treadle_deepspeed.json is not what treadle writes")
