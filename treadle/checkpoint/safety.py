@@ -10,7 +10,7 @@ how each path is closed here:
 - Tensor entries of ``*.distcp`` are read with ``torch.load(weights_only=True)``
   by DCP itself: already restricted.
 - Non-tensor ("bytes") entries of ``*.distcp`` are read by
-  ``DefaultLoadPlanner.load_bytes`` with ``torch.load(weights_only=False)``: a
+  ``DefaultLoadPlanner.load_bytes`` with an unrestricted ``torch.load``: a
   crafted entry runs code. Our state dicts do have such entries (the optimizer's
   ``param_groups``: lr, betas, eps, flags, parameter names), so ``_SafePlanner``
   replaces that call with ``torch.load(weights_only=True)``, which only rebuilds
@@ -18,7 +18,7 @@ how each path is closed here:
 
 DeepSpeed 0.19.8 reads every file of its checkpoints (``*model_states.pt``,
 ``*optim_states.pt``, the universal format's ``zero/<param>/*.pt``) with
-``torch.load(weights_only=False)``, and treadle cannot change that call. So
+an unrestricted ``torch.load`` (weights-only off), and treadle cannot change that call. So
 ``vet_deepspeed`` checks each ``*.pt`` under ``deepspeed/`` before DeepSpeed sees
 the directory: the ``data.pkl`` that ``torch.load`` would unpickle (found with
 torch's own zip reader, so it is the same record) is run through the same C
@@ -28,8 +28,13 @@ called (not even DeepSpeed's own classes: vetting does not import deepspeed), te
 bytes are not read, and every way a pickle can name a global (GLOBAL, STACK_GLOBAL,
 INST, OBJ, EXT*) goes through ``find_class``; a file that is not a ``torch.save``
 zip (the legacy format unpickles several streams) or is a TorchScript archive is
-refused too. A static opcode scan was not enough: torch's own
-(``get_unsafe_globals_in_checkpoint``) does not see STACK_GLOBAL.
+refused too. Why not a static opcode scan: it is a second parser that must agree with
+the unpickler on every opcode (torch's ``get_unsafe_globals_in_checkpoint`` gives up on
+protocol 4 and, by its own note, misses globals pushed on the stack); here the parser
+is the unpickler itself. Why not ``torch.load(weights_only=True)`` with DeepSpeed's
+classes allow-listed: that imports DeepSpeed (which picks its accelerator at import, so
+vetting before the engine exists could pick the wrong one), calls the allowed classes,
+and reads every tensor.
 
 Invariants:
 - ``safe_dcp_load`` never calls an unrestricted unpickler on checkpoint bytes.
@@ -152,7 +157,7 @@ def _relative(file: Path, ckpt: Path) -> str:
 
 
 def vet_torch_file(file: Path, ckpt: Path) -> None:
-    """CheckpointDamaged unless ``torch.load(file, weights_only=False)`` would only rebuild allow-listed objects."""
+    """CheckpointDamaged unless an unrestricted ``torch.load(file)`` would only rebuild allow-listed objects."""
     rel = _relative(file, ckpt)
     try:
         with open(file, "rb") as f:

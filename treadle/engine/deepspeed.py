@@ -364,7 +364,7 @@ class DeepSpeedEngine(CollectiveEngine):
     def load_checkpoint(self, directory: Path) -> None:
         """Restore module and optimizer from ``save_checkpoint``'s directory (frozen parameters keep their values).
 
-        DeepSpeed unpickles its files with ``weights_only=False``: the caller vets them first
+        DeepSpeed unpickles its files without the weights-only restriction: the caller vets them first
         (``treadle.checkpoint.validate.inspect``, which every resume goes through).
         """
         directory = Path(directory)
@@ -515,7 +515,7 @@ def checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
     """The fp32 weights a DeepSpeed checkpoint holds (frozen ones were never saved), without a process group.
 
     For ``treadle export``: ZeRO 1-3 keep the fp32 masters in per-rank partitions, which
-    DeepSpeed's ``zero_to_fp32`` reassembles (it unpickles with ``weights_only=False``: the
+    DeepSpeed's ``zero_to_fp32`` reassembles (it unpickles without restriction: the
     caller vets the files first, ``treadle.checkpoint.validate.inspect``); fp32 ZeRO-0 saved
     the module whole, read here weights-only.
     """
