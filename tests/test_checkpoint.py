@@ -19,9 +19,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from tests.distributed import run_distributed
+
 from treadle.checkpoint.compat import check_compatible
 from treadle.checkpoint.layout import HOST
 from treadle.checkpoint.manager import CheckpointManager
+from treadle.checkpoint.safety import read_metadata
 from treadle.checkpoint.validate import damage
 from treadle.config import Config, ModelConfig, to_toml
 from treadle.engine import LocalEngine
@@ -472,10 +475,89 @@ def test_a_deepspeed_checkpoint_is_refused_by_a_dcp_engine_in_one_line(tmp_path)
     shutil.rmtree(path / "state")
     (path / "deepspeed" / "state").mkdir(parents=True)
     (path / "deepspeed" / "latest").write_text("state")
+    (path / "deepspeed" / "treadle_deepspeed.json").write_text(
+        '{"world_size": 1, "zero_stage": 0, "bf16": false, "partitioned": false}')
+    torch.save({"module": engine().model.state_dict()}, path / "deepspeed" / "state" / "mp_rank_00_model_states.pt")
     assert damage(path) is None
     with pytest.raises(UserError) as err:
         cm.load(path, engine())
     assert "DeepSpeed checkpoint" in str(err.value) and "distributed.engine = deepspeed" in str(err.value)
-    (path / "deepspeed" / "latest").unlink()
-    shutil.rmtree(path / "deepspeed" / "state")
-    assert damage(path) == "deepspeed/ is empty"
+    (path / "deepspeed" / "state" / "mp_rank_00_model_states.pt").unlink()
+    assert damage(path) == "deepspeed/state/ holds no model_states.pt"
+    (path / "deepspeed" / "treadle_deepspeed.json").write_text("[]")
+    assert damage(path).startswith("deepspeed/treadle_deepspeed.json is not what treadle writes")
+
+
+# ---------------------------------------------------------------------------- async at several ranks
+
+
+def _gathered(obj):
+    """A deep copy of a state dict with every DTensor gathered whole (a collective: every rank calls it)."""
+    if isinstance(obj, torch.distributed.tensor.DTensor):
+        return obj.full_tensor().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _gathered(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_gathered(v) for v in obj]
+    return obj
+
+
+def _async_and_sync_saves_at_two_ranks(rank, world_size, tmp):
+    from pathlib import Path
+
+    from tests.test_engines_dist import CPU, GRAD_CLIP, make_optimizer, rank_micro_batches, tiny_llama
+    from treadle.engine.fsdp2 import FSDP2Engine
+    from treadle.train.step import optimizer_step
+
+    root = Path(tmp)
+    eng = FSDP2Engine(tiny_llama(0), make_optimizer, CPU)  # sharded: each rank holds and writes half
+    optimizer_step(eng, rank_micro_batches(0, rank, world_size), grad_clip=GRAD_CLIP)
+    saved = _gathered(eng.state_dict())
+    CheckpointManager(root / "sync", keep_last=5, rank=rank, world_size=world_size).save(
+        1, eng, train_state(1), config_toml())
+    cm = CheckpointManager(root / "async", keep_last=5, rank=rank, world_size=world_size, async_save=True)
+    cm.save(1, eng, train_state(1), config_toml())
+    in_flight = cm.pending is not None
+    # Training goes on at once: a step (collectives on the training group while the writer runs on its own)
+    # and a change of every weight must not reach the checkpoint.
+    optimizer_step(eng, rank_micro_batches(1, rank, world_size), grad_clip=GRAD_CLIP)
+    with torch.no_grad():
+        for p in eng.model.parameters():
+            p.add_(1.0)
+    cm.wait()
+    trained = _gathered(eng.state_dict())
+    fresh = FSDP2Engine(tiny_llama(7), make_optimizer, CPU)
+    state = cm.load(root / "async" / "step_1", fresh)
+    return {"in_flight": in_flight, "saved": saved, "trained": trained, "resumed": _gathered(fresh.state_dict()),
+            "train_state": state, "latest": cm.latest().name}
+
+
+def _flat_tensors(state, prefix=""):
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out |= _flat_tensors(v, f"{prefix}{k}.")
+        elif isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_async_save_at_two_ranks_equals_a_sync_save_and_resumes(tmp_path):
+    """Two ranks (FSDP2, gloo): the async save is in flight when save() returns, writes the same files as a sync save
+    of the same moment, training on at once leaks nothing into it, and a fresh engine resumes from it exactly."""
+    results = run_distributed(_async_and_sync_saves_at_two_ranks, world_size=2, timeout=180, tmp=str(tmp_path))
+    for r in results:
+        assert r["in_flight"] and r["latest"] == "step_1" and r["train_state"] == train_state(1)
+        saved, trained, resumed = (_flat_tensors(r[k]) for k in ("saved", "trained", "resumed"))
+        assert_same(resumed, saved)
+        assert any(not torch.equal(trained[k], saved[k]) for k in saved)  # the mutation happened, after the snapshot
+    sync, async_ = tmp_path / "sync" / "step_1", tmp_path / "async" / "step_1"
+    files = sorted(str(p.relative_to(sync)) for p in sync.rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(async_)) for p in async_.rglob("*") if p.is_file())
+    assert {"rng/rank_0.json", "rng/rank_1.json", "state/__0_0.distcp", "state/__1_0.distcp"} <= set(files)
+    differ = [f for f in files if (sync / f).read_bytes() != (async_ / f).read_bytes()]
+    assert differ == ["state/.metadata"], differ  # it records where and when it was written; the rest is equal:
+    a, b = read_metadata(sync / "state"), read_metadata(async_ / "state")
+    assert a.state_dict_metadata == b.state_dict_metadata and a.storage_data == b.storage_data

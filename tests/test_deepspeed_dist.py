@@ -42,7 +42,8 @@ from tests.distributed import run_distributed
 from tests.test_engines_dist import (CPU, FROZEN, GA, GRAD_CLIP, ROWS, STEPS, WEIGHT_ATOL,
                                      assert_steps_match, global_batch, local_run, make_optimizer, max_abs_diff,
                                      rank_micro_batches, snapshot, tiny_llama, weights)
-from treadle.engine.deepspeed import META, TAG, DeepSpeedEngine, check_resumable, deepspeed_config, universal_command
+from treadle.engine.deepspeed import (META, TAG, UNIVERSAL_TAG, DeepSpeedEngine, check_resumable, deepspeed_config,
+                                      universal_command)
 from treadle.errors import UserError
 from treadle.train.resilience import _poisoned
 from treadle.train.step import loss_sum, optimizer_step
@@ -155,7 +156,7 @@ def _check_stage(stage: int, rank: int, world_size: int, tmp: str) -> dict:
     return out
 
 
-def _check_variant(stage: int, bf16: bool, offload: bool, rank: int, world_size: int) -> dict:
+def _check_variant(stage: int, bf16: bool, offload: bool, rank: int, world_size: int, tmp: str, name: str) -> dict:
     engine = _build(stage, bf16=bf16, offload=offload)
     out = {"steps": _steps(engine, [0, 1], rank, world_size)}
     before = snapshot(engine.export_state_dict())
@@ -166,12 +167,13 @@ def _check_variant(stage: int, bf16: bool, offload: bool, rank: int, world_size:
     out["export"] = snapshot(engine.export_state_dict())
     if bf16 and stage < 3 and rank == 0:  # ZeRO-1/2: the whole module on every rank, in bf16
         out["module"] = snapshot(engine.module.state_dict())
+    engine.save_checkpoint(Path(tmp) / name)  # what a bf16 / offload checkpoint pickles (the allow-list test)
     return out
 
 
 def check_deepspeed(rank: int, world_size: int, tmp: str) -> dict:
     out = {f"zero{stage}": _check_stage(stage, rank, world_size, tmp) for stage in STAGES}
-    out.update({name: _check_variant(*spec, rank, world_size) for name, spec in VARIANTS.items()})
+    out.update({name: _check_variant(*spec, rank, world_size, tmp, name) for name, spec in VARIANTS.items()})
     return out
 
 
@@ -214,8 +216,13 @@ def reference() -> dict:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> tuple[list[dict], dict]:
-    tmp = str(tmp_path_factory.mktemp("deepspeed_dist"))
+def launched_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("deepspeed_dist")
+
+
+@pytest.fixture(scope="module")
+def launched(launched_dir) -> tuple[list[dict], dict]:
+    tmp = str(launched_dir)
     results = run_distributed(check_deepspeed, world_size=2, timeout=120, tmp=tmp)
     command = universal_command(Path(tmp) / "zero2").split()
     subprocess.run([sys.executable, *command[1:]], check=True, capture_output=True, timeout=120)
@@ -336,6 +343,34 @@ def test_world_size_1_loads_zero0_refuses_zero2_and_resumes_it_converted_to_univ
     assert universal_command(message.split("checkpoint ", 1)[1].split(" holds")[0]) in message
     assert '{"checkpoint": {"load_universal": true}}' in message
     assert_steps_match(one_rank["next_universal"], reference["next"], "ZeRO-2 converted to universal, on one rank")
+
+
+def test_the_pickle_allow_list_is_exactly_what_deepspeed_writes(launched, launched_dir):
+    """Every file of every checkpoint above (ZeRO 0-3, frozen, bf16, offload, two ranks, and ZeRO-2 converted to the
+    universal format) passes the vetting, and together they use every global of the allow-list but its spare
+    storage types: the list is DeepSpeed 0.19.8's, no wider. A DeepSpeed upgrade that pickles more shows up here."""
+    from treadle.checkpoint import safety
+
+    seen: set[str] = set()
+
+    class Listing(safety._VettingUnpickler):
+        def find_class(self, module, name):
+            seen.add(f"{module}.{name}")
+            return super().find_class(module, name)
+
+    checkpoints = sorted(p for p in launched_dir.iterdir() if (p / META).is_file())
+    assert len(checkpoints) == len(STAGES) * 2 + len(VARIANTS)
+    assert (launched_dir / "zero2" / UNIVERSAL_TAG / "zero").is_dir()
+    original = safety._VettingUnpickler
+    safety._VettingUnpickler = Listing
+    try:
+        for ckpt in checkpoints:
+            safety.vet_deepspeed(ckpt, ckpt)
+    finally:
+        safety._VettingUnpickler = original
+    spare_storages = {g for g in safety._DEEPSPEED_GLOBALS if g.endswith("Storage")} - {"torch.FloatStorage",
+                                                                                     "torch.BFloat16Storage"}
+    assert seen == safety._DEEPSPEED_GLOBALS - spare_storages
 
 
 # ---------------------------------------------------------------- no process group

@@ -154,3 +154,19 @@ def test_console_script_runs_and_prints_summary(shards, tmp_path):
         assert needle in proc.stdout
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
     assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"} <= first.keys()
+
+
+def test_commands_that_do_not_use_deepspeed_never_import_it(shards, tmp_path):
+    """``--help``, a local run and the export of its DCP checkpoint, each a real ``python -m treadle``: DeepSpeed is
+    never imported (``-X importtime`` lists every module a process imports), so its accelerator warning cannot print."""
+    run = tmp_path / "run"
+    commands = [["--help"], args(shards, run, "--train.max_steps=2", "--train.eval_batches=1"),
+                ["export", str(run / "checkpoints" / "step_2"), str(tmp_path / "out")]]
+    for argv in commands:
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "treadle", *map(str, argv)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+        assert "treadle.cli" in imported  # the listing is real
+        assert not [m for m in imported if m.split(".")[0] == "deepspeed"], argv
+        assert "Setting accelerator" not in proc.stderr + proc.stdout, argv

@@ -59,9 +59,10 @@ def _runs(rank, world_size, shards, out):
 
     got = {}
     # 1. FSDP2 on a mixture of a shard source and an SFT file (rank 0 tokenizes it) with a phase at step 3,
-    #    checkpoints at 2 and 4; the health check runs after every step.
+    #    checkpoints at 2 and 4, written in the background; the health check runs after every step.
     run_training(_mixture_cfg(shards, out / "fsdp2", "--train.max_steps=4", "--checkpoint.every=2",
-                              "--distributed.engine=fsdp2", "--distributed.health_check_every=1"))
+                              "--distributed.engine=fsdp2", "--distributed.health_check_every=1",
+                              "--checkpoint.async_save=true"))  # the writer on its own group beside the health check
 
     # 2. DDP, a NaN loss on rank 1 only at step 2: both ranks must skip that update.
     trainer = build_trainer(_cfg(shards, out / "nan", "--train.max_steps=3", "--distributed.engine=ddp",

@@ -100,7 +100,8 @@ class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=1)
     resume: str = Field("auto", description="auto | none | <checkpoint path>")
     export_hf: bool = Field(True, description="write <output_dir>/hf (a draft run: <output_dir>/draft) at the end")
-    async_save: bool = Field(False, description="write checkpoints in the background; latest moves when durable")
+    async_save: bool = Field(False, description="write checkpoints in the background; latest moves when durable "
+                             "(local, ddp, fsdp2 at any world size; deepspeed saves synchronously)")
     best_metric: str | None = Field(None, description="a logged metric (e.g. eval_loss) whose best checkpoint is kept")
     best_mode: Literal["min", "max"] = "min"
     allow_schedule_change: bool = Field(

@@ -138,12 +138,12 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def broadcast_object(obj, src: int = 0):
-    """``obj`` as rank ``src`` has it, on every rank (itself when there is no process group)."""
+def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
+    """``obj`` as rank ``src`` has it, on every rank of ``group`` (itself when there is no process group)."""
     if not dist.is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

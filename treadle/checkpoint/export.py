@@ -98,11 +98,13 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
     """
     from treadle.checkpoint.discovery import checkpoint_at
     from treadle.checkpoint.validate import checkpoint_format
-    from treadle.checkpoint.safety import safe_dcp_load
+    from treadle.checkpoint.safety import loading, safe_dcp_load
     from treadle.config import load_config
     from treadle.models.hf import build_model
 
-    ckpt = checkpoint_at(Path(source), f"treadle export SOURCE {str(source)!r}")  # read-only: a live run's temporaries stay
+    # Read-only (a live run's temporaries are not ours to touch); it inspects the checkpoint it returns, which
+    # vets every pickle of a DeepSpeed checkpoint before checkpoint_weights hands the directory to DeepSpeed.
+    ckpt = checkpoint_at(Path(source), f"treadle export SOURCE {str(source)!r}")
     cfg = load_config(ckpt / "config.toml")
     if (cfg.draft.kind is not None) != (to == "draft"):
         kind = "a draft run" if cfg.draft.kind else "a model run"
@@ -122,7 +124,8 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
     if checkpoint_format(ckpt) == "deepspeed":
         from treadle.engine.deepspeed import checkpoint_weights
 
-        saved = checkpoint_weights(ckpt / "deepspeed")
+        with loading(ckpt):
+            saved = checkpoint_weights(ckpt / "deepspeed")
         missing = sorted(state["model"].keys() - saved.keys())
         if missing:
             raise UserError(f"checkpoint {ckpt}: deepspeed/ lacks {missing[0]} (and {len(missing) - 1} more)")

@@ -51,9 +51,12 @@ Several ranks: every rank writes its shards (DCP, or DeepSpeed's own files under
 chose; rank 0 alone writes the train state, renames, moves the links and retires old
 checkpoints; every rank learns the outcome (one collective), so a failed write on any
 rank fails the save everywhere. The run directory must be on a file system all ranks
-share. Async save is single-process only for now (with several ranks DCP's collectives
-would need a process group of their own in the background thread): with several ranks,
-or with DeepSpeed, ``save`` writes synchronously.
+share. Async save with several ranks: every collective of a save (the temporary's name,
+DCP's own planning, the agreement on the outcome) runs on a gloo group of its own, made
+once by every rank when the manager is built, so the background writer never shares a
+group with the training thread's collectives; ranks stay in step because each runs the
+same saves in the same order, one at a time. DeepSpeed saves synchronously: its
+``save_checkpoint`` runs DeepSpeed's own collectives on the training group.
 """
 
 from __future__ import annotations
@@ -85,9 +88,9 @@ from treadle.checkpoint.layout import (
     write_text,
 )
 from treadle.checkpoint.rng import capture_rng, restore_rng
-from treadle.checkpoint.safety import causes, safe_dcp_load
+from treadle.checkpoint.safety import CheckpointDamaged, causes, loading, safe_dcp_load
 from treadle.checkpoint.staging import StagingBuffers
-from treadle.checkpoint.validate import checkpoint_format, damage, inspect
+from treadle.checkpoint.validate import checkpoint_format, damage, inspect, read_json_object
 from treadle.errors import UserError, first_line
 from treadle.fsutil import fsync as _fsync
 from treadle.fsutil import fsync_tree as _fsync_tree
@@ -142,6 +145,8 @@ class CheckpointManager:
         self._pending: Path | None = None
         self._error: BaseException | None = None
         self._staging = StagingBuffers()
+        # The background writer's own group (new_group is collective: every rank builds its manager at the same point).
+        self._group = torch.distributed.new_group(backend="gloo") if async_save and world_size > 1 else None
         if rank == 0:
             self.recover()
 
@@ -184,7 +189,7 @@ class CheckpointManager:
         job = _Job(step=step, final=self.root / f"step_{step}", state=engine.state_dict() if dcp_state else None,
                    train_state=json.dumps(train_state), rng=capture_rng(), config_toml=config_toml,
                    metrics=dict(metrics) if metrics else None)
-        if not (self.async_save and dcp_state and self.world_size == 1):
+        if not (self.async_save and dcp_state):
             self._write(job, engine)
             return job.final
         job.state = self._staging.stage(job.state)
@@ -196,12 +201,16 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until no save is in flight; raise the background save's error, if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self.join()
         err, self._error = self._error, None
         if err is not None:
             raise err
+
+    def join(self) -> None:
+        """Block until no save is in flight; its error, if any, is kept for the next ``save`` or ``wait``."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
     @property
     def pending(self) -> Path | None:
@@ -210,7 +219,7 @@ class CheckpointManager:
 
     def _background(self, job: _Job) -> None:
         try:
-            self._write(job)
+            self._write(job, group=self._group)
         except BaseException as exc:  # kept for the next save()/wait(); logged now in case there is none
             self._error = exc
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -218,27 +227,30 @@ class CheckpointManager:
         finally:
             self._pending = None
 
-    def _write(self, job: _Job, engine=None) -> None:
-        """Every rank: its shards and RNG into rank 0's temporary directory; rank 0: the rest."""
-        tmp = self.root / distributed.broadcast_object(tmp_name(job.final.name))
-        error = self._agreed(self._attempt(self._write_shards, job, tmp, engine), job, tmp)
+    def _write(self, job: _Job, engine=None, group=None) -> None:
+        """Every rank: its shards and RNG into rank 0's temporary directory; rank 0: the rest.
+
+        ``group``: the process group of every collective here (None: the default one, or none at all).
+        """
+        tmp = self.root / distributed.broadcast_object(tmp_name(job.final.name), group=group)
+        error = self._agreed(self._attempt(self._write_shards, job, tmp, engine, group), job, tmp, group)
         if error is None and self.rank == 0:
             error = self._attempt(self._install_files, job, tmp)
-        error = self._agreed(error, job, tmp)
+        error = self._agreed(error, job, tmp, group)
         if error is not None:
             if self.rank == 0:
                 remove(tmp)
             self._raise_write_error(job, error, tmp)
-        error = self._agreed(self._attempt(self._point_links, job) if self.rank == 0 else None, job, self.root)
+        error = self._agreed(self._attempt(self._point_links, job) if self.rank == 0 else None, job, self.root, group)
         if error is not None:
             self._raise_write_error(job, error, self.root, written=True)
         if self.rank == 0:
             self._retain()
 
-    def _write_shards(self, job: _Job, tmp: Path, engine) -> None:
+    def _write_shards(self, job: _Job, tmp: Path, engine, group) -> None:
         (tmp / "rng").mkdir(parents=True, exist_ok=True)  # every rank: whichever comes first creates it
         if job.state is not None:
-            dcp.save(job.state, checkpoint_id=tmp / "state")  # collective with several ranks
+            dcp.save(job.state, checkpoint_id=tmp / "state", process_group=group)  # collective with several ranks
         else:
             engine.save_checkpoint(tmp / "deepspeed")
         write_text(tmp / "rng" / f"rank_{self.rank}.json", json.dumps(job.rng))
@@ -261,12 +273,12 @@ class CheckpointManager:
             return exc
         return None
 
-    def _agreed(self, error: BaseException | None, job: _Job, where: Path) -> BaseException | None:
+    def _agreed(self, error: BaseException | None, job: _Job, where: Path, group=None) -> BaseException | None:
         """This rank's error, else the first other rank's (one collective): all ranks fail a save together."""
         if self.world_size == 1:
             return error
         reports = [None] * self.world_size
-        torch.distributed.all_gather_object(reports, None if error is None else first_line(error))
+        torch.distributed.all_gather_object(reports, None if error is None else first_line(error), group=group)
         if error is not None:
             return error
         rank, message = next(((r, m) for r, m in enumerate(reports) if m is not None), (None, None))
@@ -419,8 +431,9 @@ class CheckpointManager:
                 f"checkpoint {path} holds {_FORMATS[found]}, which this run's engine cannot read; accepted: "
                 + ("distributed.engine = deepspeed, or DeepSpeed's zero_to_fp32.py to turn it into weights for a new run"
                    if found == "deepspeed" else "a ddp, fsdp2 or local engine (distributed.engine)"))
-        if md is None:
-            engine.load_checkpoint(path / "deepspeed")
+        if md is None:  # inspect vetted every pickle DeepSpeed will open; other damage surfaces while it loads
+            with loading(path):
+                engine.load_checkpoint(path / "deepspeed")
         else:
             state = engine.state_dict()
             check_fit(path, md, state)
@@ -428,5 +441,10 @@ class CheckpointManager:
             engine.load_state_dict(state)
         rng_file = path / "rng" / f"rank_{self.rank}.json"
         if rng_file.is_file():
-            restore_rng(json.loads(rng_file.read_text()))
+            rng = read_json_object(rng_file, path)
+            try:
+                restore_rng(rng)
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # valid JSON, not an RNG state
+                raise CheckpointDamaged(path, f"{rng_file.relative_to(path)} is not an RNG state "
+                                              f"({type(exc).__name__}: {first_line(exc)})") from None
         return train_state

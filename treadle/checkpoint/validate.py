@@ -7,7 +7,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from treadle.checkpoint.safety import CheckpointDamaged, read_metadata
+from treadle.checkpoint.safety import CheckpointDamaged, read_metadata, vet_deepspeed
+from treadle.engine.deepspeed import TAG, meta_problem
 
 
 def checkpoint_format(path: Path) -> str:
@@ -15,28 +16,36 @@ def checkpoint_format(path: Path) -> str:
     return "deepspeed" if (path / "deepspeed").is_dir() and not (path / "state").is_dir() else "dcp"
 
 
+def read_json_object(file: Path, ckpt: Path) -> dict:
+    """A checkpoint's JSON file as a dict; CheckpointDamaged naming it if it is missing, unreadable or not an object."""
+    rel = file.relative_to(ckpt)
+    if not file.is_file():
+        raise CheckpointDamaged(ckpt, f"{rel} is missing")
+    try:
+        obj = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointDamaged(ckpt, f"{rel} is not valid JSON ({str(exc).splitlines()[0]})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointDamaged(ckpt, f"{rel} is not a JSON object")
+    return obj
+
+
 def inspect(path: Path) -> Metadata | None:
-    """The checkpoint's vetted DCP metadata (None for DeepSpeed's format); CheckpointDamaged saying what is wrong."""
+    """The checkpoint's vetted DCP metadata (None for DeepSpeed's format, whose pickles are vetted here too);
+    CheckpointDamaged saying what is wrong."""
     if not path.is_dir():
         raise CheckpointDamaged(path, "no such directory")
-    ts = path / "train_state.json"
-    if not ts.is_file():
-        raise CheckpointDamaged(path, "train_state.json is missing")
-    try:
-        state = json.loads(ts.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointDamaged(path, f"train_state.json is not valid JSON ({str(exc).splitlines()[0]})") from None
-    if not isinstance(state, dict):
-        raise CheckpointDamaged(path, "train_state.json is not a JSON object")
+    read_json_object(path / "train_state.json", path)
     if not (path / "config.toml").is_file():
         raise CheckpointDamaged(path, "config.toml is missing")
     rng = path / "rng"
     if not rng.is_dir() or not any(rng.glob("rank_*.json")):
         raise CheckpointDamaged(path, "rng/ (the RNG states) is missing")
+    for f in sorted(rng.glob("rank_*.json")):
+        read_json_object(f, path)
     if checkpoint_format(path) == "deepspeed":
-        if not any((path / "deepspeed").iterdir()):
-            raise CheckpointDamaged(path, "deepspeed/ is empty")
-        return None  # DeepSpeed's own format: its load_checkpoint checks its files
+        _inspect_deepspeed(path)
+        return None
     md = read_metadata(path / "state", path)
     # Every byte range the metadata names must exist: catches truncated or missing .distcp files.
     ends: dict[str, int] = {}
@@ -52,6 +61,17 @@ def inspect(path: Path) -> Metadata | None:
         if f.stat().st_size < end:
             raise CheckpointDamaged(path, f"state/{rel} is truncated ({f.stat().st_size} bytes, {end} expected)")
     return md
+
+
+def _inspect_deepspeed(path: Path) -> None:
+    """DeepSpeed's own format: treadle's record is sound, and every file DeepSpeed will unpickle passed the allow-list."""
+    ds = path / "deepspeed"
+    problem = meta_problem(ds)
+    if problem is not None:
+        raise CheckpointDamaged(path, f"deepspeed/{problem}")
+    if not any((ds / TAG).glob("*model_states.pt")):
+        raise CheckpointDamaged(path, f"deepspeed/{TAG}/ holds no model_states.pt")
+    vet_deepspeed(ds, path)
 
 
 def damage(path: Path) -> str | None:

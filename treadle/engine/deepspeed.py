@@ -362,7 +362,11 @@ class DeepSpeedEngine(CollectiveEngine):
         return not isinstance(self._hooks, _TorchHooks)
 
     def load_checkpoint(self, directory: Path) -> None:
-        """Restore module and optimizer from ``save_checkpoint``'s directory (frozen parameters keep their values)."""
+        """Restore module and optimizer from ``save_checkpoint``'s directory (frozen parameters keep their values).
+
+        DeepSpeed unpickles its files without the weights-only restriction: the caller vets them first
+        (``treadle.checkpoint.validate.inspect``, which every resume goes through).
+        """
         directory = Path(directory)
         universal = self.model.load_universal_checkpoint()
         if not universal:
@@ -452,12 +456,28 @@ class DeepSpeedEngine(CollectiveEngine):
         return report
 
 
+_META_TYPES = {"world_size": int, "zero_stage": int, "bf16": bool, "partitioned": bool}
+
+
+def meta_problem(directory: Path) -> str | None:
+    """What is wrong with ``save_checkpoint``'s record beside DeepSpeed's files (``META``), or None."""
+    try:
+        meta = json.loads((Path(directory) / META).read_text())
+    except FileNotFoundError:
+        return f"{META} is missing"
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"{META} is not valid JSON ({str(exc).splitlines()[0]})"
+    if not isinstance(meta, dict) or any(type(meta.get(k)) is not t for k, t in _META_TYPES.items()):
+        return f"{META} is not what treadle writes (accepted: a JSON object with {', '.join(_META_TYPES)})"
+    return None
+
+
 def _read_meta(directory: Path) -> dict:
     """What ``save_checkpoint`` recorded beside DeepSpeed's files (world size, stage, partitioned)."""
-    try:
-        return json.loads((directory / META).read_text())
-    except (OSError, ValueError):
-        raise UserError(f"{directory} is not a treadle DeepSpeed checkpoint ({META} is missing or unreadable)") from None
+    problem = meta_problem(directory)
+    if problem is not None:
+        raise UserError(f"{directory} is not a treadle DeepSpeed checkpoint: {problem}")
+    return json.loads((Path(directory) / META).read_text())
 
 
 def check_resumable(directory: Path, world_size: int, zero_stage: int) -> None:
@@ -495,9 +515,9 @@ def checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
     """The fp32 weights a DeepSpeed checkpoint holds (frozen ones were never saved), without a process group.
 
     For ``treadle export``: ZeRO 1-3 keep the fp32 masters in per-rank partitions, which
-    DeepSpeed's ``zero_to_fp32`` reassembles; fp32 ZeRO-0 saved the module whole. Both read
-    pickles (``torch.load(weights_only=False)``), as DeepSpeed's own loading does: only
-    export checkpoints you trust.
+    DeepSpeed's ``zero_to_fp32`` reassembles (it unpickles without restriction: the
+    caller vets the files first, ``treadle.checkpoint.validate.inspect``); fp32 ZeRO-0 saved
+    the module whole, read here weights-only.
     """
     directory = Path(directory)
     meta = _read_meta(directory)
@@ -511,5 +531,5 @@ def checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
         files = sorted((directory / TAG).glob("*model_states.pt"))
         if not files:
             raise UserError(f"{directory / TAG} holds no model_states.pt; accepted: a DeepSpeed checkpoint treadle wrote")
-        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        state = torch.load(files[0], map_location="cpu", weights_only=True)["module"]
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}

@@ -116,6 +116,7 @@ class Trainer:
                 self._each("on_train_end")
             self.checkpoints.wait()  # an async save still in flight must land before we return
         finally:
+            self.checkpoints.join()  # also on a failure: the process group must outlive a save in flight
             self.loader.close()
             self.shutdown.uninstall()
             self.console.stop()
