@@ -507,6 +507,17 @@ def test_bad_prepare_and_prompt_inputs_name_the_line(world, refused):
 # ---------------------------------------------------------------------------- resume (holes 6, 7, 8)
 
 
+@pytest.mark.parametrize("state", ["{}", '{"train": {"step": 2}}', '{"train": {"step": "two"}, "meta": {}, "loader": {}, '
+                                   '"schedule": {}, "callbacks": {}}'], ids=["empty", "step-only", "step-not-int"])
+def test_train_state_without_a_runs_keys_is_one_line(world, refused, tmp_path, state):
+    """Valid JSON that is not a run's train state: a KeyError traceback in export and resume before."""
+    bad = tmp_path / "step_2"
+    shutil.copytree(ckpt(world), bad)
+    (bad / "train_state.json").write_text(state)
+    refused(["export", bad, tmp_path / "out"], "train_state.json has no", tmp_path / "out", bad)
+    refused(world.args(tmp_path / "new", f"--checkpoint.resume={bad}"), "train_state.json has no", tmp_path / "new", bad)
+
+
 def _other_run(w: World) -> Path:
     """A second finished run beside the good one (a copy: a treadle run with its own checkpoints and metrics)."""
     other = w.root / "runs" / "other"

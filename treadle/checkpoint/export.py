@@ -97,7 +97,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
     ``to="hf"`` for a model run; ``to="draft"`` for a draft run (the draft alone, as at the end of the run).
     """
     from treadle.checkpoint.discovery import checkpoint_at
-    from treadle.checkpoint.validate import checkpoint_format
+    from treadle.checkpoint.validate import checkpoint_format, run_state
     from treadle.checkpoint.safety import loading, safe_dcp_load
     from treadle.config import load_config
     from treadle.models.hf import build_model
@@ -109,7 +109,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
     if (cfg.draft.kind is not None) != (to == "draft"):
         kind = "a draft run" if cfg.draft.kind else "a model run"
         raise UserError(f"checkpoint {ckpt} is {kind}; accepted: --to {'draft' if cfg.draft.kind else 'hf'}")
-    train_state = json.loads((ckpt / "train_state.json").read_text())
+    train_state = run_state(ckpt)
     meta = train_state["meta"]
     if cfg.draft.kind:
         from treadle.models.glide import build_glide

@@ -30,6 +30,24 @@ def read_json_object(file: Path, ckpt: Path) -> dict:
     return obj
 
 
+# What a run's train state holds (Trainer.state_dict); the manager itself stores any JSON object.
+_RUN_STATE = {"train": dict, "meta": dict, "loader": dict, "schedule": dict, "callbacks": dict}
+
+
+def run_state(ckpt: Path) -> dict:
+    """A run checkpoint's train_state.json, checked to hold what a trainer wrote (a step, meta, loader and schedule
+    state); CheckpointDamaged naming what is missing, so a hand-edited or foreign file is one line, not a KeyError."""
+    state = read_json_object(ckpt / "train_state.json", ckpt)
+    for key, kind in _RUN_STATE.items():
+        if not isinstance(state.get(key), kind):
+            raise CheckpointDamaged(ckpt, f"train_state.json has no {key} object; accepted: a checkpoint treadle wrote")
+    step = state["train"].get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointDamaged(ckpt, f"train_state.json has no train.step (found {step!r}); accepted: a checkpoint "
+                                "treadle wrote")
+    return state
+
+
 def inspect(path: Path) -> Metadata | None:
     """The checkpoint's vetted DCP metadata (None for DeepSpeed's format, whose pickles are vetted here too);
     CheckpointDamaged saying what is wrong."""

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from treadle.checkpoint.compat import check_compatible
 from treadle.checkpoint.layout import step_of
 from treadle.checkpoint.manager import CheckpointManager
+from treadle.checkpoint.validate import run_state
 from treadle.config import (
     Config,
     OptimConfig,
@@ -150,12 +151,10 @@ def _check_source(cfg: Config, out: Path, ckpt: Path, checkpoints: CheckpointMan
 def _read(ckpt: Path) -> tuple[dict, dict]:
     """The checkpoint's config tree and train state (both checked readable by ``check_compatible`` / ``damage``)."""
     try:
-        then, state = tomllib.loads((ckpt / "config.toml").read_text()), json.loads((ckpt / "train_state.json").read_text())
+        then = tomllib.loads((ckpt / "config.toml").read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UserError(f"checkpoint {ckpt}: config.toml or train_state.json is unreadable ({first_line(exc)})") from None
-    if not isinstance(state.get("train"), dict) or not isinstance(state["train"].get("step"), int):
-        raise UserError(f"checkpoint {ckpt}: train_state.json has no train.step; accepted: a checkpoint treadle wrote")
-    return then, state
+        raise UserError(f"checkpoint {ckpt}: config.toml is unreadable ({first_line(exc)})") from None
+    return then, run_state(ckpt)
 
 
 def _lr_at(tree: dict, position: int, step: int) -> float:

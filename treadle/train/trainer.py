@@ -15,6 +15,7 @@ from typing import Callable, ContextManager, Iterable
 
 from treadle.checkpoint.manager import CheckpointManager
 from treadle.config import Config, to_toml
+from treadle.errors import UserError, first_line
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.train.callbacks import Callback
 from treadle.train.resilience import ShutdownWatcher, TrainingFailed
@@ -185,7 +186,12 @@ class Trainer:
         # checkpoint's, or another optim.weight_decay / betas / eps would be reported as changed and silently ignored.
         groups = self.engine.optimizer.param_groups
         configured = [{k: g[k] for k in _CONFIGURED_HYPERPARAMETERS if k in g} for g in groups]
-        self.load_state_dict(self.checkpoints.load(path, self.engine, config_toml=to_toml(self.cfg), meta=self.meta))
+        saved = self.checkpoints.load(path, self.engine, config_toml=to_toml(self.cfg), meta=self.meta)
+        try:
+            self.load_state_dict(saved)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a hand-edited or foreign train state
+            raise UserError(f"checkpoint {path}: train_state.json does not hold the state this run needs "
+                            f"({type(exc).__name__}: {first_line(exc)}); accepted: a checkpoint treadle wrote") from None
         for group, values in zip(self.engine.optimizer.param_groups, configured):
             group.update(values)
         self.resumed_from = path
