@@ -27,6 +27,8 @@ from treadle.fsutil import fsync_tree
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 FORMAT_VERSION = 1
+KIND = "shards"  # the kind in the marker of a shard directory treadle prepared
+FILES = ("tokens.bin", "offsets.npy", "loss_mask.bin", "meta.json")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -41,6 +43,16 @@ def _map(path: Path, dtype, count: int) -> np.ndarray:
         return np.zeros(0, dtype=dtype)  # np.memmap refuses empty files
     # A plain ndarray view of the map: slicing a np.memmap subclass costs more than reading the tokens.
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)
+
+
+def unmarked_shard_dir(path: Path) -> bool:
+    """A shard directory written before they carried a marker: shard files only, meta.json with a format version."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        names = [p.name for p in path.iterdir()]
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "format_version" in meta and all(n in FILES for n in names)
 
 
 class Shard:

@@ -197,8 +197,20 @@ class ExportCallback(Callback):
         self.out_dir = out_dir
         self.tokenizer_dir = tokenizer_dir
 
+    def on_train_start(self, trainer: Trainer) -> None:
+        claim_run_export(self.out_dir)
+
     def on_train_end(self, trainer: Trainer) -> None:
         from treadle.checkpoint.export import export_hf
 
         export_hf(trainer.engine.module, trainer.engine.export_state_dict(), self.tokenizer_dir, self.out_dir,
                   enabled=trainer.engine.rank == 0)
+
+
+def claim_run_export(out_dir) -> None:
+    """Refuse, before any step, a run whose export directory holds what treadle did not write: the export
+    at the end would refuse it after all the training (rank 0 looks; every rank raises)."""
+    from treadle.checkpoint.export import claim_export
+    from treadle.distributed import on_main
+
+    on_main(claim_export, out_dir, "the run's export")

@@ -19,7 +19,7 @@ from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
 from treadle.models.glide import anchored_positions
 from treadle.speculative.acceptance import chain_acceptance
-from treadle.train.callbacks import Callback, EvalCallback
+from treadle.train.callbacks import Callback, EvalCallback, claim_run_export
 from treadle.train.step import Batch, row_cross_entropy
 
 if TYPE_CHECKING:
@@ -124,6 +124,9 @@ class DraftExportCallback(Callback):
 
     def __init__(self, out_dir: Path, target_dir: Path, identity: dict, cfg: DraftConfig):
         self.out_dir, self.target_dir, self.identity, self.cfg = out_dir, target_dir, identity, cfg
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        claim_run_export(self.out_dir)
 
     def on_train_end(self, trainer: Trainer) -> None:
         from treadle.checkpoint.export import export_draft
