@@ -194,11 +194,9 @@ class ExportCallback(Callback):
     """At the end, a Hugging Face model directory that ``from_pretrained`` loads."""
 
     def __init__(self, out_dir, tokenizer_dir):
+        claim_run_export(out_dir)
         self.out_dir = out_dir
         self.tokenizer_dir = tokenizer_dir
-
-    def on_train_start(self, trainer: Trainer) -> None:
-        claim_run_export(self.out_dir)
 
     def on_train_end(self, trainer: Trainer) -> None:
         from treadle.checkpoint.export import export_hf
@@ -208,8 +206,8 @@ class ExportCallback(Callback):
 
 
 def claim_run_export(out_dir) -> None:
-    """Refuse, before any step, a run whose export directory holds what treadle did not write: the export
-    at the end would refuse it after all the training (rank 0 looks; every rank raises)."""
+    """Refuse a run whose export directory holds what treadle did not write, when its export callback is
+    built (before the run's first write), not after all the training (rank 0 looks; every rank raises)."""
     from treadle.checkpoint.export import claim_export
     from treadle.distributed import on_main
 

@@ -123,10 +123,8 @@ class DraftExportCallback(Callback):
     """At the end, the draft alone: ``<output_dir>/draft`` (see ``export_draft``)."""
 
     def __init__(self, out_dir: Path, target_dir: Path, identity: dict, cfg: DraftConfig):
+        claim_run_export(out_dir)
         self.out_dir, self.target_dir, self.identity, self.cfg = out_dir, target_dir, identity, cfg
-
-    def on_train_start(self, trainer: Trainer) -> None:
-        claim_run_export(self.out_dir)
 
     def on_train_end(self, trainer: Trainer) -> None:
         from treadle.checkpoint.export import export_draft
