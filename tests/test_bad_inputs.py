@@ -184,22 +184,36 @@ def test_a_run_refuses_to_export_over_a_user_file_in_its_hf_dir(world, refused):
     refused(world.args(world.run, "--checkpoint.every=1", "--checkpoint.keep_last=2"), "the run's export")
 
 
-def test_prepare_samples_spec_eval_refuse_user_paths(world, refused):
-    """Hole 1: every command that writes to a path the user names, with and without --overwrite."""
+def _writer(world: World, case: str) -> tuple[list, str]:
+    """(argv, expected words) of a command told to write onto a user's path."""
     text = world.root / "doc.txt"
     text.write_text("x = 1\n")
-    tok = world.shards / "tok"
-    for out, extra, expect in [(world.user, [], "holds notes.jsonl"), (world.user, ["--overwrite"], "holds notes.jsonl"),
-                               (world.thesis, ["--overwrite"], "is a file, not a directory"),
-                               (world.shards / "train", [], "--overwrite")]:  # treadle's own shards ask first
-        refused(["prepare", text, "--out", out, "--tokenizer", tok, "--workers", "1", *extra], expect)
-    (world.user / "chat.jsonl").write_text('{"messages": []}\n')  # the user's own, named like a samples file
-    refused(["samples", "--out", world.user, "--n", "2"], "chat.jsonl: is a file treadle did not write")
-    refused(["samples", "--out", world.thesis, "--n", "2"], "not a directory")
-    spec = ["spec-eval", "--target", world.run, "--draft", "prompt-lookup", "--json"]
-    refused([*spec, world.thesis], "is a file treadle did not write")
-    refused([*spec, world.user / "notes.jsonl"], "is a file treadle did not write")
-    refused([*spec, world.user], "is a directory, not a file")
+    prepare = ["prepare", text, "--tokenizer", world.shards / "tok", "--workers", "1", "--out"]
+    spec_eval = ["spec-eval", "--target", world.run, "--draft", "prompt-lookup", "--json"]
+    if case == "samples_over_user_file":
+        (world.user / "chat.jsonl").write_text('{"messages": []}\n')  # the user's own, named like a samples file
+    return {
+        "prepare_into_user_dir": ([*prepare, world.user], "holds notes.jsonl, and treadle did not write"),
+        "prepare_overwrite_user_dir": ([*prepare, world.user, "--overwrite"], "holds notes.jsonl"),
+        "prepare_onto_user_file": ([*prepare, world.thesis, "--overwrite"], "is a file, not a directory"),
+        "prepare_own_shards_without_overwrite": ([*prepare, world.shards / "train"], "pass --overwrite"),
+        "samples_over_user_file": (["samples", "--out", world.user, "--n", "2"],
+                                   "chat.jsonl: is a file treadle did not write"),
+        "samples_onto_user_file": (["samples", "--out", world.thesis, "--n", "2"], "not a directory"),
+        "spec_eval_json_onto_user_file": ([*spec_eval, world.thesis], "is a file treadle did not write"),
+        "spec_eval_json_onto_user_jsonl": ([*spec_eval, world.user / "notes.jsonl"], "is a file treadle did not write"),
+        "spec_eval_json_onto_user_dir": ([*spec_eval, world.user], "is a directory, not a file"),
+    }[case]
+
+
+@pytest.mark.parametrize("case", ["prepare_into_user_dir", "prepare_overwrite_user_dir", "prepare_onto_user_file",
+                                  "prepare_own_shards_without_overwrite", "samples_over_user_file",
+                                  "samples_onto_user_file", "spec_eval_json_onto_user_file",
+                                  "spec_eval_json_onto_user_jsonl", "spec_eval_json_onto_user_dir"])
+def test_commands_refuse_to_write_onto_user_paths(world, refused, case):
+    """Hole 1: prepare, samples and spec-eval --json, with and without --overwrite."""
+    argv, expect = _writer(world, case)
+    refused(argv, expect)
 
 
 def _generate(world: World, out: Path, *extra: str) -> list[str]:
