@@ -163,8 +163,8 @@ def _user_export(world: World) -> Path:
 def test_export_never_replaces_what_treadle_did_not_write(world, refused, case):
     """Hole 1: `treadle export RUN OUT` replaced a user's directory wholesale, or renamed a user's file aside."""
     out, also, expect = {
-        "into_user_dir": (world.user, (), "holds notes.jsonl, and treadle did not write this directory"),
-        "draft_into_user_dir": (world.user, (), "treadle did not write this directory"),
+        "into_user_dir": (world.user, (), "holds notes.jsonl and is not treadle's own export"),
+        "draft_into_user_dir": (world.user, (), "is not treadle's own export output"),
         "onto_user_file": (world.thesis, (), "is a file, not a directory"),
         "into_mixed_export": (None, (world.root / "mixed",), "holds README.md, which treadle did not write"),
         "through_symlink": (world.root / "link", (world.root / "link",), "is a symbolic link"),
@@ -193,15 +193,15 @@ def _writer(world: World, case: str) -> tuple[list, str]:
     if case == "samples_over_user_file":
         (world.user / "chat.jsonl").write_text('{"messages": []}\n')  # the user's own, named like a samples file
     return {
-        "prepare_into_user_dir": ([*prepare, world.user], "holds notes.jsonl, and treadle did not write"),
+        "prepare_into_user_dir": ([*prepare, world.user], "holds notes.jsonl and is not treadle's own shards"),
         "prepare_overwrite_user_dir": ([*prepare, world.user, "--overwrite"], "holds notes.jsonl"),
         "prepare_onto_user_file": ([*prepare, world.thesis, "--overwrite"], "is a file, not a directory"),
         "prepare_own_shards_without_overwrite": ([*prepare, world.shards / "train"], "pass --overwrite"),
         "samples_over_user_file": (["samples", "--out", world.user, "--n", "2"],
-                                   "chat.jsonl: is a file treadle did not write"),
+                                   "chat.jsonl: is a file that is not treadle"),
         "samples_onto_user_file": (["samples", "--out", world.thesis, "--n", "2"], "not a directory"),
-        "spec_eval_json_onto_user_file": ([*spec_eval, world.thesis], "is a file treadle did not write"),
-        "spec_eval_json_onto_user_jsonl": ([*spec_eval, world.user / "notes.jsonl"], "is a file treadle did not write"),
+        "spec_eval_json_onto_user_file": ([*spec_eval, world.thesis], "is a file that is not treadle"),
+        "spec_eval_json_onto_user_jsonl": ([*spec_eval, world.user / "notes.jsonl"], "is a file that is not treadle"),
         "spec_eval_json_onto_user_dir": ([*spec_eval, world.user], "is a directory, not a file"),
     }[case]
 
@@ -227,11 +227,11 @@ def _generate(world: World, out: Path, *extra: str) -> list[str]:
 def test_generate_refuses_user_files_and_other_flags(world, refused, capsys):
     """Hole 1: a user's one-line file at --out was cut as a 'torn last line'; hole 10c: a rerun with other flags
     over an earlier output skipped every row, mixing two settings in one file."""
-    refused(_generate(world, world.thesis), "is a file treadle did not write")
-    refused(_generate(world, world.user / "notes.jsonl"), "is a file treadle did not write")
+    refused(_generate(world, world.thesis), "is a file that is not treadle")
+    refused(_generate(world, world.user / "notes.jsonl"), "is a file that is not treadle")
     fresh = world.root / "fresh.jsonl"
     Path(f"{fresh}.failed.jsonl").write_text("my list of failures\n")
-    refused(_generate(world, fresh), "fresh.jsonl.failed.jsonl: is a file treadle did not write",
+    refused(_generate(world, fresh), "fresh.jsonl.failed.jsonl: is a file that is not treadle",
             Path(f"{fresh}.failed.jsonl"))
 
     out = world.root / "gen.jsonl"

@@ -177,7 +177,7 @@ def test_existing_output_is_never_damaged(tmp_path, small_tok):
     other = tmp_path / "precious"
     other.mkdir()
     (other / "thesis.tex").write_text("years of work")
-    with pytest.raises(UserError, match="holds thesis.tex, and treadle did not write"):
+    with pytest.raises(UserError, match="holds thesis.tex and is not treadle"):
         prepare([str(tmp_path / "a.txt")], other, small_tok, workers=1, overwrite=True)
     assert (other / "thesis.tex").read_text() == "years of work"
 

@@ -76,6 +76,10 @@ def test_export_records_its_dtype_and_replaces_only_its_own_output(shards, tmp_p
     assert marker["written_by"] == "treadle export" and marker["kind"] == "export"
     assert set(marker["files"]) == {p.name for p in out.iterdir()} - {".treadle.json"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".old-", ".tmp-"))]
+    # An export from before the marker (export files only) is treadle's own too: a resumed old run re-exports.
+    (run / "hf" / ".treadle.json").unlink()
+    assert main(["train", str(run / "config.toml"), "--train.max_steps=3"]) == 0
+    assert json.loads((run / "hf" / ".treadle.json").read_text())["written_by"] == "treadle train"
 
     old = os.umask(0o027)
     try:

@@ -308,5 +308,5 @@ def test_samples_cli(tmp_path, capsys):
     # A file of its own that the user has since edited is theirs.
     with open(tmp_path / "chat.jsonl", "a") as f:
         f.write('{"messages": []}\n')
-    with pytest.raises(UserError, match="chat.jsonl: is a file treadle did not write"):
+    with pytest.raises(UserError, match="chat.jsonl: is a file that is not treadle"):
         samples.run(parser.parse_args(["--out", str(tmp_path), "--n", "3"]))

@@ -164,7 +164,7 @@ def _foreign_file(path: Path, kind: str) -> str | None:
     marker = read_marker(path.parent)
     if size == 0 or (marker is not None and marker["kind"] == kind and marker["files"].get(path.name) == size):
         return None
-    return "is a file treadle did not write"
+    return f"is a file that is not treadle's own {kind} output"
 
 
 def _foreign_dir(path: Path, kind: str) -> str | None:
@@ -173,7 +173,7 @@ def _foreign_dir(path: Path, kind: str) -> str | None:
         return None
     marker = read_marker(path)
     if marker is None:
-        return f"holds {entries[0]}, and treadle did not write this directory (it has no {MARKER})"
+        return f"holds {entries[0]} and is not treadle's own {kind} output (it has no {MARKER})"
     if marker["kind"] != kind:
         return f"holds treadle's {marker['kind']} output (written by {marker['written_by']}), not a {kind} output"
     for rel, size in _files(path).items():
