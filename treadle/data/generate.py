@@ -43,13 +43,13 @@ after running out of memory must be able to lower the batch) are recorded in
 flags (each named, old -> new), and refuses an out file (or a file beside it)
 that treadle generate did not write. On start, the rows already in ``--out``
 are "skipped"; a torn last line (an interrupted write: no newline at the end,
-or not JSON) is cut off first. Rows that cannot be generated (not JSON, not an object, rejected by
-``encode_prompt``, a prompt longer than ``--max-prompt-tokens``, or an exception
-while generating it alone, after its batch failed and was retried row by row)
-are "failed" and listed in ``<out>.failed.jsonl`` ({"index", "line", "reason"}),
-rewritten by every run (removed when a run has none). One summary line says
-where every row went: succeeded + failed + skipped (+ not reached, when
-interrupted) == input rows.
+or not JSON) is cut off first. Rows that cannot be generated (not JSON, not an
+object, rejected by ``encode_prompt``, a prompt longer than
+``--max-prompt-tokens``, or an exception while generating it alone, after its
+batch failed and was retried row by row) are "failed" and listed in
+``<out>.failed.jsonl`` ({"index", "line", "reason"}), rewritten by every run
+(removed when a run has none). One summary line says where every row went:
+succeeded + failed + skipped (+ not reached, when interrupted) == input rows.
 
 Exit codes: 0 every row succeeded or was skipped; 1 some rows failed (the rest
 are written); 2 bad input (nothing written); 130 interrupted by SIGINT /
