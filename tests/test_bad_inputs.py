@@ -216,6 +216,107 @@ def test_console_script_refuses_a_bad_toml_in_one_line(world):
 # ---------------------------------------------------------------------------- output paths (holes 1, 9, 10c)
 
 
+def _user_export(world: World) -> Path:
+    """A copy of treadle's own export into which the user has put a file of theirs."""
+    mixed = world.root / "mixed"
+    shutil.copytree(world.run / "hf", mixed)
+    (mixed / "README.md").write_text("my notes on this model\n")
+    return mixed
+
+
+@pytest.mark.parametrize("case", ["into_user_dir", "draft_into_user_dir", "onto_user_file", "into_mixed_export",
+                                  "through_symlink"])
+def test_export_never_replaces_what_treadle_did_not_write(world, refused, case):
+    """Hole 1: `treadle export RUN OUT` replaced a user's directory wholesale, or renamed a user's file aside."""
+    out, also, expect = {
+        "into_user_dir": (world.user, (), "holds notes.jsonl and is not treadle's own export"),
+        "draft_into_user_dir": (world.user, (), "is not treadle's own export output"),
+        "onto_user_file": (world.thesis, (), "is a file, not a directory"),
+        "into_mixed_export": (None, (world.root / "mixed",), "holds README.md, which treadle did not write"),
+        "through_symlink": (world.root / "link", (world.root / "link",), "is a symbolic link"),
+    }[case]
+    if case == "into_mixed_export":
+        out = _user_export(world)
+    if case == "through_symlink":
+        out.symlink_to(world.user)
+    to = "draft" if case.startswith("draft") else "hf"
+    refused(["export", world.run, "--to", to, out], expect, *also)
+    assert not [p for p in world.root.iterdir() if p.name.startswith((".old-", ".tmp-"))]
+
+
+def test_a_run_refuses_to_export_over_a_user_file_in_its_hf_dir(world, refused):
+    """Hole 1: the run's own end-of-run export replaced <output_dir>/hf whatever it held; refused before any step."""
+    (world.run / "hf" / "thesis.txt").write_text("mine\n")
+    refused(world.args(world.run, "--checkpoint.every=1", "--checkpoint.keep_last=2"), "the run's export")
+
+
+def _writer(world: World, case: str) -> tuple[list, str]:
+    """(argv, expected words) of a command told to write onto a user's path."""
+    text = world.root / "doc.txt"
+    text.write_text("x = 1\n")
+    prepare = ["prepare", text, "--tokenizer", world.shards / "tok", "--workers", "1", "--out"]
+    spec_eval = ["spec-eval", "--target", world.run, "--draft", "prompt-lookup", "--json"]
+    if case == "samples_over_user_file":
+        (world.user / "chat.jsonl").write_text('{"messages": []}\n')  # the user's own, named like a samples file
+    return {
+        "prepare_into_user_dir": ([*prepare, world.user], "holds notes.jsonl and is not treadle's own shards"),
+        "prepare_overwrite_user_dir": ([*prepare, world.user, "--overwrite"], "holds notes.jsonl"),
+        "prepare_onto_user_file": ([*prepare, world.thesis, "--overwrite"], "is a file, not a directory"),
+        "prepare_own_shards_without_overwrite": ([*prepare, world.shards / "train"], "pass --overwrite"),
+        "samples_over_user_file": (["samples", "--out", world.user, "--n", "2"],
+                                   "chat.jsonl: is a file that is not treadle"),
+        "samples_onto_user_file": (["samples", "--out", world.thesis, "--n", "2"], "not a directory"),
+        "spec_eval_json_onto_user_file": ([*spec_eval, world.thesis], "is a file that is not treadle"),
+        "spec_eval_json_onto_user_jsonl": ([*spec_eval, world.user / "notes.jsonl"], "is a file that is not treadle"),
+        "spec_eval_json_onto_user_dir": ([*spec_eval, world.user], "is a directory, not a file"),
+    }[case]
+
+
+@pytest.mark.parametrize("case", ["prepare_into_user_dir", "prepare_overwrite_user_dir", "prepare_onto_user_file",
+                                  "prepare_own_shards_without_overwrite", "samples_over_user_file",
+                                  "samples_onto_user_file", "spec_eval_json_onto_user_file",
+                                  "spec_eval_json_onto_user_jsonl", "spec_eval_json_onto_user_dir"])
+def test_commands_refuse_to_write_onto_user_paths(world, refused, case):
+    """Hole 1: prepare, samples and spec-eval --json, with and without --overwrite."""
+    argv, expect = _writer(world, case)
+    refused(argv, expect)
+
+
+def _generate(world: World, out: Path, *extra: str) -> list[str]:
+    prompts = world.root / "prompts.jsonl"
+    if not prompts.exists():
+        prompts.write_text("".join(f'{{"prompt": "def f{i}(x):"}}\n' for i in range(3)))
+    return ["generate", "--model", str(world.run), "--prompts", str(prompts), "--out", str(out), "--device", "cpu",
+            "--max-new-tokens", "3", *extra]
+
+
+def test_generate_refuses_user_files_and_other_flags(world, refused, capsys):
+    """Hole 1: a user's one-line file at --out was cut as a 'torn last line'; hole 10c: a rerun with other flags
+    over an earlier output skipped every row, mixing two settings in one file."""
+    refused(_generate(world, world.thesis), "is a file that is not treadle")
+    refused(_generate(world, world.user / "notes.jsonl"), "is a file that is not treadle")
+    fresh = world.root / "fresh.jsonl"
+    Path(f"{fresh}.failed.jsonl").write_text("my list of failures\n")
+    refused(_generate(world, fresh), "fresh.jsonl.failed.jsonl: is a file that is not treadle",
+            Path(f"{fresh}.failed.jsonl"))
+
+    out = world.root / "gen.jsonl"
+    assert main(_generate(world, out)) == 0
+    capsys.readouterr()
+    beside = (out, Path(f"{out}.settings.json"))
+    line = refused(_generate(world, out, "--seed", "1", "--temperature", "0.5"), "--temperature 0.0 -> 0.5", *beside)
+    assert "--seed 0 -> 1" in line and "choose a new --out" in line and "--max-new-tokens" not in line
+    refused(_generate(world, out, "--max-new-tokens", "4"), "--max-new-tokens 3 -> 4", *beside)
+    refused(_generate(world, out, "--chat-template", "builtin"), '--chat-template "auto" -> "builtin"', *beside)
+    refused(_generate(world, out, "--max-prompt-tokens", "64"), "--max-prompt-tokens null -> 64", *beside)
+    other = world.root / "other-model"
+    shutil.copytree(world.run / "hf", other)
+    (other / "tokenizer_config.json").write_text((other / "tokenizer_config.json").read_text().replace("}", ', "x": 1}', 1))
+    refused(_generate(world, out, "--model", other), "--model", *beside)
+    # --batch-size only changes rounding: the same output continues (everything is already there).
+    assert main(_generate(world, out, "--batch-size", "1")) == 0
+
+
 # ---------------------------------------------------------------------------- checkpoints and pickles (hole 2)
 
 

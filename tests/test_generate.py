@@ -15,7 +15,7 @@ import torch
 from treadle.data import generate
 from treadle.cli import main
 from treadle.data.sft import encode_prompt, load_tokenizer
-from treadle.models.hf import load_causal_lm
+from treadle.models.hf import load_causal_lm, model_fingerprint
 from treadle.speculative.decode import target_generate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -239,6 +239,33 @@ def test_a_row_that_breaks_generation_fails_alone(target_dir, tmp_path, capsys):
     assert set(out_rows(out)) == {0, 2}
     (failure,) = [json.loads(line) for line in Path(f"{out}.failed.jsonl").read_text().splitlines()]
     assert failure["index"] == 1 and failure["line"] == 2 and failure["reason"].startswith("generation failed: ")
+
+
+def test_settings_are_recorded_beside_the_output(target_dir, tmp_path, capsys):
+    """Hole 10c: the flags that shape a row are recorded before the first batch and must match on resume;
+    --batch-size may change, and an output with no rows yet takes new flags."""
+    path, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["x", "import os", "y z"]))
+    assert main(argv(target_dir, path, out, "--max-new-tokens", "3")) == 0
+    capsys.readouterr()
+    record = json.loads(Path(f"{out}.settings.json").read_text())
+    assert record["written_by"] == "treadle generate"
+    settings = record["settings"]
+    assert {k: settings[k] for k in ("max_new_tokens", "temperature", "top_p", "seed", "chat_template",
+                                     "max_prompt_tokens")} == {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0,
+                                                               "seed": 0, "chat_template": "auto",
+                                                               "max_prompt_tokens": None}
+    assert settings["model"] == model_fingerprint(target_dir) and "batch_size" not in settings
+
+    rows = out.read_bytes()
+    assert main(argv(target_dir, path, out, "--max-new-tokens", "3", "--batch-size", "1")) == 0
+    assert summary(capsys.readouterr().out) == (3, 0, 0, 3, 0) and out.read_bytes() == rows
+    assert main(argv(target_dir, path, out, "--max-new-tokens", "4")) == 2
+    assert "--max-new-tokens 3 -> 4" in capsys.readouterr().err and out.read_bytes() == rows
+
+    out.write_bytes(b"")  # no rows yet: nothing to mix, new flags are recorded
+    assert main(argv(target_dir, path, out, "--max-new-tokens", "4")) == 0
+    assert json.loads(Path(f"{out}.settings.json").read_text())["settings"]["max_new_tokens"] == 4
 
 
 @pytest.mark.parametrize("case", ["no_model_dir", "not_a_model", "no_prompts", "out_dir_missing", "temperature",

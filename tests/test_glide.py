@@ -1,6 +1,7 @@
 """GLIDE draft: masks, positions, target K/V, the decode-time drafter, and draft runs end to end."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -158,6 +159,14 @@ def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_
     again = load_file(tmp_path / "again" / "model.safetensors")
     assert all(torch.equal(again[k], st[k]) for k in st)
     assert main(["export", str(run), "--to", "hf", str(tmp_path / "wrong")]) == 2
+    # ... again over its own earlier export, with the marker that allows it; every file readable by others.
+    assert main(["export", str(run), "--to", "draft", str(tmp_path / "again")]) == 0
+    marker = json.loads((tmp_path / "again" / ".treadle.json").read_text())
+    assert marker["kind"] == "export" and "draft_model_weights.pth" in marker["files"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for export_dir in (run / "draft", tmp_path / "again"):
+        assert {p.stat().st_mode & 0o777 for p in export_dir.iterdir()} == {0o666 & ~umask}
 
     # spec-eval takes the run directory as --draft and decodes losslessly with it.
     out = tmp_path / "spec.json"

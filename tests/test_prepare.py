@@ -177,9 +177,39 @@ def test_existing_output_is_never_damaged(tmp_path, small_tok):
     other = tmp_path / "precious"
     other.mkdir()
     (other / "thesis.tex").write_text("years of work")
-    with pytest.raises(UserError, match="not a shard directory"):
+    with pytest.raises(UserError, match="holds thesis.tex and is not treadle"):
         prepare([str(tmp_path / "a.txt")], other, small_tok, workers=1, overwrite=True)
     assert (other / "thesis.tex").read_text() == "years of work"
+
+
+def test_overwrite_replaces_only_what_prepare_wrote(tmp_path, small_tok):
+    """The marker lists every file prepare wrote; a file added since (or a shard dir without the marker
+    holding other files) keeps --overwrite from deleting anything."""
+    (tmp_path / "a.txt").write_text("first = 1\n")
+    out = tmp_path / "out"
+    prepare([str(tmp_path / "a.txt")], out, small_tok, workers=1)
+    marker = json.loads((out / ".treadle.json").read_text())
+    assert marker["written_by"] == "treadle prepare" and marker["kind"] == "shards"
+    assert sorted(marker["files"]) == ["meta.json", "offsets.npy", "tokens.bin"]
+    assert marker["files"]["tokens.bin"] == (out / "tokens.bin").stat().st_size
+
+    (out / "thesis.txt").write_text("mine")  # meta.json is still there: the old rule wiped this directory
+    before = _snapshot(out)
+    with pytest.raises(UserError, match="holds thesis.txt, which treadle did not write"):
+        prepare([str(tmp_path / "a.txt")], out, small_tok, workers=1, overwrite=True)
+    assert _snapshot(out) == before
+    (out / "thesis.txt").unlink()
+
+    # A shard directory from before the marker (shard files only) is still treadle's own.
+    (out / ".treadle.json").unlink()
+    prepare([str(tmp_path / "a.txt")], out, small_tok, workers=1, overwrite=True)
+    assert (out / ".treadle.json").is_file()
+    # A file where a directory goes: refused, kept, no hidden copy beside it.
+    thesis = tmp_path / "thesis.txt"
+    thesis.write_text("mine")
+    with pytest.raises(UserError, match="is a file"):
+        prepare([str(tmp_path / "a.txt")], thesis, small_tok, workers=1, overwrite=True)
+    assert thesis.read_text() == "mine" and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_inputs_that_match_nothing(tmp_path, small_tok):

@@ -1,6 +1,7 @@
 """End to end on small real data: train, checkpoint, resume bit for bit, export, errors."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -105,6 +106,42 @@ def test_export_matches_trained_model_and_cli_export(shards, tmp_path):
     assert main(["export", str(run / "checkpoints" / "step_3"), "--to", "hf", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
     w = load_file(tmp_path / "bf16" / "model.safetensors")
     assert all(v.dtype == torch.bfloat16 for v in w.values())
+
+
+def _modes(directory):
+    return {p.name: oct(p.stat().st_mode & 0o777) for p in directory.iterdir()}
+
+
+def test_export_records_its_dtype_and_replaces_only_its_own_output(shards, tmp_path):
+    """Hole 9: config.json said float32 over bf16 weights, and model.safetensors was 0600; hole 1: the marker
+    makes treadle's own export replaceable, and only that."""
+    run = tmp_path / "run"
+    assert main(args(shards, run, "--train.max_steps=2")) == 0
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert set(_modes(run / "hf").values()) == {oct(0o666 & ~umask)}  # the run's own export too
+    out = tmp_path / "out"
+    for dtype, expected in (("bf16", torch.bfloat16), ("fp16", torch.float16), (None, torch.float32)):
+        flags = ["--dtype", dtype] if dtype else []
+        assert main(["export", str(run), str(out), *flags]) == 0  # the second and third replace the first
+        assert json.loads((out / "config.json").read_text())["dtype"] == str(expected).removeprefix("torch.")
+        model = AutoModelForCausalLM.from_pretrained(out)
+        assert {p.dtype for p in model.parameters()} == {expected}
+    marker = json.loads((out / ".treadle.json").read_text())
+    assert marker["written_by"] == "treadle export" and marker["kind"] == "export"
+    assert set(marker["files"]) == {p.name for p in out.iterdir()} - {".treadle.json"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".old-", ".tmp-"))]
+    # An export from before the marker (export files only) is treadle's own too: a resumed old run re-exports.
+    (run / "hf" / ".treadle.json").unlink()
+    assert main(["train", str(run / "config.toml"), "--train.max_steps=3", "--checkpoint.allow_schedule_change=true"]) == 0
+    assert json.loads((run / "hf" / ".treadle.json").read_text())["written_by"] == "treadle train"
+
+    old = os.umask(0o027)
+    try:
+        assert main(["export", str(run), str(out)]) == 0
+    finally:
+        os.umask(old)
+    assert set(_modes(out).values()) == {"0o640"}  # every file follows the umask, the weights too
 
 
 def test_logits_of_exported_model_equal_the_trained_model(shards, tmp_path):

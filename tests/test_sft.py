@@ -298,6 +298,18 @@ def test_samples_cli(tmp_path, capsys):
     assert [line.split()[0] for line in lines] == ["chat", "pairs", "text", "prompts"]
     assert all(" 5 rows -> " in line for line in lines)
 
+    # Its own earlier files are replaced; the user's other files in --out are left alone.
+    (tmp_path / "mine.jsonl").write_text("{}\n")
+    assert samples.run(parser.parse_args(["--out", str(tmp_path), "--n", "3"])) == 0
+    assert " 3 rows -> " in capsys.readouterr().out and (tmp_path / "mine.jsonl").read_text() == "{}\n"
+    marker = json.loads((tmp_path / ".treadle.json").read_text())
+    assert marker["kind"] == "samples" and sorted(marker["files"]) == ["chat.jsonl", "pairs.jsonl", "prompts.jsonl",
+                                                                      "text.jsonl"]
+    # A file of its own that the user has since edited is theirs.
+    with open(tmp_path / "chat.jsonl", "a") as f:
+        f.write('{"messages": []}\n')
+    with pytest.raises(UserError, match="chat.jsonl: is a file that is not treadle"):
+        samples.run(parser.parse_args(["--out", str(tmp_path), "--n", "3"]))
 
 # --------------------------------------------------------------------------- special-token text in content (hole 10b)
 

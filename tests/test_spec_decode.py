@@ -289,6 +289,13 @@ def test_spec_eval_writes_json(run_dir, tmp_path, capsys, monkeypatch):
     assert r["lossless"] is True and r["gamma"] == 4 and r["num_prompts"] == 2 and r["drafter"] == "prompt-lookup"
     assert r["tau"] == pytest.approx(1 + sum(r["acceptance_unconditional"]))
     assert r["tokens_per_s_spec"] > 0 and r["tokens_per_s_target"] > 0
+    assert r["written_by"] == "treadle spec-eval"  # what lets a later --json replace it
+    # Rerunning over its own result replaces it (make demo does), as it does a result from before written_by.
+    del r["written_by"]
+    out.write_text(json.dumps(r))
+    assert spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--num-prompts", "1", "--prompt-len", "16",
+                     "--max-new-tokens", "4", "--json", str(out)) == 0
+    assert json.loads(out.read_text())["num_prompts"] == 1
 
 
 def test_spec_eval_model_draft_and_prompts_file(run_dir, tmp_path):

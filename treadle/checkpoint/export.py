@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import shutil
 import uuid
@@ -14,21 +15,42 @@ from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from treadle.errors import UserError
-from treadle.fsutil import replace_dir
+from treadle.fsutil import claim_output, default_modes, replace_dir, write_marker
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KIND = "export"  # the marker's kind: hf and draft exports may replace each other, nothing else
+# What an export held before exports carried a marker (treadle 0.1.0's own runs): recognized by its file names.
+_EXPORT_FILES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+                 "draft_model_weights.pth", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja")
+
+
+def unmarked_export(path: Path) -> bool:
+    """An export written before exports carried a marker: a directory of export files only, config.json among them."""
+    names = [p.name for p in path.iterdir()] if path.is_dir() else []
+    return ("config.json" in names and all(any(fnmatch.fnmatchcase(n, pattern) for pattern in _EXPORT_FILES)
+                                           for n in names))
+
+
+def claim_export(out: Path, flag: str = "OUT") -> None:
+    """Refuse an ``out`` holding anything but treadle's own earlier export (see ``claim_output``)."""
+    claim_output(Path(out), flag, KIND, ours=unmarked_export)
 
 
 @contextlib.contextmanager
-def atomic_directory(out: Path) -> Iterator[Path]:
+def atomic_directory(out: Path, command: str) -> Iterator[Path]:
     """Yield a temporary sibling of ``out`` to fill; it replaces ``out`` only if the block succeeds.
 
-    A reader sees the old directory or the new one, never half of one.
+    A reader sees the old directory or the new one, never half of one; ``out`` is replaced only when it
+    holds treadle's own earlier export, and the new one gets the marker that says so.
     """
+    claim_export(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
     try:
         yield tmp
+        default_modes(tmp)
+        write_marker(tmp, KIND, command)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -36,7 +58,7 @@ def atomic_directory(out: Path) -> Iterator[Path]:
 
 
 def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | None, out: Path,
-              dtype: str = "fp32", enabled: bool = True) -> Path:
+              dtype: str = "fp32", enabled: bool = True, command: str = "train") -> Path:
     out = Path(out)
     if not enabled:
         return out
@@ -44,12 +66,16 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
         raise UserError(f"export dtype {dtype!r} is unknown; accepted: {', '.join(DTYPES)}")
     state_dict = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in state_dict.items()}
     hf_logging.disable_progress_bar()  # one shard of a small model: a bar is noise in the run's output
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, command) as tmp:
         # Training disables the KV cache for packed sequences; an exported model is for inference.
         saved = model.config.use_cache, model.config.dtype
-        model.config.use_cache, model.config.dtype = True, DTYPES[dtype]
+        model.config.use_cache = True
         try:
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            # save_pretrained records the dtype of the model's parameters, not of the state dict it wrote;
+            # from_pretrained loads in the recorded one (transformers 5: "dtype" in config.json).
+            model.config.dtype = DTYPES[dtype]
+            model.config.save_pretrained(tmp)
         finally:
             model.config.use_cache, model.config.dtype = saved
         if tokenizer_dir is not None:
@@ -57,7 +83,8 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
     return out
 
 
-def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity: dict, cfg, step: int | None = None) -> Path:
+def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity: dict, cfg, step: int | None = None,
+                 command: str = "train") -> Path:
     """The draft alone, in two forms, with what it needs to find its target again.
 
     ``model.safetensors`` + ``config.json`` (draft kind, hyper-parameters, the target's
@@ -81,7 +108,7 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
         "training": {**cfg.model_dump(mode="json"), "step": step},
     }
     out = Path(out)
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, command) as tmp:
         tmp.mkdir()
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         torch.save(weights, tmp / "draft_model_weights.pth")
@@ -102,6 +129,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
     from treadle.config import load_config
     from treadle.models.hf import build_model
 
+    claim_export(out)  # before the checkpoint is read: a refusal costs nothing
     # Read-only (a live run's temporaries are not ours to touch); it inspects the checkpoint it returns, which
     # vets every pickle of a DeepSpeed checkpoint before checkpoint_weights hands the directory to DeepSpeed.
     ckpt = checkpoint_at(Path(source), f"treadle export SOURCE {str(source)!r}")
@@ -134,6 +162,8 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
         safe_dcp_load(state, ckpt / "state", ckpt)
     module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()})
     if cfg.draft.kind:
-        return export_draft(model, model.state_dict(), out, target_dir, identity, cfg.draft, step=train_state["train"]["step"])
+        return export_draft(model, model.state_dict(), out, target_dir, identity, cfg.draft,
+                            step=train_state["train"]["step"], command="export")
     tokenizer = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
-    return export_hf(model, model.state_dict(), tokenizer if tokenizer and tokenizer.is_dir() else None, out, dtype=dtype)
+    return export_hf(model, model.state_dict(), tokenizer if tokenizer and tokenizer.is_dir() else None, out,
+                     dtype=dtype, command="export")

@@ -34,15 +34,22 @@ changes the padding around a row and so its floating-point rounding, which can
 flip a near-tie: compare runs with the same flags.
 
 Resumption and accounting. Every batch's rows are appended in one write,
-flushed and fsynced. On start, the rows already in ``--out`` are "skipped"; a
-torn last line (an interrupted write: no newline at the end, or not JSON) is cut
-off first. Rows that cannot be generated (not JSON, not an object, rejected by
-``encode_prompt``, a prompt longer than ``--max-prompt-tokens``, or an exception
-while generating it alone, after its batch failed and was retried row by row)
-are "failed" and listed in ``<out>.failed.jsonl`` ({"index", "line", "reason"}),
-rewritten by every run (removed when a run has none). One summary line says
-where every row went: succeeded + failed + skipped (+ not reached, when
-interrupted) == input rows.
+flushed and fsynced. Before the first one, the flags that shape a row (the
+model's fingerprint, ``--max-new-tokens``, ``--temperature``, ``--top-p``,
+``--seed``, ``--chat-template``, ``--max-prompt-tokens``; not ``--batch-size``
+or ``--device``, which change rounding, not the distribution, and a resume
+after running out of memory must be able to lower the batch) are recorded in
+``<out>.settings.json``. A run over an out file that holds rows refuses other
+flags (each named, old -> new), and refuses an out file (or a file beside it)
+that treadle generate did not write. On start, the rows already in ``--out``
+are "skipped"; a torn last line (an interrupted write: no newline at the end,
+or not JSON) is cut off first. Rows that cannot be generated (not JSON, not an
+object, rejected by ``encode_prompt``, a prompt longer than
+``--max-prompt-tokens``, or an exception while generating it alone, after its
+batch failed and was retried row by row) are "failed" and listed in
+``<out>.failed.jsonl`` ({"index", "line", "reason"}), rewritten by every run
+(removed when a run has none). One summary line says where every row went:
+succeeded + failed + skipped (+ not reached, when interrupted) == input rows.
 
 Exit codes: 0 every row succeeded or was skipped; 1 some rows failed (the rest
 are written); 2 bad input (nothing written); 130 interrupted by SIGINT /
@@ -76,12 +83,16 @@ from transformers import (
 from treadle.data.generation_files import (
     Row,
     append_rows,
+    check_settings,
+    claim_out,
     cut_torn_line,
     encode_rows,
+    failures_path,
     output_row,
     read_rows,
     scan_out,
     write_failures,
+    write_settings,
 )
 from treadle.errors import UserError, first_line
 
@@ -374,6 +385,15 @@ def _end_tokens(tokenizer, model) -> list[int]:
     return ids
 
 
+def _recorded_flags(args: argparse.Namespace, model_dir: Path) -> dict:
+    """What shapes every row (``generation_files.FLAGS``), as recorded beside the out file."""
+    from treadle.models.hf import model_fingerprint
+
+    return {"model": model_fingerprint(model_dir), "model_dir": str(model_dir.absolute()),
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "seed": args.seed, "chat_template": args.chat_template, "max_prompt_tokens": args.max_prompt_tokens}
+
+
 def run(args: argparse.Namespace) -> int:
     """The generate command; the exit code is ``GenerateReport.exit_code``."""
     report = generate(args)
@@ -389,9 +409,12 @@ def generate(args: argparse.Namespace) -> GenerateReport:
     from treadle.models.hf import load_causal_lm, resolve_model_dir
 
     _check_args(args)
+    recorded = claim_out(args.out)
     rows = read_rows(args.prompts)
     done, torn_at = scan_out(args.out, rows, args.prompts)
     model_dir = resolve_model_dir(args.model, "--model")
+    settings_now = _recorded_flags(args, model_dir)
+    check_settings(args.out, recorded, settings_now)
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, "--model")
     limit, limit_why = _prompt_limit(args, model)
@@ -407,7 +430,9 @@ def generate(args: argparse.Namespace) -> GenerateReport:
     model.generation_config = GenerationConfig()  # the model's own defaults would reshape its distribution
     settings = _Settings(args.max_new_tokens, args.temperature, args.top_p, args.seed, pad_id, eos_ids, device)
 
-    # Everything is checked: from here on the out file may change.
+    # Everything is checked: from here on the out file may change, and the settings go first.
+    if settings_now != recorded:
+        write_settings(args.out, settings_now)
     report = GenerateReport(total=len(rows), out=args.out)
     if torn_at is not None:
         report.torn_bytes = cut_torn_line(args.out, torn_at)
@@ -424,5 +449,5 @@ def generate(args: argparse.Namespace) -> GenerateReport:
     # Every row is succeeded, failed, skipped or, only after a stop, not reached.
     report.not_reached = report.total - report.succeeded - report.failed - report.skipped
     assert report.interrupted or report.not_reached == 0, report
-    report.failed_path = write_failures(Path(f"{args.out}.failed.jsonl"), [r for r in rows if r.index not in done])
+    report.failed_path = write_failures(failures_path(args.out), [r for r in rows if r.index not in done])
     return report

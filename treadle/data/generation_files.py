@@ -1,5 +1,6 @@
 """The files of ``treadle generate``: the prompts file read into rows, the out file scanned on resume
-(a torn last line cut, rows matched to their prompts), batches appended durably, and the failures file.
+(a torn last line cut, rows matched to their prompts), batches appended durably, the failures file, and
+the settings file that records the flags the out file was generated with.
 The formats are described in ``treadle.data.generate``'s docstring."""
 
 from __future__ import annotations
@@ -11,6 +12,15 @@ from pathlib import Path
 
 from treadle.data.jsonl import numbered_lines
 from treadle.errors import UserError
+from treadle.fsutil import claim_output, write_atomic
+
+WRITTEN_BY = "treadle generate"
+# The flags that shape a row (the settings file's keys): continuing an out file with others would mix two
+# distributions in one file. --batch-size and --device are not among them: they change floating-point
+# rounding, not what is sampled, and a resume after running out of memory must be able to lower the batch.
+FLAGS = {"model": "--model", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+         "top_p": "--top-p", "seed": "--seed", "chat_template": "--chat-template",
+         "max_prompt_tokens": "--max-prompt-tokens"}
 
 
 # --------------------------------------------------------------------------- input rows
@@ -90,7 +100,56 @@ def output_row(row: Row, text: str, finish: str) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- the out file
+# --------------------------------------------------------------------------- the out file and the files beside it
+
+
+def settings_path(out: Path) -> Path:
+    return out.with_name(out.name + ".settings.json")
+
+
+def failures_path(out: Path) -> Path:
+    return out.with_name(out.name + ".failed.jsonl")
+
+
+def read_settings(out: Path) -> dict | None:
+    """The flags recorded beside ``out`` by an earlier run, or None (no settings file, or not ours)."""
+    try:
+        record = json.loads(settings_path(out).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and record.get("written_by") == WRITTEN_BY and isinstance(record.get("settings"), dict)
+    return record["settings"] if ok else None
+
+
+def claim_out(out: Path) -> dict | None:
+    """Refuse an ``out`` (or a file beside it) that an earlier treadle generate did not write; return the
+    settings that run recorded. An out file is continued, a failures file rewritten, only when they are ours."""
+    recorded = read_settings(out)
+    for path in (settings_path(out), out, failures_path(out)):
+        claim_output(path, "--out", "generate", ours=lambda _: recorded is not None, file=True)
+    return recorded
+
+
+def _shown(key: str, settings: dict) -> str:
+    if key == "model":
+        return f"{settings.get('model_dir')} (fingerprint {settings.get('model')})"
+    return json.dumps(settings.get(key))
+
+
+def check_settings(out: Path, recorded: dict | None, current: dict) -> None:
+    """Refuse to continue an out file that holds rows with flags other than those it was generated with."""
+    if recorded is None or not out.exists() or out.stat().st_size == 0:
+        return
+    changed = [key for key in FLAGS if recorded.get(key) != current[key]]
+    if changed:
+        what = ", ".join(f"{FLAGS[k]} {_shown(k, recorded)} -> {_shown(k, current)}" for k in changed)
+        raise UserError(f"--out {out} was generated with other flags ({what}, recorded in "
+                        f"{settings_path(out).name}); continuing would mix two settings in one file: "
+                        "pass the recorded flags to continue it, or choose a new --out")
+
+
+def write_settings(out: Path, settings: dict) -> None:
+    write_atomic(settings_path(out), json.dumps({"written_by": WRITTEN_BY, "settings": settings}, indent=2) + "\n")
 
 
 def same_source(done: dict, row: Row) -> bool:
@@ -183,11 +242,5 @@ def write_failures(path: Path, rows: list[Row]) -> Path | None:
     if not failed:
         path.unlink(missing_ok=True)
         return None
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in failed:
-            f.write(json_line({"index": r.index, "line": r.line, "reason": r.reason}))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json_line({"index": r.index, "line": r.line, "reason": r.reason}) for r in failed))
     return path

@@ -48,9 +48,9 @@ from pathlib import Path
 import numpy as np
 
 from treadle.data.jsonl import not_utf8, numbered_lines
-from treadle.data.shards import FORMAT_VERSION, token_dtype
+from treadle.data.shards import FORMAT_VERSION, KIND, token_dtype, unmarked_shard_dir
 from treadle.errors import UserError
-from treadle.fsutil import fsync_tree, replace_dir
+from treadle.fsutil import claim_output, fsync_tree, replace_dir, write_marker
 
 log = logging.getLogger(__name__)
 
@@ -220,14 +220,11 @@ def _tokenize_chunk(files: list[str], text_field: str, eos_id: int | None, vocab
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out}: exists and is not a directory (expected a new or empty directory)")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise UserError(f"--out {out}: directory exists and is not empty (pass --overwrite to replace it)")
-        if not (out / "meta.json").is_file():
-            # --overwrite replaces an earlier prepare output, never an arbitrary directory.
-            raise UserError(f"--out {out}: refusing to overwrite a directory that is not a shard directory (no meta.json)")
+    """Only treadle's own shard directory may be replaced, and only with --overwrite: runs may be reading it."""
+    claim_output(out, "--out", KIND, ours=unmarked_shard_dir)
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"--out {out}: directory exists and is not empty: it holds an earlier treadle prepare "
+                        "output (pass --overwrite to replace it)")
 
 
 def _declared_eos(tokenizer_dir: Path) -> str | None:
@@ -360,6 +357,7 @@ def prepare(
             "text_field": text_field,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        write_marker(tmp, KIND, "prepare")
         fsync_tree(tmp)
         try:
             replace_dir(tmp, out)  # --overwrite was checked earlier; the old output is never half-replaced
@@ -381,7 +379,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hugging Face tokenizer directory, or 'builtin' for treadle's own (default)")
     parser.add_argument("--text-field", default="text", help="JSONL field holding the document text (default: text)")
     parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: min(4, cpus))")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing shard directory at --out")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the shard directory an earlier treadle prepare wrote at --out (never anything else)")
     parser.add_argument("--no-eos", dest="append_eos", action="store_false", help="do not append eos after each document")
 
 

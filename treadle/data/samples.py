@@ -26,7 +26,6 @@ import argparse
 import ast
 import hashlib
 import json
-import os
 import random
 import re
 import textwrap
@@ -37,9 +36,10 @@ from typing import Iterator
 
 from treadle.corpus import EOS_TOKEN, corpus_files, split_of
 from treadle.errors import UserError
-from treadle.fsutil import fsync
+from treadle.fsutil import claim_output, read_marker, write_atomic, write_marker
 
 NAMES = ("chat", "pairs", "text", "prompts")
+KIND = "samples"  # the marker's kind: the files treadle samples wrote into --out
 SYSTEM_PROMPT = "You write Python."
 MAX_FUNCTION_CHARS = 1500
 MAX_TEXT_ROWS = 300  # whole modules are big: a few hundred are plenty for a demo
@@ -215,22 +215,26 @@ def _prompt_rows(val: list[tuple[str, Path]], n: int) -> list[dict]:
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
+def _check_out(out_dir: Path) -> None:
+    """``out_dir`` may hold anything; only the files samples writes must be absent or its own earlier ones."""
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        raise UserError(f"--out {out_dir}: not a directory (expected a new or existing directory)")
+    other = read_marker(out_dir)
+    if other is not None and other["kind"] != KIND:  # its marker would be replaced by ours
+        raise UserError(f"--out {out_dir}: holds treadle's {other['kind']} output; choose another directory")
+    for name in NAMES:
+        claim_output(out_dir / f"{name}.jsonl", "--out", KIND, file=True)
 
 
 def write_samples(out_dir: Path, n: int = 2000, seed: int = 0) -> dict[str, Path]:
     """Write chat/pairs/text/prompts JSONL files (at most ``n`` rows each) into ``out_dir``."""
     if n < 1:
         raise UserError(f"samples: n must be at least 1, got {n}")
+    out_dir = Path(out_dir)
+    _check_out(out_dir)
     files = corpus_files()
     train = _shuffled([(r, p) for r, p in files if split_of(r) == "train" and not _is_test_file(r)], seed)
     val = _shuffled([(r, p) for r, p in files if split_of(r) == "val"], seed)
@@ -238,13 +242,12 @@ def write_samples(out_dir: Path, n: int = 2000, seed: int = 0) -> dict[str, Path
     chat, pairs = _sft_rows(train, n, seed)
     rows = {"chat": chat, "pairs": pairs, "text": _text_rows(train, n), "prompts": _prompt_rows(val, n)}
 
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name in NAMES:
         paths[name] = out_dir / f"{name}.jsonl"
         _write_jsonl(paths[name], rows[name])
-    fsync(out_dir)  # make the renames durable
+    write_marker(out_dir, KIND, "samples", [p.name for p in paths.values()])  # these four, not the rest of out_dir
     return paths
 
 

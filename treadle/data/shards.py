@@ -29,6 +29,8 @@ from treadle.fsutil import fsync_tree
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 FORMAT_VERSION = 1
+KIND = "shards"  # the kind in the marker of a shard directory treadle prepared
+FILES = ("tokens.bin", "offsets.npy", "loss_mask.bin", "meta.json")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -96,6 +98,16 @@ def read_meta(directory: Path) -> dict:
         raise UserError(f"{meta_file}: format_version {meta['format_version']} is not one this treadle reads "
                         f"({FORMAT_VERSION}); re-run `treadle prepare` with this version")
     return meta
+
+
+def unmarked_shard_dir(path: Path) -> bool:
+    """A shard directory written before they carried a marker: shard files only, meta.json with a format version."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        names = [p.name for p in path.iterdir()]
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "format_version" in meta and all(n in FILES for n in names)
 
 
 class Shard:

@@ -7,6 +7,7 @@ Models know nothing about parallelism or the loop: this module only turns a
 
 from __future__ import annotations
 
+import hashlib
 import json
 from importlib import resources
 from pathlib import Path
@@ -60,6 +61,25 @@ def resolve_model_dir(path: Path, key: str) -> Path:
             return candidate
     raise UserError(f"{key} {path} is neither a Hugging Face model directory (config.json) nor a treadle run "
                     "directory with an exported hf/; accepted: e.g. runs/demo or runs/demo/hf")
+
+
+_SAMPLE = 1 << 20
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Which model a directory holds, cheaply: a hash over each file's name and size, small files whole
+    (config, tokenizer), big ones (weights) by their first and last MiB, which tells other or retrained
+    weights apart without reading gigabytes. Hidden files (treadle's marker) do not count."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(model_dir).iterdir() if p.is_file() and not p.name.startswith(".")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(_SAMPLE))
+            if size > 2 * _SAMPLE:
+                f.seek(-_SAMPLE, 2)
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def load_causal_lm(path: Path, key: str) -> PreTrainedModel:

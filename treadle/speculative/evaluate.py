@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from treadle.errors import UserError, first_line
+from treadle.fsutil import claim_output, write_atomic
 from treadle.models.glide import load_glide, read_draft_config
 from treadle.models.hf import load_causal_lm, resolve_model_dir
 from treadle.speculative.decode import Drafter, speculative_generate, summarize, target_generate
@@ -23,6 +24,8 @@ from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
 from treadle.speculative.prompts import heldout_prompts, load_prompts_jsonl
 
 _WARMUP_TOKENS = 4
+WRITTEN_BY = "treadle spec-eval"
+_RESULT_KEYS = {"drafter", "tau", "lossless", "speedup"}  # a result written before it carried WRITTEN_BY
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +152,17 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--threads {args.threads}: must be >= 0 (0 = torch's default)")
     if args.json is not None and not args.json.parent.is_dir():
         raise UserError(f"--json {args.json}: directory {args.json.parent} does not exist")
+    if args.json is not None:
+        claim_output(args.json, "--json", "spec-eval", ours=is_spec_eval_json, file=True)
+
+
+def is_spec_eval_json(path: Path) -> bool:
+    """Whether ``path`` holds an earlier spec-eval result (which --json may replace)."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and (obj.get("written_by") == WRITTEN_BY or _RESULT_KEYS <= obj.keys())
 
 
 def _rate(value: float | None) -> str:
@@ -202,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     result["target"] = str(target_dir)
     _print_report(result, target_dir)
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_atomic(args.json, json.dumps({"written_by": WRITTEN_BY, **result}, indent=2) + "\n")
     for m in result["mismatches"]:
         print(f"treadle: not lossless: prompt {m['prompt']} differs from the target's greedy output "
               f"at generated token {m['position']}", file=sys.stderr)
