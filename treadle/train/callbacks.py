@@ -194,7 +194,6 @@ class ExportCallback(Callback):
     """At the end, a Hugging Face model directory that ``from_pretrained`` loads."""
 
     def __init__(self, out_dir, tokenizer_dir):
-        claim_run_export(out_dir)
         self.out_dir = out_dir
         self.tokenizer_dir = tokenizer_dir
 
@@ -203,12 +202,3 @@ class ExportCallback(Callback):
 
         export_hf(trainer.engine.module, trainer.engine.export_state_dict(), self.tokenizer_dir, self.out_dir,
                   enabled=trainer.engine.rank == 0)
-
-
-def claim_run_export(out_dir) -> None:
-    """Refuse a run whose export directory holds what treadle did not write, when its export callback is
-    built (before the run's first write), not after all the training (rank 0 looks; every rank raises)."""
-    from treadle.checkpoint.export import claim_export
-    from treadle.distributed import on_main
-
-    on_main(claim_export, out_dir, "the run's export")

@@ -19,7 +19,7 @@ from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
 from treadle.models.glide import anchored_positions
 from treadle.speculative.acceptance import chain_acceptance
-from treadle.train.callbacks import Callback, EvalCallback, claim_run_export
+from treadle.train.callbacks import Callback, EvalCallback
 from treadle.train.step import Batch, row_cross_entropy
 
 if TYPE_CHECKING:
@@ -123,7 +123,6 @@ class DraftExportCallback(Callback):
     """At the end, the draft alone: ``<output_dir>/draft`` (see ``export_draft``)."""
 
     def __init__(self, out_dir: Path, target_dir: Path, identity: dict, cfg: DraftConfig):
-        claim_run_export(out_dir)
         self.out_dir, self.target_dir, self.identity, self.cfg = out_dir, target_dir, identity, cfg
 
     def on_train_end(self, trainer: Trainer) -> None:

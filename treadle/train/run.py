@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from treadle import distributed
+from treadle.checkpoint.export import claim_export
 from treadle.checkpoint.manager import CheckpointManager
 from treadle.config import Config, SourceConfig, parse_duration
 from treadle.data.loader import StepLoader, check_token_ids, eval_batches
@@ -200,6 +201,8 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
             "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_fingerprint": train_ds.tokenizer_fingerprint}
     setup = _draft_setup(cfg, data, meta) if cfg.draft.kind else _model_setup(cfg, data, meta)
     resume = distributed.on_main(check_resume, cfg, out, resume_from, checkpoints, meta)
+    if cfg.checkpoint.export_hf:  # a user's files in <output_dir>/hf are refused now, not after the training
+        distributed.on_main(claim_export, setup.export.out_dir, "the run's export")
     distributed.on_main(prepare_output_dir, out, cfg, checkpoints)  # the first write: every input above is valid
     if resume is not None and resume.rollback:  # asked for with checkpoint.allow_rollback
         checkpoints.roll_back_to(resume.checkpoint, resume.rollback)
