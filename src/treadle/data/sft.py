@@ -29,19 +29,22 @@ chosen by ``template``:
 
 The built-in template renders each message as ``<|ROLE|>\\n`` + content + end,
 where end is the eos token for an assistant message and ``\\n`` for the others
-(see ``describe_builtin_template``). Every piece is encoded separately, so each
-mask is exact at token level; the generation prompt is ``<|assistant|>\\n``.
-With treadle's built-in tokenizer the role markers are plain text (its only
-special token is ``<|endoftext|>``, the eos).
+(see ``describe_builtin_template``); the generation prompt is ``<|assistant|>\\n``.
+It is a Jinja chat template (``BUILTIN_CHAT_TEMPLATE``), rendered and tokenized like
+a tokenizer's own, so an exported tokenizer that carries it (``chat_template_used``)
+gives ``apply_chat_template`` exactly the ids training saw. With treadle's built-in
+tokenizer the role markers are plain text (its only special token is
+``<|endoftext|>``, the eos).
 
 **Special-token text in content is plain text.** A message, prompt or completion
 that contains the text of a special token (``<|endoftext|>``, a template's
 ``<|im_end|>``) is encoded as the ordinary characters of that text, never as the
 control token: user data cannot end an answer or open a turn. The template's own
 markup keeps its special tokens (``encode_text`` for content, ``_encode_rendering``
-for a chat template's rendering).
+for a template's rendering). (``apply_chat_template`` itself matches such text as
+the control token: only there can its ids differ from training's.)
 
-With a tokenizer's chat template, the whole conversation is rendered to text
+With either template, the whole conversation is rendered to text
 with ``apply_chat_template`` and tokenized once. The character span of
 assistant message ``i`` runs from the end of the rendering of messages
 ``[:i]`` *with* the generation prompt (so the assistant header is outside it)
@@ -67,8 +70,17 @@ BUILTIN_TEMPLATE_NAME = "builtin"
 AUTO_TEMPLATE_NAME = "auto"
 ROLES = ("system", "user", "assistant")
 
-_HEADER = "<|{role}|>\n"
-_END_OF_MESSAGE = "\n"  # non-assistant messages; assistant messages end with eos
+# The built-in template, as Jinja so that an export can carry it (tokenizer_config / chat_template.jinja) and
+# transformers, vLLM or TGI render exactly what training saw. Whitespace control ("-") everywhere: the text is
+# only what the expressions print, whatever the Jinja environment's trim settings.
+BUILTIN_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|' + message['role'] + '|>\\n' + message['content'] -}}"
+    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- else -%}{{- '\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
+)
+_BUILTIN_GENERATION_PROMPT = "<|assistant|>\n"
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -184,10 +196,15 @@ def _use_builtin(tokenizer, template: str) -> bool:
     raise ValueError(f"unknown chat template {template!r}: expected '{AUTO_TEMPLATE_NAME}' or '{BUILTIN_TEMPLATE_NAME}'")
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    """Ids of template markup: its special-token text ("<|im_start|>") becomes the special token."""
-    # No BOS/EOS added by the tokenizer: every piece is placed exactly where the template says.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+def _jinja(tokenizer, template: str) -> str:
+    """The Jinja text conversations are rendered with under ``data.chat_template = template``."""
+    return BUILTIN_CHAT_TEMPLATE if _use_builtin(tokenizer, template) else tokenizer.chat_template
+
+
+def chat_template_used(tokenizer, template: str) -> str | None:
+    """The chat template an export must add to ``tokenizer`` so that it renders conversations as training did:
+    the built-in one when training used it, else None (the tokenizer's own template travels with it)."""
+    return BUILTIN_CHAT_TEMPLATE if _use_builtin(tokenizer, template) else None
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -219,19 +236,17 @@ def _messages(row: dict) -> list[dict[str, str]]:
 
 def encode_sft(tokenizer, row: dict, template: str = AUTO_TEMPLATE_NAME) -> tuple[list[int], list[int]]:
     """(ids, mask) for one SFT row; ``ValueError(reason)`` for a row that cannot be used."""
-    builtin = _use_builtin(tokenizer, template)
+    jinja = _jinja(tokenizer, template)
     _checked(row)
     if row_kind(row) == "prompt_completion":
         return _encode_prompt_completion(tokenizer, row["prompt"], row["completion"])
-    if builtin:
-        return _encode_builtin(tokenizer, _messages(row))
-    return _encode_chat_template(tokenizer, _messages(row))
+    return _encode_chat_template(tokenizer, jinja, _messages(row))
 
 
 def encode_prompt(tokenizer, row: dict, template: str = AUTO_TEMPLATE_NAME) -> list[int]:
     """Ids for generation: a row's prompt, or its conversation before the trailing assistant
     message(s) plus the assistant header. ``ValueError(reason)`` for an unusable row."""
-    builtin = _use_builtin(tokenizer, template)
+    jinja = _jinja(tokenizer, template)
     if not isinstance(row, dict):
         raise ValueError("row is not a JSON object")
     if "messages" not in row:
@@ -249,11 +264,8 @@ def encode_prompt(tokenizer, row: dict, template: str = AUTO_TEMPLATE_NAME) -> l
         messages.pop()
     if not messages:
         raise ValueError("nothing before the assistant's answer to use as a prompt")
-    if builtin:
-        ids, _ = _encode_builtin(tokenizer, messages)
-        return ids + _encode(tokenizer, _HEADER.format(role="assistant"))
-    text = _render(tokenizer, messages, add_generation_prompt=True)
-    return _encode_rendering(tokenizer, messages, text, add_generation_prompt=True)[0]
+    text = _render(tokenizer, jinja, messages, add_generation_prompt=True)
+    return _encode_rendering(tokenizer, jinja, messages, text, add_generation_prompt=True)[0]
 
 
 def _encode_prompt_completion(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
@@ -262,27 +274,10 @@ def _encode_prompt_completion(tokenizer, prompt: str, completion: str) -> tuple[
     return prompt_ids + target_ids, [0] * len(prompt_ids) + [1] * len(target_ids)
 
 
-def _encode_builtin(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    ids: list[int] = []
-    mask: list[int] = []
-
-    def add(piece_ids: list[int], target: int) -> None:
-        ids.extend(piece_ids)
-        mask.extend([target] * len(piece_ids))
-
-    for m in messages:
-        add(_encode(tokenizer, _HEADER.format(role=m["role"])), 0)
-        if m["role"] == "assistant":
-            # The eos teaches the model where its answer stops, so it is a target too.
-            add(encode_text(tokenizer, m["content"]) + [_eos_id(tokenizer)], 1)
-        else:
-            add(encode_text(tokenizer, m["content"] + _END_OF_MESSAGE), 0)
-    return ids, mask
-
-
-def _render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+def _render(tokenizer, jinja: str, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, chat_template=jinja, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja errors: templates often raise on shapes they do not support
         raise ValueError(f"the tokenizer's chat template cannot render this conversation ({first_line(e)})") from None
     if not isinstance(text, str):  # a batch (list) would mean we passed the wrong shape
@@ -297,18 +292,21 @@ def _not_prefix(what: str) -> ValueError:
     )
 
 
-def _assistant_spans(tokenizer, messages: list[dict[str, str]], full: str) -> list[tuple[int, int]]:
+def _assistant_spans(tokenizer, jinja: str, messages: list[dict[str, str]], full: str) -> list[tuple[int, int]]:
     """Character spans [start, end) of each assistant turn (content + end-of-turn markup) in ``full``."""
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        if i == 0:
+        if i > 0:
+            before = _render(tokenizer, jinja, messages[:i], add_generation_prompt=True)
+        elif jinja == BUILTIN_CHAT_TEMPLATE:
+            before = _BUILTIN_GENERATION_PROMPT  # transformers refuses to render zero messages
+        else:
             # There is no rendering of zero messages to find where the header ends.
             raise ValueError("the conversation starts with an assistant message, which the tokenizer's chat "
                              f"template cannot locate; set data.chat_template = \"{BUILTIN_TEMPLATE_NAME}\" or add a user message")
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = full if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1])
+        upto = full if i == len(messages) - 1 else _render(tokenizer, jinja, messages[: i + 1])
         if not full.startswith(upto):
             raise _not_prefix(f"messages 1..{i + 1} do not render as a prefix of the whole conversation")
         if not upto.startswith(before):
@@ -317,10 +315,10 @@ def _assistant_spans(tokenizer, messages: list[dict[str, str]], full: str) -> li
     return spans
 
 
-def _encode_chat_template(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    full = _render(tokenizer, messages)
-    spans = _assistant_spans(tokenizer, messages, full)
-    ids, offsets = _encode_rendering(tokenizer, messages, full)
+def _encode_chat_template(tokenizer, jinja: str, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    full = _render(tokenizer, jinja, messages)
+    spans = _assistant_spans(tokenizer, jinja, messages, full)
+    ids, offsets = _encode_rendering(tokenizer, jinja, messages, full)
     # A token straddling a span boundary counts where it starts.
     mask = [int(any(a <= start < b for a, b in spans)) for start, _end in offsets]
     return ids, mask
@@ -334,14 +332,15 @@ def _special_tokens(tokenizer) -> dict[int, str]:
     return {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
 
-def _content_spans(tokenizer, messages: list[dict[str, str]], full: str, add_generation_prompt: bool) -> list[tuple[int, int]]:
+def _content_spans(tokenizer, jinja: str, messages: list[dict[str, str]], full: str,
+                   add_generation_prompt: bool) -> list[tuple[int, int]]:
     """Character spans [start, end) of every message's content in ``full``, its rendering.
 
     The conversation is rendered again with a placeholder for each content; filling the contents back in
     must give ``full`` exactly, which also proves the template neither edits nor repeats a content.
     """
     marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters: no template tests them
-    skeleton = _render(tokenizer, [{"role": m["role"], "content": mark} for m, mark in zip(messages, marks)],
+    skeleton = _render(tokenizer, jinja, [{"role": m["role"], "content": mark} for m, mark in zip(messages, marks)],
                        add_generation_prompt)
     spans, rebuilt, at, length = [], [], 0, 0
     for m, mark in zip(messages, marks):
@@ -360,7 +359,7 @@ def _content_spans(tokenizer, messages: list[dict[str, str]], full: str, add_gen
     return spans
 
 
-def _encode_rendering(tokenizer, messages: list[dict[str, str]], text: str,
+def _encode_rendering(tokenizer, jinja: str, messages: list[dict[str, str]], text: str,
                       add_generation_prompt: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
     """(ids, character offsets) of a rendered conversation: the template's special tokens are special, the
     messages' contents plain text (a user's "<|im_end|>" must not end the turn).
@@ -375,7 +374,7 @@ def _encode_rendering(tokenizer, messages: list[dict[str, str]], text: str,
     special = _special_tokens(tokenizer)
     if not any(t in m["content"] for m in messages for t in special.values()):
         return ids, offsets  # nothing to protect (nearly every row): the plain rendering's encoding
-    contents = _content_spans(tokenizer, messages, text, add_generation_prompt)
+    contents = _content_spans(tokenizer, jinja, messages, text, add_generation_prompt)
     out_ids: list[int] = []
     out_offsets: list[tuple[int, int]] = []
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -53,6 +54,20 @@ def build_model(cfg: ModelConfig, vocab_size: int, bos_id: int | None = None, eo
     return model
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
+def _download_hint(path: Path, key: str) -> str:
+    """What to do when ``path`` does not exist but reads like a Hub id (``gpt2``, ``Qwen/Qwen3-0.6B``)."""
+    text = str(path)
+    if path.exists() or not _HUB_ID.fullmatch(text) or path.parent.name and path.parent.is_dir():
+        return ""  # a local path (runs/dmeo: runs/ is here) mistyped, not a Hub id
+    local = f"models/{text.rsplit('/', 1)[-1]}"
+    use = f"{key} {local}" if key.startswith("--") else f'{key} = "{local}"'
+    return (f"; treadle loads models from local directories and never downloads: if {text!r} is a Hugging Face Hub "
+            f"id, fetch it first (hf download {text} --local-dir {local}) and set {use}")
+
+
 def resolve_model_dir(path: Path, key: str) -> Path:
     """A Hugging Face model directory as given, or a treadle run directory's exported ``hf/``."""
     path = Path(path)
@@ -60,7 +75,7 @@ def resolve_model_dir(path: Path, key: str) -> Path:
         if (candidate / "config.json").is_file():
             return candidate
     raise UserError(f"{key} {path} is neither a Hugging Face model directory (config.json) nor a treadle run "
-                    "directory with an exported hf/; accepted: e.g. runs/demo or runs/demo/hf")
+                    f"directory with an exported hf/; accepted: e.g. runs/demo or runs/demo/hf{_download_hint(path, key)}")
 
 
 _SAMPLE = 1 << 20
