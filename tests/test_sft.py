@@ -105,13 +105,16 @@ def test_builtin_template_masks_only_assistant_content_and_eos(tok):
     assert len(ids) == len(mask)
 
 
-def test_builtin_template_is_built_piece_by_piece(tok):
-    """Each piece is encoded on its own, so mask boundaries fall on piece boundaries exactly."""
-    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
-    ids, mask = sft.encode_sft(tok, row)
-    head = _encode(tok, "<|user|>\n") + _encode(tok, "hi\n") + _encode(tok, "<|assistant|>\n")
-    assert ids == head + _encode(tok, "yo") + [tok.eos_token_id]
-    assert mask == [0] * len(head) + [1] * (len(ids) - len(head))
+def test_builtin_template_is_its_jinja_rendering_tokenized_once(tok):
+    """The built-in template is the Jinja an export carries: training's ids are the rendering's, whitespace at
+    message boundaries included (encoding piece by piece split "hi  \\n<|assistant|>" and "\\n\\n\\n x" otherwise)."""
+    for messages in ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                     [{"role": "user", "content": "hi  "}, {"role": "assistant", "content": "\n\n x "},
+                      {"role": "user", "content": "again\n"}, {"role": "assistant", "content": "ok"}]):
+        ids, mask = sft.encode_sft(tok, {"messages": messages})
+        text = tok.apply_chat_template(messages, chat_template=sft.BUILTIN_CHAT_TEMPLATE, tokenize=False)
+        assert ids == _encode(tok, text)
+        assert _runs(tok, ids, mask, 1) == [m["content"] + EOS for m in messages if m["role"] == "assistant"]
 
 
 def test_trailing_user_message_is_kept_without_loss(tok):

@@ -58,7 +58,9 @@ def atomic_directory(out: Path, command: str) -> Iterator[Path]:
 
 
 def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | None, out: Path,
-              dtype: str = "fp32", enabled: bool = True, command: str = "train") -> Path:
+              dtype: str = "fp32", enabled: bool = True, command: str = "train", chat_template: str | None = None) -> Path:
+    """``chat_template`` (Jinja): what an SFT run rendered conversations with; the exported tokenizer gets it
+    (transformers writes chat_template.jinja), so ``apply_chat_template`` gives the ids training saw."""
     out = Path(out)
     if not enabled:
         return out
@@ -79,7 +81,10 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
         finally:
             model.config.use_cache, model.config.dtype = saved
         if tokenizer_dir is not None:
-            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+            if chat_template is not None:  # treadle's built-in template, or the tokenizer's own again
+                tokenizer.chat_template = chat_template
+            tokenizer.save_pretrained(tmp)
     return out
 
 
@@ -166,4 +171,4 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
                             step=train_state["train"]["step"], command="export")
     tokenizer = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
     return export_hf(model, model.state_dict(), tokenizer if tokenizer and tokenizer.is_dir() else None, out,
-                     dtype=dtype, command="export")
+                     dtype=dtype, command="export", chat_template=meta.get("chat_template"))

@@ -31,7 +31,7 @@ The built-in template renders each message as ``<|ROLE|>\\n`` + content + end,
 where end is the eos token for an assistant message and ``\\n`` for the others
 (see ``describe_builtin_template``); the generation prompt is ``<|assistant|>\\n``.
 It is a Jinja chat template (``BUILTIN_CHAT_TEMPLATE``), rendered and tokenized like
-a tokenizer's own, so an exported tokenizer that carries it (``chat_template_used``)
+a tokenizer's own, so an exported tokenizer that carries it (``chat_template_text``)
 gives ``apply_chat_template`` exactly the ids training saw. With treadle's built-in
 tokenizer the role markers are plain text (its only special token is
 ``<|endoftext|>``, the eos).
@@ -196,15 +196,10 @@ def _use_builtin(tokenizer, template: str) -> bool:
     raise ValueError(f"unknown chat template {template!r}: expected '{AUTO_TEMPLATE_NAME}' or '{BUILTIN_TEMPLATE_NAME}'")
 
 
-def _jinja(tokenizer, template: str) -> str:
-    """The Jinja text conversations are rendered with under ``data.chat_template = template``."""
+def chat_template_text(tokenizer, template: str) -> str:
+    """The Jinja text conversations are rendered with under ``data.chat_template = template``: what an SFT
+    source records and an export gives its tokenizer, so that it renders conversations as training did."""
     return BUILTIN_CHAT_TEMPLATE if _use_builtin(tokenizer, template) else tokenizer.chat_template
-
-
-def chat_template_used(tokenizer, template: str) -> str | None:
-    """The chat template an export must add to ``tokenizer`` so that it renders conversations as training did:
-    the built-in one when training used it, else None (the tokenizer's own template travels with it)."""
-    return BUILTIN_CHAT_TEMPLATE if _use_builtin(tokenizer, template) else None
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -236,7 +231,7 @@ def _messages(row: dict) -> list[dict[str, str]]:
 
 def encode_sft(tokenizer, row: dict, template: str = AUTO_TEMPLATE_NAME) -> tuple[list[int], list[int]]:
     """(ids, mask) for one SFT row; ``ValueError(reason)`` for a row that cannot be used."""
-    jinja = _jinja(tokenizer, template)
+    jinja = chat_template_text(tokenizer, template)
     _checked(row)
     if row_kind(row) == "prompt_completion":
         return _encode_prompt_completion(tokenizer, row["prompt"], row["completion"])
@@ -246,7 +241,7 @@ def encode_sft(tokenizer, row: dict, template: str = AUTO_TEMPLATE_NAME) -> tupl
 def encode_prompt(tokenizer, row: dict, template: str = AUTO_TEMPLATE_NAME) -> list[int]:
     """Ids for generation: a row's prompt, or its conversation before the trailing assistant
     message(s) plus the assistant header. ``ValueError(reason)`` for an unusable row."""
-    jinja = _jinja(tokenizer, template)
+    jinja = chat_template_text(tokenizer, template)
     if not isinstance(row, dict):
         raise ValueError("row is not a JSON object")
     if "messages" not in row:

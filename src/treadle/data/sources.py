@@ -43,7 +43,8 @@ from treadle.data.shards import ShardWriter, read_meta
 from treadle.errors import UserError, first_line
 from treadle.tokenizer import tokenizer_fingerprint
 
-CACHE_VERSION = 2  # 2: special-token text in rows encoded as plain text; meta.json records max_token_id
+CACHE_VERSION = 3  # 2: special-token text in rows encoded as plain text; meta.json records max_token_id;
+# 3: the built-in chat template rendered whole and tokenized once; meta.json records chat_template_text
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _BATCH_ROWS = 1024
 _REPORTED_SKIPS = 5  # skipped rows named in meta.json and on the console; the rest are counted
@@ -226,6 +227,8 @@ def _cache_key(files: list[Path], tokenizer, kind: str, text_field: str, templat
 def tokenize_files(files: list[Path], kind: str, tokenizer_dir: Path, text_field: str = "text",
                    template: str = "auto", bad_rows: str = "error", key: str = "data") -> Path:
     """The cached shard directory of ``files`` tokenized as ``kind``; built (streaming) on first use."""
+    from treadle.data import sft
+
     encode = _Encoder(kind, tokenizer_dir, text_field, template)
     final = corpus.cache_dir() / "sources" / _cache_key(files, encode.tokenizer, kind, text_field, template, bad_rows)
 
@@ -262,7 +265,9 @@ def tokenize_files(files: list[Path], kind: str, tokenizer_dir: Path, text_field
         writer.finish({"kind": kind, "tokenizer_fingerprint": tokenizer_fingerprint(encode.tokenizer),
                        "tokenizer_dir": str(Path(tokenizer_dir).absolute()), "eos_id": encode.eos_id,
                        "files": [str(f) for f in files], "rows": rows, "skipped_rows": skipped,
-                       "skip_examples": examples, "text_field": text_field, "chat_template": template})
+                       "skip_examples": examples, "text_field": text_field, "chat_template": template,
+                       # the Jinja a conversation was rendered with: the run's export gives it to the tokenizer
+                       "chat_template_text": sft.chat_template_text(encode.tokenizer, template) if kind == "sft" else None})
 
     return corpus.build_cached(final, "meta.json", build, f"tokenizing {len(files)} file(s) of {key}")
 

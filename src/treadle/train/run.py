@@ -78,6 +78,11 @@ class RunData:
     def train(self):  # the first source: what a single-source run trains on (its meta, vocab, tokenizer)
         return self.sources[0].dataset
 
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja the SFT sources' conversations were rendered with (one data.chat_template, one tokenizer)."""
+        return next((o.dataset.meta.get("chat_template_text") for o in self.sources if o.kind == "sft"), None)
+
 
 def _recorded_tokenizer(shard_dir: Path) -> str | None:
     """The tokenizer a shard directory's meta.json names (a broken meta.json is one line naming it)."""
@@ -154,7 +159,8 @@ def _model_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
     _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
     out = Path(cfg.train.output_dir) / "hf"
-    return ModelSetup(model, model.config.vocab_size, loss_sum, None, [], ExportCallback(out, data.tokenizer_dir))
+    return ModelSetup(model, model.config.vocab_size, loss_sum, None, [],
+                      ExportCallback(out, data.tokenizer_dir, meta.get("chat_template")))
 
 
 def _draft_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
@@ -198,7 +204,8 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
 
     seed_everything(cfg.train.seed)
     meta = {"vocab_size": train_ds.vocab_size, "eos_id": train_ds.meta.get("eos_id"),
-            "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_fingerprint": train_ds.tokenizer_fingerprint}
+            "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_fingerprint": train_ds.tokenizer_fingerprint,
+            "chat_template": data.chat_template}  # `treadle export` of a checkpoint gives it to the tokenizer too
     setup = _draft_setup(cfg, data, meta) if cfg.draft.kind else _model_setup(cfg, data, meta)
     resume = distributed.on_main(check_resume, cfg, out, resume_from, checkpoints, meta)
     if cfg.checkpoint.export_hf:  # a user's files in <output_dir>/hf are refused now, not after the training
