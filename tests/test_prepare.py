@@ -300,3 +300,19 @@ def test_non_utf8_jsonl_line_is_named(tmp_path, small_tok):
     bad.write_bytes(b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n')
     with pytest.raises(UserError, match=rf"{bad}:3: not UTF-8 \(byte 0xe9 at byte 14 of the line\)"):
         prepare([str(bad)], tmp_path / "out", small_tok, workers=1)
+
+
+def test_sft_rows_are_sent_to_training_not_to_prepare(tmp_path, small_tok):
+    """Issue 13.8: prepare makes pre-training shards; an SFT file is trained from directly, and the line says so."""
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+                    + "\n")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    for path, kind in ((chat, "messages"), (pairs, "prompt/completion")):
+        with pytest.raises(UserError, match=rf"{path}:1: an SFT row \({kind}\).*trained from directly.*"
+                                            rf'data.train = \["{path}"\]'):
+            prepare([str(path)], tmp_path / "out", small_tok, workers=1)
+        assert not (tmp_path / "out").exists()
+    # A chosen field that the rows hold is text to prepare, SFT-shaped or not.
+    assert prepare([str(pairs)], tmp_path / "out", small_tok, workers=1, text_field="prompt")["num_documents"] == 1

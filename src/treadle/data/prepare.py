@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from treadle.data.jsonl import not_utf8, numbered_lines
+from treadle.data.sft import row_kind
 from treadle.data.shards import FORMAT_VERSION, KIND, token_dtype, unmarked_shard_dir
 from treadle.errors import UserError
 from treadle.fsutil import claim_output, fsync_tree, replace_dir, write_marker
@@ -177,6 +178,13 @@ def _read_documents(path: Path, text_field: str) -> list[str]:
                 f"{path}:{lineno}: malformed JSON ({e.msg}); expected one JSON object per line "
                 f"with a string field {text_field!r}"
             ) from None
+        if isinstance(obj, dict) and text_field not in obj and row_kind(obj) in ("messages", "prompt_completion"):
+            # SFT needs a chat template and a loss mask, which a run applies when it reads the file itself.
+            raise UserError(
+                f"{path}:{lineno}: an SFT row ({'messages' if 'messages' in obj else 'prompt/completion'}); treadle "
+                f"prepare makes pre-training shards from text, SFT files are trained from directly (tokenized once "
+                f"into treadle's cache): data.train = [\"{path}\"] or [[data.sources]] path = \"{path}\""
+            )
         if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
             what = "not a JSON object" if not isinstance(obj, dict) else (
                 f"field {text_field!r} is missing" if text_field not in obj
