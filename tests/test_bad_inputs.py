@@ -677,3 +677,27 @@ def test_export_messages_name_what_the_user_typed(world, refused):
                            (Path("auto"), "does not exist")]:
         line = refused(["export", source, out], f"treadle export SOURCE {str(source)!r} {expect}", out)
         assert "checkpoint.resume" not in line and "auto, none" not in line
+
+
+# ---------------------------------------------------------------------------- errors that say what to do (issue 13.8)
+
+
+def test_a_hub_id_or_plain_text_gets_the_command_that_fixes_it(world, refused, monkeypatch):
+    """A Hub id: treadle never downloads, fetch it first; .txt in a source: treadle prepare it first."""
+    monkeypatch.chdir(world.root)  # where no directory is named gpt2 or Qwen
+    new = world.root / "runs" / "new"
+    line = refused(world.args(new, "--model.path=gpt2"), "hf download gpt2 --local-dir models/gpt2", new)
+    assert 'model.path = "models/gpt2"' in line and "never downloads" in line
+    refused(["generate", "--model", "Qwen/Qwen3-0.6B", "--prompts", world.user / "notes.jsonl", "--out",
+             world.root / "g.jsonl"], "hf download Qwen/Qwen3-0.6B --local-dir models/Qwen3-0.6B) and set --model "
+            "models/Qwen3-0.6B", world.root / "g.jsonl")
+    refused(["spec-eval", "--target", world.run, "--draft", "gpt2"], "--draft models/gpt2")
+    refused(world.args(new, "--draft.kind=glide", "--draft.target=org/tiny"), 'draft.target = "models/tiny"', new)
+    # A mistyped local path (its folder is here) is not sent to the Hub.
+    line = refused(["spec-eval", "--target", "runs/goood", "--draft", "prompt-lookup"], "runs/goood")
+    assert "hf download" not in line
+    texts = world.root / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("plain text\n")
+    for entry, out in ((world.thesis, "shards/thesis"), (texts, "shards/texts"), (world.user / "*.txt", "shards/mine")):
+        refused(world.args(new, f"--data.train={entry}"), f"treadle prepare {entry} --out {out}, then use {out}", new, texts)

@@ -87,8 +87,21 @@ def _data_files(entry: str, key: str) -> list[Path]:
     bad = [p for p in found if p.suffix not in FILE_FORMATS]
     if bad or not found:
         what = f"{bad[0]} is not one of {', '.join(FILE_FORMATS)}" if bad else "matches no data file"
-        raise UserError(f"{key} = {entry!r}: {what}; accepted: 'builtin', a shard directory, or data files")
+        raise UserError(f"{key} = {entry!r}: {what}; accepted: 'builtin', a shard directory, or data files"
+                        f"{_prepare_hint(entry, path, bad)}")
     return found
+
+
+def _prepare_hint(entry: str, path: Path, bad: list[Path]) -> str:
+    """Plain text files (.txt, .md, .py) are what `treadle prepare` turns into shards: say so."""
+    from treadle.data.prepare import DIRECTORY_SUFFIXES
+
+    text = [p for p in (bad or (path.rglob("*") if path.is_dir() else [])) if p.suffix in DIRECTORY_SUFFIXES]
+    if not text:
+        return ""
+    named = path.stem if path.is_file() else path.name if path.is_dir() else text[0].parent.name  # a glob: its folder
+    out = f"shards/{named or 'train'}"
+    return f"; plain text is tokenized into shards first: treadle prepare {entry} --out {out}, then use {out} here"
 
 
 def resolve(entries: list[str], split: str, key: str) -> tuple[list[Path], list[Path]]:
