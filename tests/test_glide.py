@@ -154,8 +154,8 @@ def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_
     assert records(run, "target_loss") and records(run, "eval_target_loss")
     assert (run / "checkpoints" / "best").resolve().name == "step_3"
 
-    # treadle export rebuilds the same draft export from the run's checkpoint.
-    assert main(["export", str(run), "--to", "draft", str(tmp_path / "again")]) == 0
+    # treadle export rebuilds the same draft export from the run's checkpoint, which it knows is a draft run.
+    assert main(["export", str(run), str(tmp_path / "again")]) == 0
     again = load_file(tmp_path / "again" / "model.safetensors")
     assert all(torch.equal(again[k], st[k]) for k in st)
     assert main(["export", str(run), "--to", "hf", str(tmp_path / "wrong")]) == 2

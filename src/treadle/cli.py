@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a Hugging Face model directory (or a draft export) from a checkpoint",
                             allow_abbrev=False)
     export.add_argument("source", help="run directory or checkpoint directory")
-    export.add_argument("--to", choices=["hf", "draft"], default="hf", help="hf: a model run; draft: a draft run's draft")
+    export.add_argument("--to", choices=["auto", "hf", "draft"], default="auto",
+                        help="auto: what the checkpoint was trained as; hf: a model run; draft: a draft run's draft")
     export.add_argument("out", help="output directory")
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     export.set_defaults(func=_no_extra("export", _export))

@@ -123,10 +123,11 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
     return out
 
 
-def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "hf") -> Path:
+def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "auto") -> Path:
     """``treadle export``: rebuild what a checkpoint was trained as, load its weights, export.
 
-    ``to="hf"`` for a model run; ``to="draft"`` for a draft run (the draft alone, as at the end of the run).
+    ``to="hf"`` for a model run; ``to="draft"`` for a draft run (the draft alone, as at the end of the run);
+    ``"auto"``: whichever the checkpoint's config says it is.
     """
     from treadle.checkpoint.discovery import checkpoint_at
     from treadle.checkpoint.validate import checkpoint_format, run_state
@@ -139,9 +140,9 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "h
     # vets every pickle of a DeepSpeed checkpoint before checkpoint_weights hands the directory to DeepSpeed.
     ckpt = checkpoint_at(Path(source), f"treadle export SOURCE {str(source)!r}")
     cfg = load_config(ckpt / "config.toml")
-    if (cfg.draft.kind is not None) != (to == "draft"):
+    if to != "auto" and (cfg.draft.kind is not None) != (to == "draft"):
         kind = "a draft run" if cfg.draft.kind else "a model run"
-        raise UserError(f"checkpoint {ckpt} is {kind}; accepted: --to {'draft' if cfg.draft.kind else 'hf'}")
+        raise UserError(f"checkpoint {ckpt} is {kind}; accepted: --to {'draft' if cfg.draft.kind else 'hf'} or --to auto (the default)")
     train_state = run_state(ckpt)
     meta = train_state["meta"]
     if cfg.draft.kind:
