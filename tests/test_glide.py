@@ -111,7 +111,7 @@ def test_glide_speculative_decoding_is_lossless():
     assert got.verify_calls >= 1
 
 
-def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_path):
+def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_path, capsys):
     from treadle.checkpoint.safety import read_metadata
     from treadle.config import load_config
     from treadle.train.run import build_trainer
@@ -125,6 +125,7 @@ def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_
     draft_before = {k: v.clone() for k, v in model.draft_model.state_dict().items()}
     trainer.fit()
     trainer.metrics.close()
+    assert "degenerate" not in capsys.readouterr().out  # this random target writes varied text
     after = model.target.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # the target is bit-identical
     assert any(not torch.equal(draft_before[k], v) for k, v in model.draft_model.state_dict().items())
@@ -194,3 +195,26 @@ def test_draft_run_bad_target_is_one_line(shards, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "draft.target" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_looping_target_is_named_degenerate_once_and_natural_text_is_not(shards, target_dir, tmp_path, capsys):
+    """Issue 13.10: a draft reaches tau_sim's ceiling on a target that repeats itself; the run says so, once."""
+    from treadle.data.packed import PackedDataset
+    from treadle.train.draft import degenerate_target_warning
+
+    val = PackedDataset([shards / "val"], seq_len=32)
+    natural = torch.stack([val[i]["input_ids"] for i in range(8)])  # Python source: repetitive, but not a loop
+    assert degenerate_target_warning(natural, 8, 4) is None
+    assert degenerate_target_warning(torch.tensor([list(range(8)) + [9, 10, 11] * 8]), 8, 4) is not None
+    # A real model that always writes token 0: its lm_head is zero, so every logit ties and argmax is 0.
+    looping = tmp_path / "looping"
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    target.lm_head.weight.data.zero_()
+    target.save_pretrained(looping)
+    for f in target_dir.glob("tokenizer*"):
+        (looping / f.name).write_bytes(f.read_bytes())
+    run = tmp_path / "run"
+    assert main(draft_args(shards, looping, run, "--train.max_steps=2", "--train.eval_every=1")) == 0
+    out = capsys.readouterr().out
+    assert out.count("the target looks degenerate") == 1 and "reaches tau 5.00 of at most 5" in out
+    assert max(records(run, "tau_sim").values()) == 5.0  # the ceiling, whatever the draft learnt

@@ -77,7 +77,10 @@ class PromptLookupDrafter:
     def propose(
         self, context_ids: torch.LongTensor, target_kv: tuple[torch.Tensor, torch.Tensor] | None, gamma: int
     ) -> list[int]:
-        seq = context_ids[0].tolist()
+        return self.lookup(context_ids[0].tolist(), gamma)
+
+    def lookup(self, seq: list[int], gamma: int) -> list[int]:
+        """``propose`` on a plain list of ids."""
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             found = _continuation(seq, n, gamma)
             if found is not None:
