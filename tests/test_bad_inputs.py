@@ -701,3 +701,9 @@ def test_a_hub_id_or_plain_text_gets_the_command_that_fixes_it(world, refused, m
     (texts / "a.txt").write_text("plain text\n")
     for entry, out in ((world.thesis, "shards/thesis"), (texts, "shards/texts"), (world.user / "*.txt", "shards/mine")):
         refused(world.args(new, f"--data.train={entry}"), f"treadle prepare {entry} --out {out}, then use {out}", new, texts)
+
+
+def test_export_to_the_other_kind_is_one_line(world, refused):
+    """Issue 13.10: --to defaults to auto; naming the wrong kind says what the checkpoint is."""
+    out = world.root / "exported"
+    refused(["export", world.run, "--to", "draft", out], "is a model run; accepted: --to hf or --to auto (the default)", out)
