@@ -5,16 +5,16 @@ neither torch nor transformers, so ``treadle --help`` and ``python -m treadle`` 
 and the package changes nothing in its host process (no warnings filters, no threads).
 """
 
-import importlib
+import importlib as _importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["Callback", "Config", "RunSummary", "UserError", "export", "generate", "load_config", "spec_eval", "train"]
+__all__ = ["Callback", "Config", "RunSummary", "UserError", "export", "fit", "generate", "load_config", "spec_eval"]
 
 
 def __getattr__(name: str):
-    if name in __all__:
-        return getattr(importlib.import_module("treadle.api"), name)
+    if name in __all__:  # treadle.api imports torch only when Callback or RunSummary is asked for, or a run starts
+        return getattr(_importlib.import_module("treadle.api"), name)
     raise AttributeError(f"module 'treadle' has no attribute {name!r}")
 
 

@@ -373,6 +373,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         raise _explain(err, source) from None
 
 
+def explicit_tree(cfg: Config) -> dict[str, Any]:
+    """The values that were set (by a file, an override or an assignment), section by section.
+
+    Validating this tree again gives the same config with every rule re-run, also the rules that ask what was set
+    (data.train beside data.sources), which a full dump would trip.
+    """
+    return {name: getattr(cfg, name).model_dump(exclude_unset=True) for name in type(cfg).model_fields}
+
+
 def to_toml(cfg: Config) -> str:
     # TOML has no null: unset optional keys are left out and come back as None. data.sources replaces data.train,
     # and a file that sets both is refused: the default data.train is left out, so the file loads again.

@@ -330,6 +330,10 @@ def generate_rows(model, tokenizer, rows: list[Row], done: set[int], settings: _
 
 
 def _check_args(args: _Flags) -> None:
+    if args.chat_template not in ("auto", "builtin"):  # argparse's choices, for callers from Python
+        raise UserError(f"--chat-template {args.chat_template!r}: accepted: auto, builtin")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device {args.device!r}: accepted: auto, cpu, cuda")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     if not args.temperature >= 0:  # also refuses nan
@@ -350,10 +354,6 @@ def _check_args(args: _Flags) -> None:
         raise UserError(f"--out {args.out}: not a regular file")
     if args.out.exists() and args.out.samefile(args.prompts):
         raise UserError(f"--out {args.out}: is the --prompts file itself; choose another output path")
-    if args.chat_template not in ("auto", "builtin"):  # argparse's choices, for callers from Python
-        raise UserError(f"--chat-template {args.chat_template!r}: accepted: auto, builtin")
-    if args.device not in ("auto", "cpu", "cuda"):
-        raise UserError(f"--device {args.device!r}: accepted: auto, cpu, cuda")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available; accepted: --device cpu or auto")
 

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from treadle import distributed
 from treadle.checkpoint.export import claim_export
 from treadle.checkpoint.manager import CheckpointManager
-from treadle.config import Config, SourceConfig, _explain, parse_duration
+from treadle.config import Config, SourceConfig, _explain, explicit_tree, parse_duration
 from treadle.data.loader import StepLoader, check_token_ids, eval_batches
 from treadle.data.mixture import Mixture, Phase
 from treadle.data.packed import ExampleDataset, PackedDataset
@@ -183,17 +183,21 @@ def checked_config(cfg: Config) -> Config:
     """
     if not isinstance(cfg, Config):
         raise UserError(f"a run needs a treadle Config, got {type(cfg).__name__}; accepted: treadle.Config or load_config(...)")
-    tree = {name: getattr(cfg, name).model_dump(exclude_unset=True) for name in type(cfg).model_fields}
     try:
-        return Config.model_validate(tree)
+        return Config.model_validate(explicit_tree(cfg))
     except ValidationError as err:
         raise _explain(err, "") from None
 
 
-def _check_user_callbacks(callbacks: Sequence[Callback], taken: set[str]) -> list[Callback]:
+def _treadle_callback_names(cls: type = Callback) -> set[str]:
+    return {c.__name__ for c in cls.__subclasses__() if c.__module__.startswith("treadle.")} | {
+        n for c in cls.__subclasses__() for n in _treadle_callback_names(c)}
+
+
+def _check_user_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
     """User callbacks are Callback instances with their own class names: a checkpoint keeps each callback's
     state under its class name, so a name taken twice would hand one callback the other's state on resume."""
-    taken = set(taken)
+    taken = _treadle_callback_names()
     for cb in callbacks:
         if not isinstance(cb, Callback):
             raise UserError(f"callbacks: {cb!r} is not a treadle Callback; accepted: instances of subclasses of "
@@ -220,6 +224,7 @@ def build_trainer(cfg: Config, live: bool | None = None, callbacks: Sequence[Cal
     ``fit`` closes the loader and the checkpoint writer, ``close_trainer`` the rest.
     """
     cfg = checked_config(cfg)  # before anything is opened or written
+    callbacks = _check_user_callbacks(callbacks)
     with contextlib.ExitStack() as opened:
         if not torch.distributed.is_initialized():
             opened.callback(distributed.destroy)
@@ -286,8 +291,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if val_ds is not None:
         callbacks.append(EvalCallback(t.eval_every))
     callbacks += setup.eval_callbacks
-    callbacks += _check_user_callbacks(user_callbacks, {type(cb).__name__ for cb in callbacks + [setup.export]} |
-                                       {CheckpointCallback.__name__})
+    callbacks += user_callbacks
     callbacks.append(CheckpointCallback(cfg.checkpoint.every))
     if cfg.checkpoint.export_hf:
         callbacks.append(setup.export)
