@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 from pydantic import ValidationError
 
 from treadle.config import Config, _explain, _set_path, explicit_tree, load_config, parse_override
-from treadle.corpus import cache_dir
+from treadle.corpus import _publish_dir, cache_dir
 from treadle.errors import UserError
 
 if TYPE_CHECKING:
@@ -189,22 +189,17 @@ def _data_path(dataset: Any, name: str) -> Path:
 
 
 def _stored(kind: str, write: Callable[[Path], None]) -> Path:
-    """``write`` into a fresh directory, then keep it as ``objects/<kind>-<hash of its files>`` (once)."""
+    """``write`` into a private directory, then publish it as ``objects/<kind>-<hash of its files>``, the
+    cache's rename rule (``corpus._publish_dir``): the name is known only once the files are written."""
     root = cache_dir() / "objects"
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{kind}-", dir=root))
     try:
         write(tmp)
         final = root / f"{kind}-{_digest(tmp)[:20]}"
-        if not final.is_dir():
-            try:
-                os.rename(tmp, final)
-            except OSError:  # another process stored the same content first
-                if not final.is_dir():
-                    raise
+        return final if final.is_dir() else _publish_dir(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def _digest(root: Path) -> str:
