@@ -97,6 +97,23 @@ def test_cross_field_rules_checked_where_a_run_starts(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_bad_assignment_is_the_same_line_as_a_bad_file_key():
+    from treadle import Config, UserError
+
+    cfg = Config()
+    for section, key, value, expect in [
+        ("train", "max_steps", 0, "config error: train.max_steps = 0 is invalid: Input should be greater than or equal to 1"),
+        ("train", "max_stps", 3, "config error: unknown key train.max_stps; did you mean train.max_steps?"),
+        ("schedule", "decay", "cosin", "config error: schedule.decay = 'cosin' is invalid: Input should be 'cosine', "
+                                       "'linear', 'constant' or 'wsd'"),
+    ]:
+        with pytest.raises(UserError) as err:
+            setattr(getattr(cfg, section), key, value)
+        assert str(err.value) == expect
+    cfg.train.output_dir = tmp = Path("runs") / "x"  # a path object is its string
+    assert cfg.train.output_dir == str(tmp)
+
+
 def test_fit_takes_objects_and_the_run_resumes_from_its_config(shards, tmp_path, monkeypatch):
     """A fresh HF model, a tokenizer and a list of rows are stored once in the cache; config.toml names them,
     so the CLI runs the same config again; a user callback sees each step's eval and its state is checkpointed."""

@@ -104,6 +104,7 @@ def _config(config, overrides, **objects) -> Config:
              else (parse_override(str(o)) for o in overrides))
     changed = False
     for key, value in items:
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value  # a path object is its string
         _set_path(tree, key.split(".") if isinstance(key, str) else key, value)
         changed = True
     if changed:
