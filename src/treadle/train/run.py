@@ -190,6 +190,7 @@ def checked_config(cfg: Config) -> Config:
 
 
 def _treadle_callback_names(cls: type = Callback) -> set[str]:
+    """Class names of treadle's own callbacks (every subclass defined in a treadle module, at any depth)."""
     return {c.__name__ for c in cls.__subclasses__() if c.__module__.startswith("treadle.")} | {
         n for c in cls.__subclasses__() for n in _treadle_callback_names(c)}
 
@@ -282,7 +283,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
                         info.rank, info.world_size, data.mixture, prefetch=cfg.data.prefetch, vocab_size=setup.vocab_size)
     opened.callback(loader.close)
     # Order matters: the guard may roll back before eval and checkpoint see the step,
-    # and eval (which may set the "best" metric) runs before the checkpoint.
+    # and eval (which may set the "best" metric) runs before the checkpoint; user callbacks come
+    # after eval (they see its result) and before the checkpoint (which saves their state).
     callbacks = [MetricsCallback(t.log_every), NanGuardCallback(r)]
     if info.world_size > 1 and d.health_check_every:
         callbacks.append(HealthCheckCallback(d.health_check_every, d.health_check_timeout_s))
