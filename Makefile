@@ -5,12 +5,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean-venv lint
+.PHONY: install venv demo test bench clean-venv lint
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
 	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv (when missing) and install treadle into it, editable, with the test extras
+venv: install
 
 demo: $(STAMP)  ## train the tiny Llama on the built-in corpus, then a GLIDE draft against it, then measure tau
 	$(BIN)/treadle train configs/demo.toml

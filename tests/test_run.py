@@ -189,6 +189,7 @@ def test_console_script_runs_and_prints_summary(shards, tmp_path):
     assert proc.returncode == 0, proc.stderr
     for needle in ("train loss", "val loss", "tokens/s", "checkpoints", "exported model", "step 2:"):
         assert needle in proc.stdout
+    assert "torch.distributed is disabled" not in proc.stderr  # DCP's single-process warning, silenced at its calls
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
     assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"} <= first.keys()
 
@@ -207,3 +208,4 @@ def test_commands_that_do_not_use_deepspeed_never_import_it(shards, tmp_path):
         assert "treadle.cli" in imported  # the listing is real
         assert not [m for m in imported if m.split(".")[0] == "deepspeed"], argv
         assert "Setting accelerator" not in proc.stderr + proc.stdout, argv
+        assert "torch.distributed is disabled" not in proc.stderr, argv  # DCP save (train) and load (export)

@@ -9,6 +9,7 @@ back to ``treadle train`` unchanged (``load_config(path)`` round-trips).
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -34,6 +35,15 @@ def parse_duration(text: str) -> float:
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An assignment from Python (``cfg.train.max_steps = 0``) is checked as a file would be: a bad value is
+        the same one-line UserError, naming section and key; a path object is taken as its string."""
+        try:
+            super().__setattr__(name, os.fspath(value) if isinstance(value, os.PathLike) else value)
+        except ValidationError as err:
+            section = next((k for k, f in Config.model_fields.items() if f.annotation is type(self)), None)
+            raise _explain(err, "", prefix=f"{section}." if section else "") from None
 
 
 class TrainConfig(Section):
@@ -308,12 +318,13 @@ def _suggest(key: str) -> str:
     return f"; did you mean {near[0]}?" if near else ""
 
 
-def _explain(err: ValidationError, source: str) -> UserError:
-    """Turn pydantic's report into one line naming key, value and what is accepted."""
+def _explain(err: ValidationError, source: str, prefix: str = "") -> UserError:
+    """Turn pydantic's report into one line naming key, value and what is accepted (``prefix``: the section of
+    an assignment, whose report names the field alone)."""
     e = err.errors()[0]
-    key = ".".join(str(p) for p in e["loc"])
+    key = prefix + ".".join(str(p) for p in e["loc"])
     where = f" ({source})" if source else ""
-    if e["type"] == "extra_forbidden":
+    if e["type"] in ("extra_forbidden", "no_such_attribute"):  # a key in a file; an attribute assigned
         return UserError(f"config error{where}: unknown key {key}{_suggest(key)}")
     msg = e["msg"].removeprefix("Value error, ")
     if not key or isinstance(e.get("input"), dict):  # a cross-field check names its keys itself
@@ -371,6 +382,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         return Config.model_validate(tree)
     except ValidationError as err:
         raise _explain(err, source) from None
+
+
+def explicit_tree(cfg: Config) -> dict[str, Any]:
+    """The values that were set (by a file, an override or an assignment), section by section.
+
+    Validating this tree again gives the same config with every rule re-run, also the rules that ask what was set
+    (data.train beside data.sources), which a full dump would trip.
+    """
+    return {name: getattr(cfg, name).model_dump(exclude_unset=True) for name in type(cfg).model_fields}
 
 
 def to_toml(cfg: Config) -> str:

@@ -9,9 +9,13 @@ each is exactly one collective, because every one is a synchronisation point of 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import threading
+import warnings
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -107,6 +111,21 @@ def init_distributed(device_pref: str = "auto", *, num_threads: int | None = Non
             kwargs["device_id"] = device  # binds the communicator to this rank's device eagerly
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+@contextlib.contextmanager
+def quiet_single_process_dcp() -> Iterator[None]:
+    """Around treadle's own DCP save/load: without a process group DCP warns on every call that it assumes one
+    process, which is exactly how treadle means it. The filter lives only inside this block (a library must not
+    change its host's warnings). ``catch_warnings`` swaps the process-wide filter list, so it is used on the main
+    thread only: a background checkpoint writer leaves the warning as Python shows it (once per process).
+    """
+    if (dist.is_available() and dist.is_initialized()) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def destroy() -> None:

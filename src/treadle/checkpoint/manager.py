@@ -250,7 +250,8 @@ class CheckpointManager:
     def _write_shards(self, job: _Job, tmp: Path, engine, group) -> None:
         (tmp / "rng").mkdir(parents=True, exist_ok=True)  # every rank: whichever comes first creates it
         if job.state is not None:
-            dcp.save(job.state, checkpoint_id=tmp / "state", process_group=group)  # collective with several ranks
+            with distributed.quiet_single_process_dcp():
+                dcp.save(job.state, checkpoint_id=tmp / "state", process_group=group)  # collective with several ranks
         else:
             engine.save_checkpoint(tmp / "deepspeed")
         write_text(tmp / "rng" / f"rank_{self.rank}.json", json.dumps(job.rng))

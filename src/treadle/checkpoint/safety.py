@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 # torch.load's own steps for a zip archive (private, pinned with torch 2.13): vetting reads the very record it unpickles.
 from torch.serialization import _is_torchscript_zip, _is_zipfile, _open_zipfile_reader
 
+from treadle.distributed import quiet_single_process_dcp
 from treadle.errors import UserError
 
 # Exactly what DCP 2.13 pickles into .metadata (found by listing the globals of
@@ -285,5 +286,5 @@ def loading(ckpt: Path):
 def safe_dcp_load(state: dict, state_dir: Path, ckpt: Path, metadata: Metadata | None = None) -> None:
     """``dcp.load(state, state_dir)`` with every unpickling restricted (see the module docstring)."""
     md = metadata if metadata is not None else read_metadata(state_dir, ckpt)
-    with loading(ckpt):
+    with loading(ckpt), quiet_single_process_dcp():
         dcp.load(state, storage_reader=_PrereadReader(state_dir, md), planner=_SafePlanner(ckpt))

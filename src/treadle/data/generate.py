@@ -65,7 +65,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterator
 
@@ -329,7 +329,11 @@ def generate_rows(model, tokenizer, rows: list[Row], done: set[int], settings: _
 # --------------------------------------------------------------------------- command
 
 
-def _check_args(args: argparse.Namespace) -> None:
+def _check_args(args: _Flags) -> None:
+    if args.chat_template not in ("auto", "builtin"):  # argparse's choices, for callers from Python
+        raise UserError(f"--chat-template {args.chat_template!r}: accepted: auto, builtin")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device {args.device!r}: accepted: auto, cpu, cuda")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     if not args.temperature >= 0:  # also refuses nan
@@ -354,7 +358,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("--device cuda: no CUDA device is available; accepted: --device cpu or auto")
 
 
-def _prompt_limit(args: argparse.Namespace, model) -> tuple[int, str]:
+def _prompt_limit(args: _Flags, model) -> tuple[int, str]:
     """The longest prompt accepted, and how to name that limit in a failure reason."""
     if args.max_prompt_tokens is not None:
         return args.max_prompt_tokens, f"--max-prompt-tokens {args.max_prompt_tokens}"
@@ -385,7 +389,7 @@ def _end_tokens(tokenizer, model) -> list[int]:
     return ids
 
 
-def _recorded_flags(args: argparse.Namespace, model_dir: Path) -> dict:
+def _recorded_flags(args: _Flags, model_dir: Path) -> dict:
     """What shapes every row (``generation_files.FLAGS``), as recorded beside the out file."""
     from treadle.models.hf import model_fingerprint
 
@@ -394,17 +398,41 @@ def _recorded_flags(args: argparse.Namespace, model_dir: Path) -> dict:
             "seed": args.seed, "chat_template": args.chat_template, "max_prompt_tokens": args.max_prompt_tokens}
 
 
+@dataclass(frozen=True)
+class _Flags:
+    """The command's flags, by their argparse names."""
+
+    model: Path
+    prompts: Path
+    out: Path
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    batch_size: int
+    seed: int
+    max_prompt_tokens: int | None
+    chat_template: str
+    device: str
+
+
 def run(args: argparse.Namespace) -> int:
     """The generate command; the exit code is ``GenerateReport.exit_code``."""
-    report = generate(args)
+    report = generate(**{f.name: getattr(args, f.name) for f in fields(_Flags)})
     print(report.summary_line(), flush=True)
     if report.failed_path is not None:
         print(f"treadle: generate: the failed rows and why are in {report.failed_path}", file=sys.stderr)
     return report.exit_code
 
 
-def generate(args: argparse.Namespace) -> GenerateReport:
-    """Check everything (``UserError``, nothing written), then generate what ``--out`` lacks."""
+def generate(model: Path, prompts: Path, out: Path, *, max_new_tokens: int = 128, temperature: float = 0.0,
+             top_p: float = 1.0, batch_size: int = 8, seed: int = 0, max_prompt_tokens: int | None = None,
+             chat_template: str = "auto", device: str = "auto") -> GenerateReport:
+    """Check everything (``UserError``, nothing written), then generate what ``out`` lacks.
+
+    The keywords are the command's flags; its defaults are theirs (a test compares them).
+    """
+    args = _Flags(Path(model), Path(prompts), Path(out), max_new_tokens, temperature, top_p, batch_size, seed,
+                  max_prompt_tokens, chat_template, device)
     from treadle.data.sft import load_tokenizer
     from treadle.models.hf import load_causal_lm, resolve_model_dir
 

@@ -143,17 +143,18 @@ def evaluate_drafter(
 # --------------------------------------------------------------------------- command
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    for flag, value in (("--gamma", args.gamma), ("--num-prompts", args.num_prompts),
-                        ("--prompt-len", args.prompt_len), ("--max-new-tokens", args.max_new_tokens)):
+def _check_args(gamma: int, num_prompts: int, prompt_len: int, max_new_tokens: int, threads: int,
+                json_path: Path | None) -> None:
+    for flag, value in (("--gamma", gamma), ("--num-prompts", num_prompts),
+                        ("--prompt-len", prompt_len), ("--max-new-tokens", max_new_tokens)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be >= 1")
-    if args.threads < 0:
-        raise UserError(f"--threads {args.threads}: must be >= 0 (0 = torch's default)")
-    if args.json is not None and not args.json.parent.is_dir():
-        raise UserError(f"--json {args.json}: directory {args.json.parent} does not exist")
-    if args.json is not None:
-        claim_output(args.json, "--json", "spec-eval", ours=is_spec_eval_json, file=True)
+    if threads < 0:
+        raise UserError(f"--threads {threads}: must be >= 0 (0 = torch's default)")
+    if json_path is not None and not json_path.parent.is_dir():
+        raise UserError(f"--json {json_path}: directory {json_path.parent} does not exist")
+    if json_path is not None:
+        claim_output(json_path, "--json", "spec-eval", ours=is_spec_eval_json, file=True)
 
 
 def is_spec_eval_json(path: Path) -> bool:
@@ -198,25 +199,36 @@ def _print_report(result: dict, target_dir: Path) -> None:
     console.print(acceptance)
 
 
+def spec_eval(target: Path, draft: str, *, gamma: int = 4, prompts: Path | None = None, num_prompts: int = 8,
+              prompt_len: int = 64, max_new_tokens: int = 64, json_path: Path | None = None, threads: int = 0) -> dict:
+    """Speculative decoding of ``target`` with ``draft``: the result record (``--json`` writes it, with
+    ``written_by``). The keywords are the command's flags; its defaults are theirs (a test compares them)."""
+    json_path = Path(json_path) if json_path is not None else None
+    _check_args(gamma, num_prompts, prompt_len, max_new_tokens, threads, json_path)
+    if threads:
+        torch.set_num_threads(threads)
+    target_dir = resolve_model_dir(Path(target), "--target")
+    tokenizer = _load_tokenizer(target_dir)
+    if prompts is not None:
+        prompt_ids = load_prompts_jsonl(Path(prompts), tokenizer, prompt_len)[:num_prompts]
+    else:
+        prompt_ids = heldout_prompts(tokenizer, num_prompts, prompt_len)
+    target_model = load_causal_lm(target_dir, "--target")
+    drafter = load_drafter(str(draft), target_model, tokenizer)
+
+    result = evaluate_drafter(target_model, drafter, prompt_ids, gamma, max_new_tokens, tokenizer.eos_token_id)
+    result["target"] = str(target_dir)
+    if json_path is not None:
+        write_atomic(json_path, json.dumps({"written_by": WRITTEN_BY, **result}, indent=2) + "\n")
+    return {"written_by": WRITTEN_BY, **result}
+
+
 def run(args: argparse.Namespace) -> int:
     """The spec-eval command: 0 when lossless, 1 when the speculative output differs from the target's."""
-    _check_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target_dir = resolve_model_dir(args.target, "--target")
-    tokenizer = _load_tokenizer(target_dir)
-    if args.prompts is not None:
-        prompts = load_prompts_jsonl(args.prompts, tokenizer, args.prompt_len)[: args.num_prompts]
-    else:
-        prompts = heldout_prompts(tokenizer, args.num_prompts, args.prompt_len)
-    target = load_causal_lm(target_dir, "--target")
-    drafter = load_drafter(args.draft, target, tokenizer)
-
-    result = evaluate_drafter(target, drafter, prompts, args.gamma, args.max_new_tokens, tokenizer.eos_token_id)
-    result["target"] = str(target_dir)
-    _print_report(result, target_dir)
-    if args.json is not None:
-        write_atomic(args.json, json.dumps({"written_by": WRITTEN_BY, **result}, indent=2) + "\n")
+    result = spec_eval(args.target, args.draft, gamma=args.gamma, prompts=args.prompts, num_prompts=args.num_prompts,
+                       prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, json_path=args.json,
+                       threads=args.threads)
+    _print_report(result, Path(result["target"]))
     for m in result["mismatches"]:
         print(f"treadle: not lossless: prompt {m['prompt']} differs from the target's greedy output "
               f"at generated token {m['position']}", file=sys.stderr)

@@ -6,19 +6,21 @@ missing shard never damages an earlier run that lives there.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 from treadle import distributed
 from treadle.checkpoint.export import claim_export
 from treadle.checkpoint.manager import CheckpointManager
-from treadle.config import Config, SourceConfig, parse_duration
+from treadle.config import Config, SourceConfig, _explain, explicit_tree, parse_duration
 from treadle.data.loader import StepLoader, check_token_ids, eval_batches
 from treadle.data.mixture import Mixture, Phase
 from treadle.data.packed import ExampleDataset, PackedDataset
@@ -177,13 +179,77 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
                       DraftExportCallback(out, target_dir, identity, cfg.draft))
 
 
-def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
+def checked_config(cfg: Config) -> Config:
+    """The whole config validated again, cross-field rules included, as ``load_config`` would.
+
+    Assigning to a section (``cfg.train.max_steps = 3``) re-validates that field only, not Config's rules across
+    sections: a config built or edited in Python is checked here, where every run starts. Each section is
+    rebuilt from the fields that were set, so the rules that ask what was set (data.train beside data.sources)
+    see what the user set.
+    """
+    if not isinstance(cfg, Config):
+        raise UserError(f"a run needs a treadle Config, got {type(cfg).__name__}; accepted: treadle.Config or load_config(...)")
+    try:
+        return Config.model_validate(explicit_tree(cfg))
+    except ValidationError as err:
+        raise _explain(err, "") from None
+
+
+def _treadle_callback_names(cls: type = Callback) -> set[str]:
+    """Class names of treadle's own callbacks (every subclass defined in a treadle module, at any depth)."""
+    return {c.__name__ for c in cls.__subclasses__() if c.__module__.startswith("treadle.")} | {
+        n for c in cls.__subclasses__() for n in _treadle_callback_names(c)}
+
+
+def _check_user_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
+    """User callbacks are Callback instances with their own class names: a checkpoint keeps each callback's
+    state under its class name, so a name taken twice would hand one callback the other's state on resume."""
+    taken = _treadle_callback_names()
+    for cb in callbacks:
+        if not isinstance(cb, Callback):
+            raise UserError(f"callbacks: {cb!r} is not a treadle Callback; accepted: instances of subclasses of "
+                            "treadle.Callback")
+        name = type(cb).__name__
+        if name in taken:
+            raise UserError(f"callbacks: two callbacks of a run are named {name} (a checkpoint keeps callback state "
+                            "by class name); accepted: one callback per class name, none named like treadle's own")
+        taken.add(name)
+    return list(callbacks)
+
+
+def build_trainer(cfg: Config, live: bool | None = None, callbacks: Sequence[Callback] = ()) -> Trainer:
     """Everything a run needs, validated and resumed if there is a checkpoint; nothing trained yet.
 
     Under a launcher (torchrun, deepspeed) every rank runs this; the process group is joined
     first, and what one process must do alone (the run directory, metrics, the console, the
-    checkpoint's finalization) is rank 0's.
+    checkpoint's finalization) is rank 0's. ``callbacks`` (``Callback`` instances) run after
+    treadle's evaluation callbacks and before its checkpoint: they see the step's eval metrics,
+    and the checkpoint of a step holds their state after that step (``state_dict``).
+
+    If anything raises, what was opened is closed again (a process group this call joined, the
+    prefetch thread, the metrics file, a checkpoint write); on success the trainer owns them:
+    ``fit`` closes the loader and the checkpoint writer, ``close_trainer`` the rest.
     """
+    cfg = checked_config(cfg)  # before anything is opened or written
+    callbacks = _check_user_callbacks(callbacks)
+    with contextlib.ExitStack() as opened:
+        if not torch.distributed.is_initialized():
+            opened.callback(distributed.destroy)
+        trainer = _assemble(cfg, live, callbacks, opened)
+        opened.pop_all()
+    return trainer
+
+
+def close_trainer(trainer: Trainer) -> None:
+    """Close what a trainer holds; safe to call twice, and after ``fit`` (which closes loader and checkpoints)."""
+    try:
+        trainer.checkpoints.join()
+        trainer.loader.close()
+    finally:
+        trainer.metrics.close()
+
+
+def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback], opened: contextlib.ExitStack) -> Trainer:
     d = cfg.distributed
     info = init_distributed(cfg.train.device, num_threads=cfg.train.threads or None,
                             timeout=datetime.timedelta(seconds=d.timeout_s))
@@ -200,6 +266,7 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     checkpoints = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last, info.rank, world_size=info.world_size,
                                     async_save=cfg.checkpoint.async_save, best_metric=cfg.checkpoint.best_metric,
                                     best_mode=cfg.checkpoint.best_mode)
+    opened.callback(checkpoints.join)  # a rollback below may write
     resume_from = distributed.on_main(checkpoints.find_resume, cfg.checkpoint.resume)  # one choice for all ranks
 
     seed_everything(cfg.train.seed)
@@ -221,8 +288,10 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     t, r = cfg.train, cfg.resilience
     loader = StepLoader({o.name: o.dataset for o in data.sources}, t.micro_batch_size, t.grad_accum_steps, t.seed,
                         info.rank, info.world_size, data.mixture, prefetch=cfg.data.prefetch, vocab_size=setup.vocab_size)
+    opened.callback(loader.close)
     # Order matters: the guard may roll back before eval and checkpoint see the step,
-    # and eval (which may set the "best" metric) runs before the checkpoint.
+    # and eval (which may set the "best" metric) runs before the checkpoint; user callbacks come
+    # after eval (they see its result) and before the checkpoint (which saves their state).
     callbacks = [MetricsCallback(t.log_every), NanGuardCallback(r)]
     if info.world_size > 1 and d.health_check_every:
         callbacks.append(HealthCheckCallback(d.health_check_every, d.health_check_timeout_s))
@@ -231,17 +300,20 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     if val_ds is not None:
         callbacks.append(EvalCallback(t.eval_every))
     callbacks += setup.eval_callbacks
+    callbacks += user_callbacks
     callbacks.append(CheckpointCallback(cfg.checkpoint.every))
     if cfg.checkpoint.export_hf:
         callbacks.append(setup.export)
     bf16 = cfg.model.dtype == "bf16"
+    metrics = JsonlSink(out / "metrics.jsonl", enabled=main)
+    opened.callback(metrics.close)
     trainer = Trainer(
         cfg, engine, build_schedule(engine.optimizer, cfg), loader,
         val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches, info.rank, info.world_size,
                                          setup.vocab_size),
         callbacks=callbacks,
         checkpoints=checkpoints,
-        metrics=JsonlSink(out / "metrics.jsonl", enabled=main),
+        metrics=metrics,
         console=Console(t.max_steps, enabled=main, live=live),
         autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
         meta=meta,
@@ -268,18 +340,19 @@ def build_trainer(cfg: Config, live: bool | None = None) -> Trainer:
     return trainer
 
 
-def run_training(cfg: Config, live: bool | None = None) -> RunSummary:
+def run_training(cfg: Config, live: bool | None = None, callbacks: Sequence[Callback] = ()) -> RunSummary:
+    """Build, fit and close a run (``build_trainer``); everything it opened is closed, also when it raises."""
     joined = not torch.distributed.is_initialized()  # a group this run creates is left at its end
     try:
-        trainer = build_trainer(cfg, live)
+        trainer = build_trainer(cfg, live, callbacks)
         try:
             state = trainer.fit()
         finally:
-            trainer.metrics.close()
+            close_trainer(trainer)
     finally:
         if joined:
             distributed.destroy()
-    out = Path(cfg.train.output_dir)
+    out = Path(trainer.cfg.train.output_dir)
     metrics_cb = next(cb for cb in trainer.callbacks if isinstance(cb, MetricsCallback))
     eval_cb = next((cb for cb in trainer.callbacks if type(cb) is EvalCallback), None)
     return RunSummary(
