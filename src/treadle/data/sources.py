@@ -19,6 +19,9 @@ Formats (``format = "auto"`` looks at the first row): ``text`` (a string field,
 or ``prompt``/``completion``: loss on assistant / completion tokens only, packed as
 whole examples; see ``treadle.data.sft``).
 
+With ``data.val_fraction`` a source is split by document (``treadle.data.holdout``): the
+dataset holds the training documents, ``held_out`` the rest, which the run evaluates on.
+
 Bad rows (not UTF-8, not JSON, not an object, a missing or ill-typed field, no assistant
 turn) stop the run with ``file:line: what is wrong`` under ``data.bad_rows =
 "error"``; under ``"skip"`` they are skipped, counted in the cache's meta.json
