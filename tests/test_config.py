@@ -44,6 +44,9 @@ def test_file_then_overrides(tmp_path):
         ("--schedule.decay=step", "'cosine', 'linear', 'constant' or 'wsd'"),
         ("--train.grad_clip=-1", "greater than or equal to 0"),
         ("--schedule.warmup_steps=500", "schedule.warmup_steps=500 is not shorter than train.max_steps=200"),
+        ("--schedule.warmup_steps=200", "(e.g. --schedule.warmup_steps=20), or schedule.warmup_proportion"),
+        ("--data.val_fraction=1", "data.val_fraction = 1 is invalid"),
+        ("--checkpoint.every_minutes=-1", "checkpoint.every_minutes = -1 is invalid"),
         ("--checkpoint.keep_last=0", "checkpoint.keep_last = 0 is invalid"),
         ("train.max_steps", "accepted form: --section.key=value"),
     ],
@@ -58,6 +61,13 @@ def test_bad_values_name_key_value_and_what_is_accepted(override, expected):
 def test_both_warmups_is_a_cross_field_error():
     with pytest.raises(UserError, match="warmup_steps or schedule.warmup_proportion, not both"):
         load_config(None, ["--schedule.warmup_steps=5", "--schedule.warmup_proportion=0.1"])
+
+
+def test_val_fraction_replaces_the_default_val_but_not_an_explicit_one():
+    assert load_config(None, ["--data.val_fraction=0.1"]).data.val_fraction == 0.1
+    assert load_config(None, ["--data.val_fraction=0.1", "--data.val=[]"]).data.val == []
+    with pytest.raises(UserError, match=r"data.val = \['v'\] and data.val_fraction = 0.1 are both set; accepted: one"):
+        load_config(None, ["--data.val_fraction=0.1", "--data.val=v"])
 
 
 def test_bad_file(tmp_path):
@@ -81,6 +91,12 @@ def test_resolved_config_round_trips(tmp_path):
     assert again == cfg
     assert again.schedule.warmup_steps is None and again.model.path is None  # None survives TOML, which has no null
     assert cfg.warmup_steps() == 20
+    # data.val_fraction replaces the default data.val: the saved config leaves it out, so it loads again.
+    held = load_config(None, ["--data.val_fraction=0.05", "--train.eval_at_start=false", "--checkpoint.every_minutes=0"])
+    save_config(held, path)
+    assert load_config(path) == held and "val =" not in path.read_text()
+    # A proportion is floored without float noise: 0.29 * 100 = 28.999999999999996.
+    assert load_config(None, ["--schedule.warmup_proportion=0.29", "--train.max_steps=100"]).warmup_steps() == 29
 
 
 def test_parse_override_literals():

@@ -23,7 +23,7 @@ from tests.distributed import run_distributed
 from tests.helpers import args, draft_args, mixture_args, records, write_pairs
 from treadle.cli import main
 from treadle.config import load_config
-from treadle.train.callbacks import Callback
+from treadle.train.callbacks import Callback, CheckpointCallback
 
 LOSS_RTOL = 1e-5
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -64,9 +64,13 @@ def _runs(rank, world_size, shards, out):
                               "--distributed.engine=fsdp2", "--distributed.health_check_every=1",
                               "--checkpoint.async_save=true"))  # the writer on its own group beside the health check
 
-    # 2. DDP, a NaN loss on rank 1 only at step 2: both ranks must skip that update.
+    # 2. DDP, a NaN loss on rank 1 only at step 2: both ranks must skip that update. A checkpoint is due by time
+    #    after every step on rank 0's clock; rank 1's own would never be: rank 0's decides for both.
     trainer = build_trainer(_cfg(shards, out / "nan", "--train.max_steps=3", "--distributed.engine=ddp",
-                                 "--resilience.inject_nan_steps=[2]", "--resilience.inject_nan_ranks=[1]"))
+                                 "--resilience.inject_nan_steps=[2]", "--resilience.inject_nan_ranks=[1]",
+                                 "--checkpoint.every_minutes=0.00001"))
+    if rank == 1:
+        next(cb for cb in trainer.callbacks if isinstance(cb, CheckpointCallback)).every_s = 1e9
     trainer.fit()
     trainer.metrics.close()
     got["nan"] = (trainer.state.skipped_steps, _fingerprint(trainer.engine.module))
@@ -124,6 +128,9 @@ def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_pat
     assert skipped0 == skipped1 == 1 and w0 == w1
     assert records(tmp_path / "nan", "skipped_steps") == {2: 1, 3: 1}
     assert records(tmp_path / "nan")[2] is None  # the NaN loss itself is logged (as null)
+    ckpts = tmp_path / "nan" / "checkpoints"  # by time, without checkpoint.every: steps 1, 2, 3 (keep_last 2)
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_2", "step_3"]
+    assert len(list((ckpts / "step_2" / "rng").iterdir())) == 2
 
     # SIGTERM on one rank: both stopped after step 2, and the checkpoint of step 2 is complete.
     assert res[0]["term"] == (2, "stop requested by another rank") and res[1]["term"] == (2, "SIGTERM")

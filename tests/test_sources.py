@@ -195,3 +195,59 @@ def test_text_rows_keep_special_token_text_and_record_the_largest_id(shards, tmp
     assert shard.max_token_id == int(shard.tokens.max())
     first = shard.tokens[: shard.offsets[1]].tolist()
     assert tok.decode(first[:-1]) == 'EOS = "<|endoftext|>"\n' + TEXTS[0] and first[-1] == tok.eos_token_id
+
+
+def _documents(ds) -> list[tuple[int, ...]]:
+    """The documents of a dataset's token stream, in order."""
+    stream = ds._read(0, ds.num_tokens).tolist()
+    bounds = list(ds._doc_starts) + [ds.num_tokens]
+    return [tuple(stream[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def test_val_fraction_holds_out_a_fixed_disjoint_part_of_a_source(shards, tmp_path):
+    f = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in TEXTS])
+    cfg = DataConfig(seq_len=16)
+    every = _documents(open_(shards, f).dataset)
+    src = open_source("s", [str(f)], "train", "auto", "text", 16, cfg, shards / "tok", "data.sources[0] (s)",
+                      val_fraction=0.2)
+    train, held = _documents(src.dataset), _documents(src.held_out)
+    assert len(every) == 40 and len(held) == 8 and len(train) == 32  # round(0.2 * 40)
+    assert not set(train) & set(held) and sorted(train + held) == sorted(every)
+    assert train == [d for d in every if d not in held]  # in their order, and spread over the file, not its tail
+    assert [every.index(d) for d in held] != list(range(32, 40))
+    # Samples are windows over the kept documents alone, positions restarting at each of them.
+    stream = [t for d in train for t in d]
+    starts = {sum(map(len, train[:k])) for k in range(len(train))}
+    for i in range(len(src.dataset)):
+        s = src.dataset[i]
+        assert s["input_ids"].tolist() == stream[i * 16:(i + 1) * 16]
+        assert [j for j, p in enumerate(s["position_ids"].tolist()) if p == 0] == \
+               [j - i * 16 for j in range(i * 16, (i + 1) * 16) if j in starts]
+    # The same split every time (no seed, no rank, no run state takes part), for an SFT source as for text.
+    again = open_source("s", [str(f)], "train", "auto", "text", 16, cfg, shards / "tok", "k", val_fraction=0.2)
+    assert _documents(again.held_out) == held
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    sft_src = open_source("p", [str(pairs)], "train", "auto", "text", 48, DataConfig(seq_len=48), shards / "tok", "k",
+                          val_fraction=0.25)
+    assert isinstance(sft_src.held_out, ExampleDataset)
+    examples = sft_src.dataset.stats["examples"] + sft_src.held_out.stats["examples"]
+    assert examples == len(PAIRS) and sft_src.held_out.stats["examples"] == round(0.25 * len(PAIRS))
+    assert not set(_documents(sft_src.dataset)) & set(_documents(sft_src.held_out))
+
+
+def test_held_out_parts_interleave_and_a_source_too_small_to_split_is_refused(shards, tmp_path):
+    from treadle.data.holdout import Interleaved, held_out
+
+    f = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in TEXTS])
+    cfg = DataConfig(seq_len=8)
+    a = open_source("a", [str(f)], "train", "auto", "text", 8, cfg, shards / "tok", "a", val_fraction=0.5).held_out
+    b = open_source("b", [str(f)], "train", "auto", "text", 8, cfg, shards / "tok", "b", val_fraction=0.1).held_out
+    both = Interleaved([a, b])
+    assert len(both) == len(a) + len(b) and len(a) >= 3 * len(b) > 0
+    owners = both._owner.tolist()
+    half = owners[: len(owners) // 2]  # any prefix samples both parts in proportion
+    assert abs(half.count(1) - len(b) / 2) <= 1
+    assert [t.tolist() for t in both[0].values()] == [t.tolist() for t in a[0].values()]
+    assert held_out(10, 0.01, "x").sum() == 1  # at least one document
+    with pytest.raises(UserError, match=r"data.val_fraction = 0.5 would hold out 1 of the 1 document\(s\) of one"):
+        held_out(1, 0.5, "one")

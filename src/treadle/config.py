@@ -9,6 +9,7 @@ back to ``treadle train`` unchanged (``load_config(path)`` round-trips).
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import tomllib
@@ -53,7 +54,9 @@ class TrainConfig(Section):
     seed: int = Field(0, ge=0)
     output_dir: str = Field("runs/default", description="run directory")
     log_every: int = Field(10, ge=1)
-    eval_every: int = Field(100, ge=0, description="0 = evaluate only at the start and the end")
+    eval_every: int = Field(100, ge=0, description="steps between evaluations; 0 = only at the end (and the start)")
+    eval_at_start: bool = Field(True, description="evaluate before the first step too: the baseline later evals are "
+                                "compared to, and a broken validation set found at once (false: skip it)")
     eval_batches: int = Field(16, ge=1, description="validation batches per evaluation")
     grad_clip: float = Field(1.0, ge=0.0, description="max global grad norm; 0 = no clipping")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
@@ -106,7 +109,9 @@ class ScheduleConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    every: int = Field(0, ge=0, description="steps between checkpoints; 0 = none by step count")
+    every_minutes: float = Field(30.0, ge=0.0, description="wall-clock minutes between checkpoints, besides 'every' "
+                                 "(whichever is due first; rank 0's clock); 0 = none by time")
     keep_last: int = Field(2, ge=1)
     resume: str = Field("auto", description="auto | none | <checkpoint path>")
     export_hf: bool = Field(True, description="write <output_dir>/hf (a draft run: <output_dir>/draft) at the end")
@@ -186,6 +191,9 @@ class DataConfig(Section):
     seq_len: int = Field(256, ge=8)
     train: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs / data files, or 'builtin' (one source named 'train')")
     val: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs / data files, 'builtin', or [] for no eval")
+    val_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="hold out this fraction of every training source's "
+                                "documents (fixed by a hash of the document's index) as the validation set, instead of "
+                                "data.val; 0 = off")
     sources: list[SourceConfig] = Field(default_factory=list, description="a weighted mixture; replaces data.train")
     temperature: float = Field(1.0, gt=0.0, description="mixture temperature: probability ~ weight^(1/temperature)")
     phases: list[PhaseConfig] = Field(default_factory=list, description="curriculum: mixture weights and lr_scale by step")
@@ -209,6 +217,9 @@ class DataConfig(Section):
             raise ValueError(f"data.sources: name {dup!r} is used twice; accepted: one name per source")
         if self.sources and "train" in self.model_fields_set:
             raise ValueError("data.train and data.sources are both set; accepted: one of them (data.sources replaces data.train)")
+        if self.val_fraction and self.val and "val" in self.model_fields_set:
+            raise ValueError(f"data.val = {self.val} and data.val_fraction = {self.val_fraction} are both set; accepted: "
+                             "one of them (data.val_fraction holds out part of the training data as the validation set)")
         known = names or ["train"]
         starts = [p.start_step for p in self.phases]
         if starts != sorted(set(starts)):
@@ -274,7 +285,9 @@ class Config(Section):
         if self.schedule.warmup_steps is not None and self.schedule.warmup_steps >= self.train.max_steps:
             raise ValueError(
                 f"schedule.warmup_steps={self.schedule.warmup_steps} is not shorter than "
-                f"train.max_steps={self.train.max_steps}; accepted: 0 <= warmup_steps < max_steps"
+                f"train.max_steps={self.train.max_steps}; accepted: 0 <= warmup_steps < max_steps (e.g. "
+                f"--schedule.warmup_steps={self.train.max_steps // 10}), or schedule.warmup_proportion in the file, "
+                "which scales with the run"
             )
         if self.draft.kind is not None and self.draft.target is None:
             raise ValueError("draft.kind is set but draft.target is not; accepted: a Hugging Face model directory or a treadle run directory")
@@ -288,8 +301,8 @@ class Config(Section):
         s = self.schedule
         if s.warmup_steps is not None:
             return s.warmup_steps
-        if s.warmup_proportion is not None:
-            return int(s.warmup_proportion * self.train.max_steps)
+        if s.warmup_proportion is not None:  # floor, robust to 0.1 * 30 = 3.0000000000000004 and 0.29 * 100 = 28.99...
+            return math.floor(s.warmup_proportion * self.train.max_steps + 1e-9)
         return 0
 
 
@@ -399,6 +412,8 @@ def to_toml(cfg: Config) -> str:
     tree = cfg.model_dump(mode="json", exclude_none=True)
     if cfg.data.sources:
         del tree["data"]["train"]
+    if cfg.data.val_fraction:  # likewise data.val, which data.val_fraction replaces
+        del tree["data"]["val"]
     return tomli_w.dumps(tree)
 
 

@@ -6,6 +6,10 @@ restart at 0 where a document or example starts. Hugging Face models read a
 restart of ``position_ids`` (with no attention mask) as the start of a new packed
 sequence and keep attention inside it, so packed documents never see each other.
 
+Either may hold a subset of the shards' documents (``documents``: the number of
+documents -> a mask of those kept; ``data.val_fraction`` splits training and
+held-out documents this way): the kept documents then form the token stream, in order.
+
 ``PackedDataset`` (pre-training): the shards are one long token stream; sample
 ``i`` is the window ``[i*L, i*L + L + 1)`` (L = seq_len): ``L`` inputs and the
 ``L`` next tokens as labels, so neighbouring samples share exactly one token and
@@ -24,7 +28,7 @@ if no loss token is left), ``drop`` drops it; both are counted in ``stats``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -38,7 +42,8 @@ IGNORE_INDEX = -100
 class _ShardSet(torch.utils.data.Dataset):
     """One or more shard directories of one tokenizer, addressed as one global token stream."""
 
-    def __init__(self, shard_dirs: Sequence[Path] | Path | str, seq_len: int):
+    def __init__(self, shard_dirs: Sequence[Path] | Path | str, seq_len: int,
+                 documents: Callable[[int], np.ndarray] | None = None, part: str = ""):
         if isinstance(shard_dirs, (str, Path)):
             shard_dirs = [shard_dirs]
         if not shard_dirs:
@@ -71,14 +76,50 @@ class _ShardSet(torch.utils.data.Dataset):
             [s.offsets[:-1] + start for s, start in zip(self.shards, self._shard_starts[:-1])]
         ).astype(np.int64)
         self._has_mask = any(s.has_loss_mask for s in self.shards)
+        self.part = part  # which of the documents, for messages ("" = all)
+        self._pieces: tuple[np.ndarray, np.ndarray] | None = None
+        if documents is not None:
+            self._keep_documents(np.asarray(documents(self._doc_starts.size), dtype=bool))
+
+    def _keep_documents(self, keep: np.ndarray) -> None:
+        """From here on the stream is the kept documents only, back to back: ``_read`` and ``_doc_starts`` speak
+        its coordinates. Runs of consecutive kept documents are read as one piece of the shards' stream."""
+        if keep.shape != self._doc_starts.shape:
+            raise ValueError(f"documents: a mask of {self._doc_starts.size} documents expected, got {keep.shape}")
+        starts = self._doc_starts[keep]
+        lengths = (np.append(self._doc_starts[1:], self.num_tokens) - self._doc_starts)[keep]
+        virtual = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        new_piece = np.ones(starts.size, dtype=bool)
+        new_piece[1:] = starts[1:] != starts[:-1] + lengths[:-1]
+        first = np.flatnonzero(new_piece)
+        self._pieces = (np.append(virtual[first], virtual[-1]), starts[first])  # (stream starts + end, shard-stream starts)
+        self._doc_starts = virtual[:-1]
+        self.num_tokens = int(virtual[-1])
 
     @property
     def where(self) -> str:
-        """The shard directories, for messages."""
-        return f"shard director{'y' if len(self.shards) == 1 else 'ies'} {', '.join(str(s.path) for s in self.shards)}"
+        """The shard directories (and which of their documents), for messages."""
+        dirs = f"shard director{'y' if len(self.shards) == 1 else 'ies'} {', '.join(str(s.path) for s in self.shards)}"
+        return f"{dirs} ({self.part})" if self.part else dirs
 
     def _read(self, start: int, stop: int, mask: bool = False) -> np.ndarray:
-        """Global tokens [start, stop) as int64 (with ``mask``: their loss mask), stitched across shards."""
+        """Tokens [start, stop) of the dataset's stream as int64 (with ``mask``: their loss mask)."""
+        if self._pieces is None:
+            return self._read_shards(start, stop, mask)
+        piece_starts, shard_starts = self._pieces
+        k = int(np.searchsorted(piece_starts, start, side="right")) - 1
+        parts = []
+        while start < stop:
+            hi = min(stop, int(piece_starts[k + 1]))
+            if hi > start:
+                at = int(shard_starts[k]) + start - int(piece_starts[k])
+                parts.append(self._read_shards(at, at + hi - start, mask))
+                start = hi
+            k += 1
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def _read_shards(self, start: int, stop: int, mask: bool = False) -> np.ndarray:
+        """Tokens [start, stop) of all shards' stream as int64 (with ``mask``: their loss mask), stitched across shards."""
         first = int(np.searchsorted(self._shard_starts, start, side="right")) - 1
         parts, k = [], first
         while start < stop:
@@ -99,14 +140,15 @@ class _ShardSet(torch.utils.data.Dataset):
 class PackedDataset(_ShardSet):
     """Fixed-length windows over the concatenated token stream of one or more shard directories."""
 
-    def __init__(self, shard_dirs: Sequence[Path] | Path | str, seq_len: int, mask_cross_doc: bool = True):
-        super().__init__(shard_dirs, seq_len)
+    def __init__(self, shard_dirs: Sequence[Path] | Path | str, seq_len: int, mask_cross_doc: bool = True,
+                 documents: Callable[[int], np.ndarray] | None = None, part: str = ""):
+        super().__init__(shard_dirs, seq_len, documents, part)
         self.mask_cross_doc = mask_cross_doc
         self._len = (self.num_tokens - 1) // seq_len if self.num_tokens > 0 else 0
         if self._len < 1:
             raise UserError(
-                f"shard directories {', '.join(str(s.path) for s in self.shards)} hold {self.num_tokens} tokens: "
-                f"too few for one sample of seq_len={seq_len} (needs at least {seq_len + 1})"
+                f"{self.where}: {self.num_tokens} tokens, too few for one sample of seq_len={seq_len} "
+                f"(needs at least {seq_len + 1})"
             )
 
     def __len__(self) -> int:
@@ -140,8 +182,9 @@ class PackedDataset(_ShardSet):
 class ExampleDataset(_ShardSet):
     """Whole examples (documents) packed into ``seq_len`` samples; loss only where the loss mask says."""
 
-    def __init__(self, shard_dirs: Sequence[Path] | Path | str, seq_len: int, overlong: str = "truncate"):
-        super().__init__(shard_dirs, seq_len)
+    def __init__(self, shard_dirs: Sequence[Path] | Path | str, seq_len: int, overlong: str = "truncate",
+                 documents: Callable[[int], np.ndarray] | None = None, part: str = ""):
+        super().__init__(shard_dirs, seq_len, documents, part)
         if overlong not in ("truncate", "drop"):
             raise UserError(f"data.overlong = {overlong!r}; accepted: 'truncate' or 'drop'")
         L = seq_len
@@ -163,7 +206,7 @@ class ExampleDataset(_ShardSet):
         self._lengths = np.minimum(positions[self._examples], L)
         self.stats = {"examples": int(keep.sum()), "truncated": truncated, "dropped": int((~keep & (positions > 0)).sum())}
         if self._examples.size == 0:
-            raise UserError(f"shard directories {', '.join(str(s.path) for s in self.shards)}: no example fits "
+            raise UserError(f"{self.where}: no example fits "
                             f"seq_len={L} with data.overlong = {overlong!r} ({self.stats['dropped']} dropped)")
         # Next fit, in data order: deterministic, and cheap to recompute for any seq_len.
         bins, used = [0], 0

@@ -19,6 +19,9 @@ Formats (``format = "auto"`` looks at the first row): ``text`` (a string field,
 or ``prompt``/``completion``: loss on assistant / completion tokens only, packed as
 whole examples; see ``treadle.data.sft``).
 
+With ``data.val_fraction`` a source is split by document (``treadle.data.holdout``): the
+dataset holds the training documents, ``held_out`` the rest, which the run evaluates on.
+
 Bad rows (not UTF-8, not JSON, not an object, a missing or ill-typed field, no assistant
 turn) stop the run with ``file:line: what is wrong`` under ``data.bad_rows =
 "error"``; under ``"skip"`` they are skipped, counted in the cache's meta.json
@@ -37,6 +40,7 @@ from typing import Iterator
 
 from treadle import corpus
 from treadle.data.builtin import builtin_shards
+from treadle.data.holdout import held_out
 from treadle.data.jsonl import numbered_lines
 from treadle.data.packed import ExampleDataset, PackedDataset
 from treadle.data.shards import ShardWriter, read_meta
@@ -57,6 +61,7 @@ class OpenedSource:
     kind: str  # "tokens" | "text" | "sft"
     skipped: int = 0  # rows skipped under data.bad_rows = "skip"
     skip_examples: list[str] = field(default_factory=list)
+    held_out: PackedDataset | ExampleDataset | None = None  # its documents kept out of training (data.val_fraction)
 
     def describe(self) -> str:
         ds = self.dataset
@@ -66,6 +71,8 @@ class OpenedSource:
             text += f", {s['examples']:,} examples ({s['truncated']} truncated, {s['dropped']} dropped: data.overlong)"
         if self.skipped:
             text += f", {self.skipped} bad rows skipped (e.g. {self.skip_examples[0]})"
+        if self.held_out is not None:
+            text += f", {len(self.held_out):,} samples held out for validation (data.val_fraction)"
         return text
 
 
@@ -304,11 +311,12 @@ def file_tokenizer(setting: str, candidates: list[Path | None]) -> Path:
 
 def open_source(name: str, entries: list[str], split: str, fmt: str, text_field: str, seq_len: int,
                 data, tokenizer: Path | None, key: str,
-                resolved: tuple[list[Path], list[Path]] | None = None) -> OpenedSource:
+                resolved: tuple[list[Path], list[Path]] | None = None, val_fraction: float = 0.0) -> OpenedSource:
     """A source as a dataset: shard directories as they are, data files through the tokenization cache.
 
     ``data`` is the run's ``DataConfig`` (seq_len policies, bad rows, chat template); ``resolved``
-    is ``resolve(entries, split, key)`` when the caller has it already.
+    is ``resolve(entries, split, key)`` when the caller has it already. With ``val_fraction``, that
+    fraction of the source's documents is held out (``holdout.held_out``): ``dataset`` is the rest.
     """
     shard_dirs, files = resolved or resolve(entries, split, key)
     if files:
@@ -321,8 +329,18 @@ def open_source(name: str, entries: list[str], split: str, fmt: str, text_field:
         metas = [read_meta(d) for d in shard_dirs]
         kind = fmt if fmt in ("sft", "text") else ("sft" if all(m.get("kind") == "sft" for m in metas) else "tokens")
     if kind == "sft":
-        dataset = ExampleDataset(shard_dirs, seq_len, data.overlong)
+        def make(documents=None, part=""):
+            return ExampleDataset(shard_dirs, seq_len, data.overlong, documents, part)
     else:
-        dataset = PackedDataset(shard_dirs, seq_len, data.mask_cross_doc)
+        def make(documents=None, part=""):
+            return PackedDataset(shard_dirs, seq_len, data.mask_cross_doc, documents, part)
+    if val_fraction:
+        def val(n: int):
+            return held_out(n, val_fraction, key)
+
+        dataset = make(lambda n: ~val(n), f"{key}: its training documents, data.val_fraction = {val_fraction} held out")
+        held = make(val, f"{key}: the documents held out by data.val_fraction = {val_fraction}")
+    else:
+        dataset, held = make(), None
     meta = dataset.meta
-    return OpenedSource(name, dataset, kind, int(meta.get("skipped_rows", 0)), list(meta.get("skip_examples", [])))
+    return OpenedSource(name, dataset, kind, int(meta.get("skipped_rows", 0)), list(meta.get("skip_examples", [])), held)

@@ -119,13 +119,14 @@ def evaluate(trainer: Trainer) -> tuple[float, int, dict[str, float]]:
 
 
 class EvalCallback(Callback):
-    """Validation loss and perplexity at the start, every ``eval_every`` steps and at the end.
+    """Validation loss and perplexity at the start (``at_start``), every ``eval_every`` steps and at the end.
 
     Other evaluations on the same cadence (a draft's acceptance) override ``measure``.
     """
 
-    def __init__(self, eval_every: int):
+    def __init__(self, eval_every: int, at_start: bool = True):
         self.eval_every = eval_every
+        self.at_start = at_start
         self.first: dict | None = None
         self.last: dict | None = None
 
@@ -142,7 +143,9 @@ class EvalCallback(Callback):
         trainer.log(record, kind="eval")
 
     def on_train_start(self, trainer: Trainer) -> None:
-        if self.first is None:  # a fresh run: the starting point every later eval is compared to
+        # A fresh run: the starting point every later eval is compared to (without at_start, the first periodic
+        # eval is). A resumed run has its own, restored with the callback's state.
+        if self.at_start and self.first is None:
             self._run(trainer)
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
@@ -164,23 +167,40 @@ class EvalCallback(Callback):
 
 
 class CheckpointCallback(Callback):
-    """Every ``every`` steps (0 = never in between), at the end, and when the run is asked to stop."""
+    """Every ``every`` steps, every ``every_s`` seconds of training, at the end, and when the run is asked to stop.
 
-    def __init__(self, every: int):
+    Either interval may be 0 (off); whichever is due first saves, and a save of either kind restarts the clock.
+    The clock is rank 0's: every rank must save the same step (a save is collective), so rank 0's verdict is
+    shared by ``any_rank`` after each step, and only when the time interval is on. A resumed run starts
+    from a checkpoint, so its clock starts at zero; the step interval counts from step 0 whatever the resumes.
+    """
+
+    def __init__(self, every: int, every_s: float = 0.0):
         self.every = every
+        self.every_s = every_s
         self.last_saved: int | None = None
+        self._since = time.monotonic()  # when the clock last restarted: the start, or the last save
 
     def _save(self, trainer: Trainer) -> None:
         if self.last_saved != trainer.state.step:
             trainer.save_checkpoint()
             self.last_saved = trainer.state.step
+        self._since = time.monotonic()
+
+    def _time_due(self, trainer: Trainer) -> bool:
+        if not self.every_s:
+            return False
+        due = trainer.engine.rank == 0 and time.monotonic() - self._since >= self.every_s
+        return trainer.engine.any_rank(due)
 
     def on_train_start(self, trainer: Trainer) -> None:
         # A resumed run already has the checkpoint of the step it starts from.
         self.last_saved = trainer.state.step if trainer.resumed_from is not None else None
+        self._since = time.monotonic()
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        if self.every and trainer.state.step % self.every == 0:
+        by_steps = self.every and trainer.state.step % self.every == 0
+        if self._time_due(trainer) or by_steps:  # the collective first: every rank joins it at every step
             self._save(trainer)
 
     def on_train_end(self, trainer: Trainer) -> None:

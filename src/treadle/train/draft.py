@@ -110,14 +110,14 @@ def degenerate_target_warning(texts: torch.Tensor, prompt_len: int, gamma: int) 
 
 
 class AcceptanceCallback(EvalCallback):
-    """tau_sim and per-position acceptance of the draft, on the eval cadence (start, every N, end).
+    """tau_sim and per-position acceptance of the draft, on the eval cadence (start unless off, every N, end).
 
     The target's greedy continuations of fixed held-out prompts are generated once per
     process (the target is frozen, so they never change) and scored by ``chain_acceptance``.
     """
 
-    def __init__(self, cfg: DraftConfig, prompts: torch.Tensor, eval_every: int):
-        super().__init__(eval_every)
+    def __init__(self, cfg: DraftConfig, prompts: torch.Tensor, eval_every: int, at_start: bool = True):
+        super().__init__(eval_every, at_start)
         self.cfg = cfg
         self.prompts = prompts
         self.texts: torch.Tensor | None = None

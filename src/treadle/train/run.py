@@ -21,6 +21,7 @@ from treadle import distributed
 from treadle.checkpoint.export import claim_export
 from treadle.checkpoint.manager import CheckpointManager
 from treadle.config import Config, SourceConfig, _explain, explicit_tree, parse_duration
+from treadle.data.holdout import Interleaved
 from treadle.data.loader import StepLoader, check_token_ids, eval_batches
 from treadle.data.mixture import Mixture, Phase
 from treadle.data.packed import ExampleDataset, PackedDataset
@@ -73,7 +74,7 @@ class RunData:
 
     sources: list[OpenedSource]
     mixture: Mixture
-    val: PackedDataset | ExampleDataset | None
+    val: PackedDataset | ExampleDataset | Interleaved | None
     tokenizer_dir: Path | None  # exported with the model
 
     @property
@@ -115,9 +116,13 @@ def _open_data(cfg: Config) -> RunData:
     # Data files are tokenized with data.tokenizer, else the target's / model's, else the shards', else the built-in.
     recorded = next((_recorded_tokenizer(p) for dirs, _ in paths for p in dirs), None)
     tokenizer = file_tokenizer(d.tokenizer, [cfg.draft.target, cfg.model.path, recorded])
-    opened = [open_source(s.name, s.path, "train", s.format, s.text_field, d.seq_len, d, tokenizer, key(i), paths[i])
-              for i, s in enumerate(specs)]
-    val = open_source("val", d.val, "val", "auto", "text", d.seq_len, d, tokenizer, "data.val").dataset if d.val else None
+    opened = [open_source(s.name, s.path, "train", s.format, s.text_field, d.seq_len, d, tokenizer, key(i), paths[i],
+                          d.val_fraction) for i, s in enumerate(specs)]
+    if d.val_fraction:  # the sources' held-out documents replace data.val
+        held = [o.held_out for o in opened]
+        val = held[0] if len(held) == 1 else Interleaved(held)
+    else:
+        val = open_source("val", d.val, "val", "auto", "text", d.seq_len, d, tokenizer, "data.val").dataset if d.val else None
     first = opened[0].dataset
     for name, ds in [(o.name, o.dataset) for o in opened[1:]] + [("data.val", val)]:
         if ds is not None and ds.tokenizer_fingerprint != first.tokenizer_fingerprint:
@@ -175,7 +180,7 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
     check_token_ids(prompts, model.target.config.vocab_size, lambda: f"the draft's eval prompts ({(val_ds or train_ds).where})")
     out = Path(cfg.train.output_dir) / "draft"
-    return ModelSetup(model, model.target.config.vocab_size, objective, objective.evaluate, [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every)],
+    return ModelSetup(model, model.target.config.vocab_size, objective, objective.evaluate, [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every, cfg.train.eval_at_start)],
                       DraftExportCallback(out, target_dir, identity, cfg.draft))
 
 
@@ -298,10 +303,10 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if r.inject_nan_steps and (not r.inject_nan_ranks or info.rank in r.inject_nan_ranks):
         callbacks.append(FaultInjectionCallback(r.inject_nan_steps))
     if val_ds is not None:
-        callbacks.append(EvalCallback(t.eval_every))
+        callbacks.append(EvalCallback(t.eval_every, t.eval_at_start))
     callbacks += setup.eval_callbacks
     callbacks += user_callbacks
-    callbacks.append(CheckpointCallback(cfg.checkpoint.every))
+    callbacks.append(CheckpointCallback(cfg.checkpoint.every, cfg.checkpoint.every_minutes * 60))
     if cfg.checkpoint.export_hf:
         callbacks.append(setup.export)
     bf16 = cfg.model.dtype == "bf16"
@@ -337,7 +342,17 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         probs = data.mixture.probabilities(trainer.state.step)
         for o, p in zip(data.sources, probs):
             trainer.console.print(f"  source {o.describe()}, p={p:.3f}")
+    for line in unreached_phases(cfg):
+        trainer.console.print(line)
     return trainer
+
+
+def unreached_phases(cfg: Config) -> list[str]:
+    """A warning line per data phase the run never reaches (start_step is 0-based: a phase at start_step s trains
+    the step logged as s + 1). Not an error: a run may be shortened on purpose (a smoke test of a recipe)."""
+    return [f"treadle: warning: data.phases[{i}] starts at start_step = {p.start_step}, but the run ends at "
+            f"train.max_steps = {cfg.train.max_steps}: it never runs"
+            for i, p in enumerate(cfg.data.phases) if p.start_step >= cfg.train.max_steps]
 
 
 def run_training(cfg: Config, live: bool | None = None, callbacks: Sequence[Callback] = ()) -> RunSummary:
