@@ -668,6 +668,7 @@ def test_resume_messages_name_the_key_and_the_remedy(world, refused):
     line = refused(world.args(world.run, "--data.seq_len=16"), "data.seq_len = 32, this run has 16")
     assert "data.seq_len = 32 to continue it" in line and f"--model.path={world.run}" in line
     refused(world.args(world.run, "--train.seed=1"), "train.seed = 0 to continue it")
+    refused(world.args(world.run, "--data.val=[]", "--data.val_fraction=0.1"), "data.val_fraction = 0.0 to continue it")
 
 
 def test_export_messages_name_what_the_user_typed(world, refused):

@@ -53,7 +53,7 @@ _ACCEPTED_DIR = "accepted: a new or empty directory, or a treadle run directory"
 # that running the run directory's config.toml again continues this run (and grants no permission again).
 _INVOCATION = {"checkpoint.resume": "auto", "checkpoint.allow_schedule_change": False, "checkpoint.allow_rollback": False}
 _SCHEDULE_KEYS = ("optim.lr", "train.max_steps", "schedule.", "data.phases")
-_DATA_ORDER_KEYS = ("data.seq_len", "train.seed")  # the saved data position means nothing under others
+_DATA_ORDER_KEYS = ("data.seq_len", "data.val_fraction", "train.seed")  # the saved data position means nothing under others
 
 
 def is_treadle_run(path: Path) -> bool:
