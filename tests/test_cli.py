@@ -94,12 +94,20 @@ def test_config_refuses_what_train_refuses_in_the_same_words(capsys):
         assert codes == [2, 2] and len(err) == 2 and err[0] == err[1] and err[0].startswith("treadle: error: ")
 
 
-@pytest.mark.parametrize("path", [None, *CONFIGS], ids=lambda p: p.name if p else "default")
-def test_explained_config_loads_back_to_the_same_config(capsys, tmp_path, path):
+# nested and quoted tables, an array of tables, a key set that is unset by default, an empty list
+_UNUSUAL = ["--model.overrides={num_hidden_layers=2, rope_scaling={rope_type='linear', factor=2.0}}",
+            "--data.sources=[{name='a.b', path='builtin'}, {name='c', path=['x.jsonl', 'y.jsonl'], weight=0.5}]",
+            "--data.phases=[{start_step=5, weights={'a.b'=2.0}}]", "--train.time_limit=1h30m", "--data.val=[]",
+            "--model.path=/models/m \"quoted\""]
+
+
+@pytest.mark.parametrize("path, overrides", [(None, []), (None, _UNUSUAL), *((p, []) for p in CONFIGS)],
+                         ids=["default", "unusual", *(p.name for p in CONFIGS)])
+def test_explained_config_loads_back_to_the_same_config(capsys, tmp_path, path, overrides):
     argv = [str(path)] if path else []
-    text = _config_output(capsys, *argv, "--explain")
+    text = _config_output(capsys, *argv, *overrides, "--explain")
     (tmp_path / "explained.toml").write_text(text)
-    assert load_config(tmp_path / "explained.toml") == load_config(path)
+    assert load_config(tmp_path / "explained.toml") == load_config(path, overrides)
 
 
 def test_explain_covers_every_key_with_its_description_default_and_accepted_values(capsys):
