@@ -13,7 +13,6 @@ import textwrap
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-import annotated_types as at
 import tomli_w
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -50,22 +49,21 @@ def _number(x: float) -> str:
     return f"{x:g}"
 
 
+_BOUNDS = {"ge": ("[", ">="), "gt": ("(", ">"), "le": ("]", "<="), "lt": (")", "<")}
+
+
 def _bounds(metadata: list) -> str:
     """ge/gt/le/lt metadata -> ' >= 1', ' in [0, 1)', or ''."""
-    lo = hi = None
+    found = {}
     for m in metadata:
         for c in m.metadata if isinstance(m, FieldInfo) else [m]:  # Field(ge=0) inside Annotated keeps them here
-            if isinstance(c, (at.Ge, at.Gt)):
-                lo = ("[", c.ge) if isinstance(c, at.Ge) else ("(", c.gt)
-            elif isinstance(c, (at.Le, at.Lt)):
-                hi = ("]", c.le) if isinstance(c, at.Le) else (")", c.lt)
+            # pydantic's annotated_types.Ge / Gt / Le / Lt: one attribute each, named as in Field(...)
+            found |= {name: getattr(c, name) for name in _BOUNDS if getattr(c, name, None) is not None}
+    lo = next((n for n in ("ge", "gt") if n in found), None)
+    hi = next((n for n in ("le", "lt") if n in found), None)
     if lo and hi:
-        return f" in {lo[0]}{_number(lo[1])}, {_number(hi[1])}{hi[0]}"
-    if lo:
-        return f" {'>=' if lo[0] == '[' else '>'} {_number(lo[1])}"
-    if hi:
-        return f" {'<=' if hi[0] == ']' else '<'} {_number(hi[1])}"
-    return ""
+        return f" in {_BOUNDS[lo][0]}{_number(found[lo])}, {_number(found[hi])}{_BOUNDS[hi][0]}"
+    return "".join(f" {_BOUNDS[n][1]} {_number(found[n])}" for n in (lo, hi) if n)
 
 
 def _unannotated(annotation: Any) -> tuple[Any, list]:
