@@ -338,9 +338,13 @@ def _locate(loc: tuple) -> tuple[str, FieldInfo | None, type[BaseModel] | None, 
     return key, field, table, len(loc)
 
 
-def _lookup(tree: Any, loc: tuple) -> Any:
-    for part in loc:
-        tree = tree[part]
+def _lookup(tree: Any, loc: tuple, fallback: Any) -> Any:
+    """The value the user gave at ``loc`` (``fallback`` if a validator reshaped it on the way)."""
+    try:
+        for part in loc:
+            tree = tree[part]
+    except (KeyError, IndexError, TypeError):
+        return fallback
     return tree
 
 
@@ -363,7 +367,7 @@ def _explain(err: ValidationError, source: str, tree: dict) -> UserError:
     what = "a table" if table is not None else config_doc.field_accepted(field)
     if e["type"] == "missing" and used == len(e["loc"]):
         return UserError(f"config error{where}: {key} is missing; accepted: {what}")
-    value = _lookup(tree, e["loc"][:used])
+    value = _lookup(tree, e["loc"][:used], e["input"])
     inner = e["loc"][used:]
     if inner:  # inside the value (a tuple's, list's or table's item): the key is what the user typed
         at = ", ".join(f"item {p + 1}" if isinstance(p, int) else repr(p) for p in inner)
