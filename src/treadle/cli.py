@@ -1,7 +1,11 @@
-"""``treadle train | prepare | samples | export | spec-eval | generate``.
+"""``treadle train | config | prepare | samples | export | spec-eval | generate``.
 
 Bad input ends as one line on stderr and exit code 2 (``UserError``); anything
 else is a bug and keeps its traceback.
+
+Start-up stays light: this module imports no torch, and a command's module is imported only when that command
+runs (or its --help is asked for), so ``treadle --help``, ``--version``, ``treadle config`` and every config error
+answer in well under a second (bench/startup.py measures it; tests/test_cli.py checks that torch stays out).
 """
 
 from __future__ import annotations
@@ -12,25 +16,57 @@ import re
 import sys
 from pathlib import Path
 
-from treadle.errors import EXIT_USAGE, UserError
+from treadle import __version__
+from treadle.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_STOPPED_RESUMABLE,
+    EXIT_TRAINING_FAILED,
+    EXIT_USAGE,
+    CheckpointWriteError,
+    TrainingFailed,
+    UserError,
+)
+
+_OVERRIDES = "[config.toml] [--section.key=value ...]"
+_LOCAL_RANK = re.compile(r"^--local[_-]rank(=\d+)?$")
+
+
+def _config_and_overrides(args: argparse.Namespace, options: tuple[str, ...] = ()) -> tuple[str | None, list[str]]:
+    """train's and config's ``[config.toml] [--section.key=value ...]``, read from the command line in its order.
+
+    Not from argparse: it takes an override that holds a space (``'--optim.betas=[0.9, 0.95]'``) for the config
+    file, and would take the 5 of ``--train.max_steps 5`` too. ``options``: the command's own flags, skipped.
+    Anything that is not an override is one line saying what to type.
+    """
+    words = args.argv[args.argv.index(args.command) + 1:]
+    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
+    words = [w for w in words if w not in options and not _LOCAL_RANK.match(w)]
+    overrides = [w for w in words if w.startswith("-")]
+    for arg in overrides:
+        key, eq, value = arg.partition("=")
+        if "." not in key:  # --max_steps=5: a key without its section
+            from treadle.config import nearest_key
+
+            near = nearest_key(key.lstrip("-"))
+            if near is not None and "." in near:
+                raise UserError(f"{arg} names no section; did you mean --{near}={value if eq else 'VALUE'}? "
+                                f"(accepted: --section.key=value; every key: treadle config --explain)")
+        if not (arg.startswith("--") and "." in key):
+            raise UserError(f"unexpected argument {arg!r}; accepted: {_OVERRIDES}")
+        if not eq:  # `--train.max_steps 5` (a space, not '=')
+            raise UserError(f"{arg} has no value; accepted: {arg}=VALUE (one argument, joined by '=')")
+    files = [w for w in words if not w.startswith("-")]
+    if len(files) > 1:
+        raise UserError(f"unexpected argument {files[1]!r}; accepted: {_OVERRIDES} (one config file)")
+    return (files[0] if files else None), overrides
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from treadle.config import load_config
-    from treadle.train.run import run_training
 
-    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
-    extra = [a for a in extra if not re.match(r"^--local[_-]rank(=\d+)?$", a)]
-    bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=", 1)[0])]
-    if bad:
-        raise UserError(f"unexpected argument {bad[0]!r}; accepted: [config.toml] [--section.key=value ...]")
-    # `--train.max_steps 5` (a space, not '='): argparse would take 5 for the config file.
-    valueless = [a for a in extra if "=" not in a]
-    if valueless:
-        raise UserError(f"{valueless[0]} has no value; accepted: {valueless[0]}=VALUE (one argument, joined by '=')")
-    from treadle.train.resilience import EXIT_STOPPED_RESUMABLE
+    cfg = load_config(*_config_and_overrides(args))
+    from treadle.train.run import run_training  # torch and the rest, once the config is known to be good
 
-    cfg = load_config(args.config, extra)
     summary = run_training(cfg)
     if summary.rank != 0:  # under a launcher every rank returns the same summary: rank 0 reports it
         return EXIT_STOPPED_RESUMABLE if summary.stop_reason is not None else 0
@@ -39,6 +75,17 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
               f"the same command resumes the run (exit code {EXIT_STOPPED_RESUMABLE})", file=sys.stderr)
         return EXIT_STOPPED_RESUMABLE
     _print_summary(summary)
+    return 0
+
+
+def _config(args: argparse.Namespace, extra: list[str]) -> int:
+    from treadle.config import load_config, to_toml
+
+    cfg = load_config(*_config_and_overrides(args, ("--explain",)))
+    if args.explain:
+        print("# treadle config --explain: every key with its description, default and accepted values; a key that "
+              "is\n# unset is commented out. `treadle train` reads this file as it is.\n")
+    sys.stdout.write(to_toml(cfg, explain=args.explain))
     return 0
 
 
@@ -88,28 +135,55 @@ def _no_extra(name: str, run):
     return handler
 
 
-def _module_command(sub, name: str, module, help: str) -> None:
-    """A subcommand whose module provides ``add_arguments(parser)`` and ``run(args)``."""
-    parser = sub.add_parser(name, help=help, allow_abbrev=False)
-    module.add_arguments(parser)
-    parser.set_defaults(func=_no_extra(name, module.run))
+# Commands whose module provides ``add_arguments(parser)`` and ``run(args)``, in the order `treadle --help` lists
+# them after train, config and export. Each module is imported only when its command is used (``_command_module``).
+_MODULE_COMMANDS = {
+    "prepare": "tokenize text / JSONL into a shard directory",
+    "samples": "write small chat / prompt-completion / text / prompt JSONL files from the built-in corpus",
+    "spec-eval": "speculative decoding of a target with a draft: tau, acceptance, speed, lossless check",
+    "generate": "answer every prompt of a JSONL file with a model: an SFT file (draft training data)",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_module(name: str):
+    # Spelled out, not importlib: tests/test_layers.py sees these imports.
+    if name == "prepare":
+        from treadle.data import prepare as module
+    elif name == "samples":
+        from treadle.data import samples as module
+    elif name == "spec-eval":
+        from treadle.speculative import evaluate as module
+    else:
+        from treadle.data import generate as module
+    return module
+
+
+def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
+    """The CLI. Only the module commands named in ``commands`` (all when None) get their arguments, which
+    imports their modules: ``main`` passes the one on the command line, so `treadle train` never imports generate."""
     parser = argparse.ArgumentParser(prog="treadle", description="Train LLMs and their speculative-decoding draft models.", allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"treadle {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a model (no config: the built-in default)", allow_abbrev=False,
-                           description="Config sources, in order: defaults, CONFIG, --section.key=value overrides.")
+    train = sub.add_parser(
+        "train", help="train a model (no config: the built-in default)", allow_abbrev=False,
+        usage=f"treadle train [-h] {_OVERRIDES}",
+        description="Config sources, in order: defaults, CONFIG, --section.key=value overrides.",
+        epilog="Every key with its description, default and accepted values: treadle config --explain. "
+               "The resolved config of a command line, without running it: treadle config [config.toml] "
+               "[--section.key=value ...].")
     train.add_argument("config", nargs="?", help="TOML config file")
     train.set_defaults(func=_train)
 
-    from treadle.data import generate
-    from treadle.data import prepare, samples
-    from treadle.speculative import evaluate
-
-    _module_command(sub, "prepare", prepare, "tokenize text / JSONL into a shard directory")
-    _module_command(sub, "samples", samples, "write small chat / prompt-completion / text / prompt JSONL files from the built-in corpus")
+    config = sub.add_parser(
+        "config", help="print the resolved config as TOML (--explain: what each key means); runs nothing",
+        allow_abbrev=False, usage=f"treadle config [-h] [--explain] {_OVERRIDES}",
+        description="The config `treadle train` would run with the same arguments, as TOML it reads back: "
+                    "defaults, CONFIG, --section.key=value overrides, validated the same way.")
+    config.add_argument("config", nargs="?", help="TOML config file")
+    config.add_argument("--explain", action="store_true",
+                        help="a comment above each key: its description, default and accepted values")
+    config.set_defaults(func=_config)
 
     export = sub.add_parser("export", help="write a Hugging Face model directory (or a draft export) from a checkpoint",
                             allow_abbrev=False)
@@ -120,17 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     export.set_defaults(func=_no_extra("export", _export))
 
-    _module_command(sub, "spec-eval", evaluate, "speculative decoding of a target with a draft: tau, acceptance, speed, lossless check")
-    _module_command(sub, "generate", generate, "answer every prompt of a JSONL file with a model: an SFT file (draft training data)")
+    for name, help in _MODULE_COMMANDS.items():
+        command = sub.add_parser(name, help=help, allow_abbrev=False)
+        if commands is None or name in commands:
+            module = _command_module(name)
+            module.add_arguments(command)
+            command.set_defaults(func=_no_extra(name, module.run))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from treadle.checkpoint.manager import CheckpointWriteError
-    from treadle.train.resilience import EXIT_TRAINING_FAILED, TrainingFailed
-
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # The command is the first word that is not an option (the top level has only --help and --version).
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser([command] if command else [])
     args, extra = parser.parse_known_args(argv)
+    args.argv = argv
     try:
         return args.func(args, extra)
     except (TrainingFailed, CheckpointWriteError) as exc:  # before UserError: a full disk is not bad input
@@ -141,4 +220,4 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("treadle: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED

@@ -14,11 +14,13 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
+from treadle import config_doc
 from treadle.errors import UserError
 
 
@@ -44,7 +46,7 @@ class Section(BaseModel):
             super().__setattr__(name, os.fspath(value) if isinstance(value, os.PathLike) else value)
         except ValidationError as err:
             section = next((k for k, f in Config.model_fields.items() if f.annotation is type(self)), None)
-            raise _explain(err, "", prefix=f"{section}." if section else "") from None
+            raise _explain(err, "", section=section) from None
 
 
 class TrainConfig(Section):
@@ -78,20 +80,16 @@ class TrainConfig(Section):
         return v
 
 
+_Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # bounds in the annotation: config --explain and errors show them
+
+
 class OptimConfig(Section):
     lr: float = Field(1e-3, gt=0.0)
     weight_decay: float = Field(0.1, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[_Beta, _Beta] = Field((0.9, 0.95), description="AdamW's decay rates of the moment estimates")
     eps: float = Field(1e-8, gt=0.0)
     decay_embeddings: bool = Field(False, description="apply weight decay to embedding tables")
     decay_norms_and_biases: bool = False
-
-    @field_validator("betas")
-    @classmethod
-    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in v):
-            raise ValueError("both betas must be in [0, 1)")
-        return v
 
 
 class ScheduleConfig(Section):
@@ -320,7 +318,8 @@ def _all_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     return keys
 
 
-def _suggest(key: str) -> str:
+def nearest_key(key: str) -> str | None:
+    """The config key a mistyped one most likely meant (``train.max_stps``, ``max_steps``, ``trian``), or None."""
     keys = _all_keys()
     sections = sorted({k.split(".")[0] for k in keys})
     pool = keys if "." in key else sections + keys
@@ -328,21 +327,82 @@ def _suggest(key: str) -> str:
     if not near:  # a right key in the wrong section: match on the last part alone
         leaf = key.rsplit(".", 1)[-1]
         near = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1]
-    return f"; did you mean {near[0]}?" if near else ""
+    return near[0] if near else None
 
 
-def _explain(err: ValidationError, source: str, prefix: str = "") -> UserError:
-    """Turn pydantic's report into one line naming key, value and what is accepted (``prefix``: the section of
-    an assignment, whose report names the field alone)."""
+def _suggest(key: str, names: list[str] | None = None) -> str:
+    """'; did you mean ...?' for an unknown key: among all keys, or among ``names`` (the keys of one table)."""
+    if names is None:
+        near = nearest_key(key)
+    else:
+        near = next(iter(difflib.get_close_matches(key, names, n=1, cutoff=0.5)), None)
+    return f"; did you mean {near}?" if near else ""
+
+
+def _locate(loc: tuple) -> tuple[str, FieldInfo | None, type[BaseModel] | None, int]:
+    """Where an error is, as the user wrote it: (key, its field, the table it names if any, parts of loc used).
+
+    Sections and entries of arrays of tables are walked (``data.sources.0.weight`` -> ``data.sources[0].weight``);
+    the walk stops at a plain field, so an error inside its value (``optim.betas.1``) names the key itself.
+    """
+    key, field, table = "", None, Config
+    for used, part in enumerate(loc):
+        if table is None:
+            entry = config_doc.item_model(field.annotation) if field is not None else None
+            if entry is None or not isinstance(part, int):
+                return key, field, None, used
+            key, table = f"{key}[{part}]", entry
+            continue
+        field = table.model_fields.get(str(part))
+        key = f"{key}.{part}" if key else str(part)
+        if field is None:
+            return key, None, None, used + 1
+        table = config_doc.model_of(field.annotation)
+    return key, field, table, len(loc)
+
+
+def _lookup(tree: Any, loc: tuple, fallback: Any) -> Any:
+    """The value the user gave at ``loc`` (``fallback`` if a validator reshaped it on the way)."""
+    try:
+        for part in loc:
+            tree = tree[part]
+    except (KeyError, IndexError, TypeError):
+        return fallback
+    return tree
+
+
+# pydantic messages that already name the bound or the choices ("Input should be 'fp32' or 'bf16'")
+_SAYS_WHAT_IS_ACCEPTED = {"literal_error", "greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def _explain(err: ValidationError, source: str, tree: dict | None = None, section: str | None = None) -> UserError:
+    """Turn pydantic's report into one line naming the key the user wrote, its value and what is accepted.
+
+    ``tree``: what the user gave (the value is quoted from it); ``section``: the section of an assignment
+    (``cfg.train.max_steps = 0``), whose report names the field alone.
+    """
     e = err.errors()[0]
-    key = prefix + ".".join(str(p) for p in e["loc"])
+    loc = ((section,) if section else ()) + tuple(e["loc"])
     where = f" ({source})" if source else ""
+    key, field, table, used = _locate(loc)
+    msg = re.sub(r" or instance of \w+$", "", e["msg"].removeprefix("Value error, "))
     if e["type"] in ("extra_forbidden", "no_such_attribute"):  # a key in a file; an attribute assigned
-        return UserError(f"config error{where}: unknown key {key}{_suggest(key)}")
-    msg = e["msg"].removeprefix("Value error, ")
-    if not key or isinstance(e.get("input"), dict):  # a cross-field check names its keys itself
-        return UserError(f"config error{where}: {msg}")
-    return UserError(f"config error{where}: {key} = {e.get('input')!r} is invalid: {msg}")
+        table_key, _, entry, _ = _locate(loc[:-1])
+        names = [f"{table_key}.{n}" for n in entry.model_fields] if "[" in key else None
+        return UserError(f"config error{where}: unknown key {key}{_suggest(key, names)}")
+    if field is None or (table is not None and e["type"] == "value_error"):
+        return UserError(f"config error{where}: {msg}")  # a check across keys names its keys itself
+    what = "a table" if table is not None else config_doc.field_accepted(field)
+    if e["type"] == "missing" and used == len(loc):
+        return UserError(f"config error{where}: {key} is missing; accepted: {what}")
+    value = _lookup(tree, loc[:used], e["input"]) if tree is not None else e["input"]
+    inner = loc[used:]
+    if inner:  # inside the value (a tuple's, list's or table's item): the key is what the user typed
+        at = ", ".join(f"item {p + 1}" if isinstance(p, int) else repr(p) for p in inner)
+        msg = f"{at} is missing" if e["type"] == "missing" else f"{at} = {e['input']!r}: {msg}"
+    if "accepted:" not in msg and (inner or e["type"] not in _SAYS_WHAT_IS_ACCEPTED):
+        msg = f"{msg}; accepted: {what}"
+    return UserError(f"config error{where}: {key} = {value!r} is invalid: {msg}")
 
 
 def parse_override(arg: str) -> tuple[list[str], Any]:
@@ -394,7 +454,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
-        raise _explain(err, source) from None
+        raise _explain(err, source, tree) from None
 
 
 def explicit_tree(cfg: Config) -> dict[str, Any]:
@@ -406,7 +466,9 @@ def explicit_tree(cfg: Config) -> dict[str, Any]:
     return {name: getattr(cfg, name).model_dump(exclude_unset=True) for name in type(cfg).model_fields}
 
 
-def to_toml(cfg: Config) -> str:
+def to_toml(cfg: Config, explain: bool = False) -> str:
+    """The config as TOML that ``load_config`` reads back to the same config; ``explain``: a comment above each key
+    (description, default, accepted values) and unset keys as commented-out lines (``treadle config --explain``)."""
     # TOML has no null: unset optional keys are left out and come back as None. data.sources replaces data.train,
     # and a file that sets both is refused: the default data.train is left out, so the file loads again.
     tree = cfg.model_dump(mode="json", exclude_none=True)
@@ -414,7 +476,7 @@ def to_toml(cfg: Config) -> str:
         del tree["data"]["train"]
     if cfg.data.val_fraction:  # likewise data.val, which data.val_fraction replaces
         del tree["data"]["val"]
-    return tomli_w.dumps(tree)
+    return config_doc.explained_toml(Config, tree) + "\n" if explain else tomli_w.dumps(tree)
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -91,27 +91,13 @@ from treadle.checkpoint.rng import capture_rng, restore_rng
 from treadle.checkpoint.safety import CheckpointDamaged, causes, loading, safe_dcp_load
 from treadle.checkpoint.staging import StagingBuffers
 from treadle.checkpoint.validate import checkpoint_format, damage, inspect, read_json_object
-from treadle.errors import UserError, first_line
+from treadle.errors import CheckpointWriteError, UserError, first_line
 from treadle.fsutil import fsync as _fsync
 from treadle.fsutil import fsync_tree as _fsync_tree
 
 log = logging.getLogger("treadle")
 
 _FORMATS = {"dcp": "DCP state (state/)", "deepspeed": "a DeepSpeed checkpoint (deepspeed/)"}
-
-
-class CheckpointWriteError(UserError):
-    """A checkpoint could not be written (disk full, file too large, read-only, no permission).
-
-    Earlier checkpoints and ``latest`` are untouched, so the run can be resumed from
-    them. ``path`` is where the write failed, ``os_error`` the error the OS gave.
-    A ``UserError``, so the CLI reports it as one line.
-    """
-
-    def __init__(self, message: str, path: Path, os_error: OSError):
-        super().__init__(message)
-        self.path = path
-        self.os_error = os_error
 
 
 @dataclass

@@ -1,12 +1,5 @@
 """Guards that keep a run alive or stop it cleanly: NaN/Inf policy, fault injection,
-signals and the wall-clock limit.
-
-Exit codes (documented in the README):
-    0   finished
-    2   bad input (config, data, paths, flags)
-    3   training failed: NaN policy gave up, or a checkpoint could not be written
-    75  stopped cleanly and resumable (SIGTERM / SIGUSR1 / SIGINT / train.time_limit)
-    130 stopped at once by a second SIGINT (nothing saved beyond the last checkpoint)
+signals and the wall-clock limit. The exit codes are listed in ``treadle.errors``.
 """
 
 from __future__ import annotations
@@ -21,20 +14,12 @@ from typing import TYPE_CHECKING
 
 from treadle.config import ResilienceConfig
 from treadle.distributed import HealthCheck, HealthCheckFailed
+from treadle.errors import EXIT_INTERRUPTED, EXIT_TRAINING_FAILED, TrainingFailed
 from treadle.train.callbacks import Callback
 from treadle.train.step import StepResult, split_loss
 
 if TYPE_CHECKING:
     from treadle.train.trainer import Trainer
-
-EXIT_TRAINING_FAILED = 3
-EXIT_STOPPED_RESUMABLE = 75
-EXIT_INTERRUPTED = 130
-
-
-class TrainingFailed(Exception):
-    """The run cannot go on; the message says why and what to change. Exit code 3."""
-
 
 class NanGuardCallback(Callback):
     """Counts steps whose update was dropped (non-finite loss or gradient) and applies the policy.
