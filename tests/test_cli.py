@@ -184,3 +184,12 @@ def test_errors_inside_a_value_name_the_key_the_user_typed(capsys, override, exp
     assert main(["config", override]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"treadle: error: config error (overrides): {expected}") and err.count("\n") == 1
+
+
+def test_summary_progress_shows_one_value_when_the_run_measured_once():
+    from treadle.cli import _progress
+
+    last = {"step": 3, "tau_sim": 2.5}
+    assert _progress({"step": 3, "tau_sim": 2.5}, last, "tau_sim", 3) == "2.500 at step 3"
+    assert _progress(None, last, "tau_sim", 3) == "2.500 at step 3"
+    assert _progress({"step": 0, "tau_sim": 1.0}, last, "tau_sim", 3) == "1.000 at step 0 -> 2.500 at step 3"

@@ -89,6 +89,12 @@ def _config(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _progress(first: dict | None, last: dict, key: str, digits: int) -> str:
+    """'A at step 0 -> B at step 200', or 'B at step 200' when the run measured once."""
+    end = f"{last[key]:.{digits}f} at step {last['step']}"
+    return f"{first[key]:.{digits}f} at step {first['step']} -> {end}" if first and first["step"] != last["step"] else end
+
+
 def _print_summary(s) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -99,14 +105,10 @@ def _print_summary(s) -> None:
     if s.first_loss is not None:
         table.add_row("train loss", f"{s.first_loss:.4f} (first step) -> {s.last_loss:.4f} (last step)")
     if s.last_eval is not None:
-        first = s.first_eval
-        start = f"{first['eval_loss']:.4f} at step {first['step']} -> " if first and first is not s.last_eval else ""
-        table.add_row("val loss", f"{start}{s.last_eval['eval_loss']:.4f} at step {s.last_eval['step']}")
+        table.add_row("val loss", _progress(s.first_eval, s.last_eval, "eval_loss", 4))
         table.add_row("val perplexity", f"{math.exp(s.last_eval['eval_loss']):.2f}")
     if s.acceptance is not None and s.acceptance[1] is not None:
-        first, last = s.acceptance
-        table.add_row("tau_sim", f"{first['tau_sim']:.3f} at step {first['step']} -> {last['tau_sim']:.3f} at step "
-                                 f"{last['step']} (simulated tokens per verification call)")
+        table.add_row("tau_sim", _progress(*s.acceptance, "tau_sim", 3) + " (simulated tokens per verification call)")
     table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s ({s.tokens:,} tokens in {s.elapsed_s:.1f} s of training)")
     table.add_row("run directory", str(s.output_dir))
     table.add_row("metrics", str(s.output_dir / "metrics.jsonl"))
