@@ -138,6 +138,12 @@ def test_fit_takes_objects_and_the_run_resumes_from_its_config(shards, tmp_path,
         def state_dict(self):
             return {"steps_seen": len(self.evals)}
 
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    host = lambda: (hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled(),  # noqa: E731
+                    datasets.logging.get_verbosity())
+    before = host()
     seen = Seen()
     out = tmp_path / "run"
     overrides = {"train.output_dir": str(out), "train.max_steps": 2, "train.eval_every": 1, "data.seq_len": 32,
@@ -150,6 +156,7 @@ def test_fit_takes_objects_and_the_run_resumes_from_its_config(shards, tmp_path,
     assert Path(saved.model.path).parent == objects and Path(saved.model.path).name.startswith("model-")
     assert Path(saved.data.tokenizer).name.startswith("tokenizer-")
     assert Path(saved.data.train[0]).name == "rows.jsonl" and Path(saved.data.val[0]).parent.parent == objects
+    assert host() == before  # the host's progress bars and datasets verbosity are as they were
     assert seen.evals == [1, 2]  # the step's evaluation ran before the callback
     state = json.loads((out / "checkpoints" / "latest" / "train_state.json").read_text())
     assert state["callbacks"]["Seen"] == {"steps_seen": 2}

@@ -12,10 +12,10 @@ from typing import Iterator
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
-from transformers.utils import logging as hf_logging
 
 from treadle.errors import UserError
 from treadle.fsutil import claim_output, default_modes, replace_dir, write_marker
+from treadle.quiet import hf_quiet
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KIND = "export"  # the marker's kind: hf and draft exports may replace each other, nothing else
@@ -67,8 +67,7 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
     if dtype not in DTYPES:
         raise UserError(f"export dtype {dtype!r} is unknown; accepted: {', '.join(DTYPES)}")
     state_dict = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in state_dict.items()}
-    hf_logging.disable_progress_bar()  # one shard of a small model: a bar is noise in the run's output
-    with atomic_directory(out, command) as tmp:
+    with atomic_directory(out, command) as tmp, hf_quiet():
         # Training disables the KV cache for packed sequences; an exported model is for inference.
         saved = model.config.use_cache, model.config.dtype
         model.config.use_cache = True

@@ -166,16 +166,17 @@ def _rows(path: Path) -> Iterator[tuple[int | str, object]]:
     """
     import datasets
 
-    datasets.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
+    from treadle.quiet import hf_quiet
+
     done = 0
     try:
-        stream = datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=[str(path)], split="train", streaming=True)
-        for batch in stream.iter(batch_size=_BATCH_ROWS):
-            names = list(batch)
-            for values in zip(*batch.values()):
-                yield done, dict(zip(names, values))
-                done += 1
+        with hf_quiet():  # until the stream ends: the host's own settings come back then
+            stream = datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=[str(path)], split="train", streaming=True)
+            for batch in stream.iter(batch_size=_BATCH_ROWS):
+                names = list(batch)
+                for values in zip(*batch.values()):
+                    yield done, dict(zip(names, values))
+                    done += 1
     except Exception as exc:
         if path.suffix != ".jsonl":
             raise UserError(f"{path}: cannot be read as {FILE_FORMATS[path.suffix]} ({first_line(exc)})") from None

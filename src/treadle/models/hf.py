@@ -99,12 +99,12 @@ def model_fingerprint(model_dir: Path) -> str:
 
 def load_causal_lm(path: Path, key: str) -> PreTrainedModel:
     """An fp32 ``AutoModelForCausalLM`` from a local directory, in eval mode; bad input is one line."""
-    from transformers.utils import logging as hf_logging
+    from treadle.quiet import hf_quiet
 
     path = resolve_model_dir(path, key)
-    hf_logging.disable_progress_bar()  # a per-tensor loading bar is noise in a run's output
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with hf_quiet():
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{key} {path} cannot be loaded as an AutoModelForCausalLM: {first_line(exc)}") from None
 
