@@ -164,6 +164,13 @@ def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_
     assert main(["export", str(run), "--to", "draft", str(tmp_path / "again")]) == 0
     marker = json.loads((tmp_path / "again" / ".treadle.json").read_text())
     assert marker["kind"] == "export" and "draft_model_weights.pth" in marker["files"]
+    # --dtype reaches a draft export too: bf16 on disk, recorded, and load_glide reads it back.
+    assert main(["export", str(run), "--dtype", "bf16", str(tmp_path / "bf16")]) == 0
+    half = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert {v.dtype for v in half.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bf16"
+    assert all(torch.equal(half[k], st[k].to(torch.bfloat16)) for k in st)
+    load_glide(tmp_path / "bf16", AutoModelForCausalLM.from_pretrained(target_dir))
     umask = os.umask(0o022)
     os.umask(umask)
     for export_dir in (run / "draft", tmp_path / "again"):

@@ -88,13 +88,14 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
 
 
 def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity: dict, cfg, step: int | None = None,
-                 command: str = "train") -> Path:
+                 command: str = "train", dtype: str = "fp32") -> Path:
     """The draft alone, in two forms, with what it needs to find its target again.
 
     ``model.safetensors`` + ``config.json`` (draft kind, hyper-parameters, the target's
     path and fingerprints) load with ``treadle.models.glide.load_glide``;
     ``draft_model_weights.pth`` is the same state dict with the ``draft_model.`` prefix
-    stripped, LongSpec's format, for tooling that expects it.
+    stripped, LongSpec's format, for tooling that expects it. ``dtype``: the weights' dtype on disk
+    (``load_glide`` casts them to the model's own).
     """
     from dataclasses import asdict
 
@@ -102,9 +103,11 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
 
     draft = model.draft_model
     prefix = "draft_model."  # ``state_dict``: the whole GlideModel's full weights, as an engine exports them
-    weights = {k[len(prefix):]: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if k.startswith(prefix)}
+    weights = {k[len(prefix):]: v.detach().to("cpu", DTYPES[dtype]).contiguous()
+               for k, v in state_dict.items() if k.startswith(prefix)}
     config = {
         "treadle_draft_kind": "glide",
+        "dtype": dtype,
         "window": draft.window,
         "shape": asdict(draft.shape),
         "target": identity,
@@ -134,6 +137,8 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     from treadle.config import load_config
     from treadle.models.hf import build_model
 
+    if dtype not in DTYPES:
+        raise UserError(f"export dtype {dtype!r} is unknown; accepted: {', '.join(DTYPES)}")
     claim_export(out)  # before the checkpoint is read: a refusal costs nothing
     # Read-only (a live run's temporaries are not ours to touch); it inspects the checkpoint it returns, which
     # vets every pickle of a DeepSpeed checkpoint before checkpoint_weights hands the directory to DeepSpeed.
@@ -168,7 +173,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()})
     if cfg.draft.kind:
         return export_draft(model, model.state_dict(), out, target_dir, identity, cfg.draft,
-                            step=train_state["train"]["step"], command="export")
+                            step=train_state["train"]["step"], command="export", dtype=dtype)
     tokenizer = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
     return export_hf(model, model.state_dict(), tokenizer if tokenizer and tokenizer.is_dir() else None, out,
                      dtype=dtype, command="export", chat_template=meta.get("chat_template"))
