@@ -33,7 +33,8 @@ from transformers import AutoTokenizer
 from treadle.config import load_config
 from treadle.corpus import corpus_files, split_of
 from treadle.models.glide import load_glide
-from treadle.models.hf import load_causal_lm, resolve_model_dir
+from treadle.model_dirs import resolve_model_dir
+from treadle.models.hf import load_causal_lm
 from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
 from treadle.speculative.evaluate import evaluate_drafter
 from treadle.speculative.glide_drafter import GlideDrafter

@@ -47,6 +47,8 @@ def test_help_version_config_and_config_errors_import_no_heavy_library(tmp_path)
         ("train", str(tmp_path / "missing.toml")): 2,  # no such file
         ("train", "--max_steps=5"): 2,  # no section
         ("config", "--optim.betas=[0.9]"): 2,
+        ("train", "--model.path=gpt2"): 2,  # a Hub id: refused before the training stack loads
+        ("train", "--draft.kind=glide", "--draft.target=Qwen/Qwen3-0.6B"): 2,
     }
     script = _LIGHT.format(argvs=[list(a) for a in cases], heavy=HEAVY)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)

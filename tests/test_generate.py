@@ -15,7 +15,8 @@ import torch
 from treadle.data import generate
 from treadle.cli import main
 from treadle.data.sft import encode_prompt, load_tokenizer
-from treadle.models.hf import load_causal_lm, model_fingerprint
+from treadle.model_dirs import model_fingerprint
+from treadle.models.hf import load_causal_lm
 from treadle.speculative.decode import target_generate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -64,8 +64,11 @@ def _config_and_overrides(args: argparse.Namespace, options: tuple[str, ...] = (
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from treadle.config import load_config
 
+    from treadle.model_dirs import check_model_paths
+
     cfg = load_config(*_config_and_overrides(args))
-    from treadle.train.run import run_training  # torch and the rest, once the config is known to be good
+    check_model_paths(cfg)
+    from treadle.train.run import run_training  # torch and the rest, once the config and its paths are good
 
     summary = run_training(cfg)
     if summary.rank != 0:  # under a launcher every rank returns the same summary: rank 0 reports it

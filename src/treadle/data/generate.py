@@ -391,7 +391,7 @@ def _end_tokens(tokenizer, model) -> list[int]:
 
 def _recorded_flags(args: _Flags, model_dir: Path) -> dict:
     """What shapes every row (``generation_files.FLAGS``), as recorded beside the out file."""
-    from treadle.models.hf import model_fingerprint
+    from treadle.model_dirs import model_fingerprint
 
     return {"model": model_fingerprint(model_dir), "model_dir": str(model_dir.absolute()),
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
@@ -434,7 +434,8 @@ def generate(model: Path, prompts: Path, out: Path, *, max_new_tokens: int = 128
     args = _Flags(Path(model), Path(prompts), Path(out), max_new_tokens, temperature, top_p, batch_size, seed,
                   max_prompt_tokens, chat_template, device)
     from treadle.data.sft import load_tokenizer
-    from treadle.models.hf import load_causal_lm, resolve_model_dir
+    from treadle.model_dirs import resolve_model_dir
+    from treadle.models.hf import load_causal_lm
 
     _check_args(args)
     recorded = claim_out(args.out)

@@ -33,7 +33,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
-from treadle.models.hf import greedy_continuations, load_causal_lm, resolve_model_dir
+from treadle.model_dirs import resolve_model_dir
+from treadle.models.hf import greedy_continuations, load_causal_lm
 from treadle.tokenizer import tokenizer_fingerprint
 
 KIND = "glide"

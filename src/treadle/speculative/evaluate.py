@@ -18,7 +18,8 @@ import torch
 from treadle.errors import UserError, first_line
 from treadle.fsutil import claim_output, write_atomic
 from treadle.models.glide import load_glide, read_draft_config
-from treadle.models.hf import load_causal_lm, resolve_model_dir
+from treadle.model_dirs import resolve_model_dir
+from treadle.models.hf import load_causal_lm
 from treadle.speculative.decode import Drafter, speculative_generate, summarize, target_generate
 from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
 from treadle.speculative.prompts import heldout_prompts, load_prompts_jsonl

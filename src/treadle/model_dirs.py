@@ -1,0 +1,64 @@
+"""Where a model lives on disk: a Hugging Face model directory, or a treadle run's exported ``hf/``.
+
+Light on purpose (no torch): the CLI checks ``model.path`` and ``draft.target`` here before it imports the
+training stack, so a Hub id given as a path (``--model.path=gpt2``) is one line at once, not after seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+from treadle.errors import UserError
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
+def _download_hint(path: Path, key: str) -> str:
+    """What to do when ``path`` does not exist but reads like a Hub id (``gpt2``, ``Qwen/Qwen3-0.6B``)."""
+    text = str(path)
+    if path.exists() or not _HUB_ID.fullmatch(text) or path.parent.name and path.parent.is_dir():
+        return ""  # a local path (runs/dmeo: runs/ is here) mistyped, not a Hub id
+    local = f"models/{text.rsplit('/', 1)[-1]}"
+    use = f"{key} {local}" if key.startswith("--") else f'{key} = "{local}"'
+    return (f"; treadle loads models from local directories and never downloads: if {text!r} is a Hugging Face Hub "
+            f"id, fetch it first (hf download {text} --local-dir {local}) and set {use}")
+
+
+def resolve_model_dir(path: Path, key: str) -> Path:
+    """A Hugging Face model directory as given, or a treadle run directory's exported ``hf/``."""
+    path = Path(path)
+    for candidate in (path, path / "hf"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise UserError(f"{key} {path} is neither a Hugging Face model directory (config.json) nor a treadle run "
+                    f"directory with an exported hf/; accepted: e.g. runs/demo or runs/demo/hf{_download_hint(path, key)}")
+
+
+_SAMPLE = 1 << 20
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Which model a directory holds, cheaply: a hash over each file's name and size, small files whole
+    (config, tokenizer), big ones (weights) by their first and last MiB, which tells other or retrained
+    weights apart without reading gigabytes. Hidden files (treadle's marker) do not count."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(model_dir).iterdir() if p.is_file() and not p.name.startswith(".")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(_SAMPLE))
+            if size > 2 * _SAMPLE:
+                f.seek(-_SAMPLE, 2)
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def check_model_paths(cfg) -> None:
+    """The config's model directories exist (``model.path``, ``draft.target``); one line naming the key if not."""
+    if cfg.model.path is not None:
+        resolve_model_dir(Path(cfg.model.path), "model.path")
+    if cfg.draft.target is not None:
+        resolve_model_dir(Path(cfg.draft.target), "draft.target")
