@@ -40,6 +40,8 @@ def test_help_version_config_and_config_errors_import_no_heavy_library(tmp_path)
     broken.write_text("[train\nmax_steps = 5\n")
     cases = {
         ("--help",): 0, ("--version",): 0, ("train", "--help"): 0, ("config", "--help"): 0,
+        ("prepare", "--help"): 0, ("samples", "--help"): 0, ("export", "--help"): 0, ("spec-eval", "--help"): 0,
+        ("generate", "--help"): 0,
         ("config",): 0, ("config", "--explain"): 0, ("config", str(CONFIGS[0]), "--train.max_steps=50"): 0,
         ("train", "--trian.x=1"): 2,  # unknown key
         ("train", "--train.max_steps=abc"): 2,  # bad value

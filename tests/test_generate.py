@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from treadle.data import generate
+from treadle.data import generate, generation_batches
 from treadle.cli import main
 from treadle.data.sft import encode_prompt, load_tokenizer
 from treadle.model_dirs import model_fingerprint
@@ -212,14 +212,14 @@ def test_sampling_is_per_row_reproducible_and_bounded(target_dir, tmp_path, caps
     tokenizer = load_tokenizer(target_dir)
     model = load_causal_lm(target_dir, "--model")
     ids = [encode_prompt(tokenizer, r) for r in rows]
-    settings = generate._Settings(max_new_tokens=6, temperature=0.9, top_p=0.95, seed=7, pad_id=0, eos_ids=[0],
+    settings = generation_batches.Settings(max_new_tokens=6, temperature=0.9, top_p=0.95, seed=7, pad_id=0, eos_ids=[0],
                                   device=torch.device("cpu"))
-    batch = generate._generate_batch(model, settings, ids, [0, 1, 2], generate._Stop())
+    batch = generation_batches.generate_batch(model, settings, ids, [0, 1, 2], generation_batches.Stop())
     assert all(len(tokens) <= 6 for tokens, _ in batch)
     assert all(len(tokens) == 6 for tokens, finish in batch if finish == "length")
-    assert generate._generate_batch(model, settings, ids[1:2], [1], generate._Stop()) == batch[1:2]
-    other_seed = generate._Settings(**{**settings.__dict__, "seed": 8})
-    assert generate._generate_batch(model, other_seed, ids, [0, 1, 2], generate._Stop()) != batch
+    assert generation_batches.generate_batch(model, settings, ids[1:2], [1], generation_batches.Stop()) == batch[1:2]
+    other_seed = generation_batches.Settings(**{**settings.__dict__, "seed": 8})
+    assert generation_batches.generate_batch(model, other_seed, ids, [0, 1, 2], generation_batches.Stop()) != batch
 
 
 def test_a_row_that_breaks_generation_fails_alone(target_dir, tmp_path, capsys):

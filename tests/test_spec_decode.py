@@ -310,7 +310,9 @@ def test_spec_eval_model_draft_and_prompts_file(run_dir, tmp_path):
 
 
 def test_spec_eval_reports_a_lossy_decoder(run_dir, monkeypatch, capsys):
-    real = evaluate.speculative_generate
+    from treadle.speculative import decode
+
+    real = decode.speculative_generate
 
     def lossy(*args, **kwargs):
         result = real(*args, **kwargs)
@@ -318,7 +320,7 @@ def test_spec_eval_reports_a_lossy_decoder(run_dir, monkeypatch, capsys):
             result.tokens[5] += 1
         return result
 
-    monkeypatch.setattr(evaluate, "speculative_generate", lossy)
+    monkeypatch.setattr(decode, "speculative_generate", lossy)  # evaluate imports it from decode when it runs
     rc = spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--num-prompts", "1", "--prompt-len", "8",
                    "--max-new-tokens", "8")
     assert rc == 1

@@ -13,16 +13,18 @@ import json
 import sys
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from treadle.errors import UserError, first_line
 from treadle.fsutil import claim_output, write_atomic
-from treadle.models.glide import load_glide, read_draft_config
 from treadle.model_dirs import resolve_model_dir
-from treadle.models.hf import load_causal_lm
-from treadle.speculative.decode import Drafter, speculative_generate, summarize, target_generate
-from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
-from treadle.speculative.prompts import heldout_prompts, load_prompts_jsonl
+
+# torch, the models and the decoders load when a function runs, not with the module: `spec-eval --help` and a
+# bad flag answer at once.
+if TYPE_CHECKING:
+    import torch
+
+    from treadle.speculative.decode import Drafter
 
 _WARMUP_TOKENS = 4
 WRITTEN_BY = "treadle spec-eval"
@@ -71,6 +73,10 @@ def _check_same_tokenizer(draft_dir: Path, tokenizer) -> None:
 # ---- Drafter registry: every accepted --draft value is resolved here. ----
 def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
     """``--draft`` value -> Drafter: 'prompt-lookup', a treadle draft directory, or any HF causal LM."""
+    from treadle.models.glide import load_glide, read_draft_config
+    from treadle.models.hf import load_causal_lm
+    from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
+
     if spec == "prompt-lookup":
         return PromptLookupDrafter()
     path = Path(spec)
@@ -98,6 +104,8 @@ def first_mismatch(reference: list[int], other: list[int]) -> int | None:
 def _warm_up(target: torch.nn.Module, drafter: Drafter, prompt: torch.Tensor, gamma: int, eos_id: int | None) -> None:
     # The first forwards of a process pay one-off costs (allocator, kernel
     # selection) that would otherwise land on whichever side is timed first.
+    from treadle.speculative.decode import speculative_generate, target_generate
+
     target_generate(target, prompt, _WARMUP_TOKENS, eos_id)
     speculative_generate(target, drafter, prompt, gamma, _WARMUP_TOKENS, eos_id)
 
@@ -111,6 +119,10 @@ def evaluate_drafter(
     eos_id: int | None,
 ) -> dict:
     """Target-alone and speculative greedy decoding of every prompt: acceptance, speed, losslessness."""
+    import torch
+
+    from treadle.speculative.decode import speculative_generate, summarize, target_generate
+
     if not prompts:
         raise ValueError("evaluate_drafter: no prompts")
     _warm_up(target, drafter, torch.tensor([prompts[0]]), gamma, eos_id)
@@ -206,6 +218,11 @@ def spec_eval(target: Path, draft: str, *, gamma: int = 4, prompts: Path | None 
     ``written_by``). The keywords are the command's flags; its defaults are theirs (a test compares them)."""
     json_path = Path(json_path) if json_path is not None else None
     _check_args(gamma, num_prompts, prompt_len, max_new_tokens, threads, json_path)
+    import torch
+
+    from treadle.models.hf import load_causal_lm
+    from treadle.speculative.prompts import heldout_prompts, load_prompts_jsonl
+
     if threads:
         torch.set_num_threads(threads)
     target_dir = resolve_model_dir(Path(target), "--target")
