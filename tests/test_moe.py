@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import records
+from tests.helpers import moe_args, records
 from tests.test_step import GradRecordingEngine, make_batch, max_rel_diff, split
 from treadle.cli import main
 from treadle.config import ModelConfig
@@ -116,11 +116,7 @@ def test_z_loss_is_exact_under_accumulation_and_aux_is_the_token_weighted_mean_o
 
 def test_moe_preset_trains_with_both_losses_and_logs_them(shards, tmp_path):
     out = tmp_path / "moe"
-    argv = ["train", f"--train.output_dir={out}", f"--data.train={shards / 'train'}", f"--data.val={shards / 'val'}",
-            "--model.preset=tiny-moe", "--model.overrides={hidden_size=32,moe_intermediate_size=32,num_hidden_layers=2,"
-            "num_attention_heads=4,num_key_value_heads=2,head_dim=8}", "--data.seq_len=32",
-            "--train.micro_batch_size=2", "--train.grad_accum_steps=2", "--train.max_steps=2", "--train.log_every=1",
-            "--train.eval_batches=1", "--model.router_aux_loss_coef=0.01", "--model.router_z_loss_coef=0.001"]
+    argv = moe_args(shards, out, "--train.max_steps=2")
     assert main(argv) == 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "loss" in r]
