@@ -7,13 +7,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import moe_args, records
+from tests.helpers import draft_args, moe_args, records
 from tests.test_step import GradRecordingEngine, make_batch, max_rel_diff, split
 from treadle.cli import main
 from treadle.config import ModelConfig
 from treadle.models.hf import build_model
 from treadle.models.moe import router_losses, router_spec
-from treadle.train.moe import RouterObjective
+from treadle.errors import UserError
+from treadle.train.moe import RouterObjective, router_objective
 from treadle.train.step import IGNORE_INDEX, loss_sum, optimizer_step
 
 SMALL = {"hidden_size": 32, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -143,3 +144,21 @@ def test_router_coefficients_on_a_model_without_experts_are_refused(shards, tmp_
     assert not out.exists()
     # 0 means off: accepted on any model.
     assert main(argv[:-1] + ["--model.router_z_loss_coef=0", "--model.router_aux_loss_coef=0"]) == 0
+
+
+def test_unset_aux_coefficient_is_the_model_configs_own_and_keys_are_refused_where_nothing_routes(
+        shards, target_dir, tmp_path, capsys):
+    moe = tiny_moe(overrides=SMALL | {"router_aux_loss_coef": 0.02})
+    assert router_objective(moe, ModelConfig()).aux_coef == 0.02  # HF config field (model.overrides may set it)
+    both = router_objective(moe, ModelConfig(router_aux_loss_coef=0.0, router_z_loss_coef=0.1))
+    assert (both.aux_coef, both.z_coef) == (0.0, 0.1)
+    dense = build_model(ModelConfig(overrides={"hidden_size": 32, "num_hidden_layers": 1}), vocab_size=97)
+    assert router_objective(dense, ModelConfig(router_aux_loss_coef=0)) is None
+    with pytest.raises(UserError, match=r"model.router_aux_loss_coef = 0.1 but the model \(llama\) has no experts"):
+        router_objective(dense, ModelConfig(router_aux_loss_coef=0.1))
+    # A draft run trains a draft without a router: refused before anything is written.
+    out = tmp_path / "draft"
+    assert main(draft_args(shards, target_dir, out, "--train.max_steps=2", "--model.router_z_loss_coef=0.01")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.router_z_loss_coef = 0.01 but a draft run trains a glide draft" in err[0]
+    assert not out.exists()

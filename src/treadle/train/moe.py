@@ -26,12 +26,36 @@ import torch
 from torch import nn
 
 from treadle.data.packed import IGNORE_INDEX
-from treadle.models.moe import RouterLosses, RouterSpec, router_losses
+from treadle.config import ModelConfig
+from treadle.errors import UserError
+from treadle.models.moe import RouterLosses, RouterSpec, router_losses, router_spec
 from treadle.train.callbacks import Callback
 from treadle.train.step import Batch, StepResult, row_cross_entropy
 
 if TYPE_CHECKING:
     from treadle.train.trainer import Trainer
+
+
+def router_objective(model: nn.Module, cfg: ModelConfig) -> RouterObjective | None:
+    """The loss of an MoE model with the configured coefficients (unset aux: the HF config's own), or None for a
+    model without a router, whose router keys must then be off."""
+    spec = router_spec(model)
+    if spec is None:
+        refuse_router_keys(cfg, f"the model ({model.config.model_type}) has no experts" if not hasattr(
+            model.config, "output_router_logits") else f"{type(model).__name__} does not name its num_experts and "
+            "num_experts_per_tok (treadle reads its router from them)")
+        return None
+    aux = spec.aux_loss_coef if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef
+    return RouterObjective(spec, aux, cfg.router_z_loss_coef)
+
+
+def refuse_router_keys(cfg: ModelConfig, why: str) -> None:
+    """A router coefficient set for a model without a router would silently do nothing: refused, naming the key."""
+    for key in ("router_aux_loss_coef", "router_z_loss_coef"):
+        value = getattr(cfg, key)
+        if value:
+            raise UserError(f"model.{key} = {value} but {why}; accepted: 0 or unset, or an MoE model "
+                            "(e.g. model.preset = \"tiny-moe\", a Mixtral / Qwen-MoE / OLMoE model.path)")
 
 
 class RouterObjective:

@@ -32,11 +32,10 @@ from treadle.engine import build_engine, read_deepspeed_config, resolve_engine
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.models.hf import build_model, compile_layers, count_parameters, trainable_parameters
-from treadle.models.moe import router_spec
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.models.glide import build_glide
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
-from treadle.train.moe import ExpertLoadCallback, RouterObjective
+from treadle.train.moe import ExpertLoadCallback, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
 from treadle.train.rundir import check_output_dir, check_resume, prepare_output_dir, save_run_config
@@ -170,30 +169,17 @@ def _model_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
     out = Path(cfg.train.output_dir) / "hf"
     export = ExportCallback(out, data.tokenizer_dir, meta.get("chat_template"))
-    spec = router_spec(model)
-    if spec is None:
-        _refuse_router_keys(cfg, f"the model ({model.config.model_type}) has no experts")
+    objective = router_objective(model, cfg.model)
+    if objective is None:
         return ModelSetup(model, model.config.vocab_size, loss_sum, None, [], export)
-    m = cfg.model
-    aux = spec.aux_loss_coef if m.router_aux_loss_coef is None else m.router_aux_loss_coef
-    objective = RouterObjective(spec, aux, m.router_z_loss_coef)
     return ModelSetup(model, model.config.vocab_size, objective, objective.evaluate, [], export,
                       step_callbacks=[ExpertLoadCallback(objective)])
-
-
-def _refuse_router_keys(cfg: Config, why: str) -> None:
-    """A router coefficient set for a model without a router would silently do nothing: refused, naming the key."""
-    for key in ("router_aux_loss_coef", "router_z_loss_coef"):
-        value = getattr(cfg.model, key)
-        if value:
-            raise UserError(f"model.{key} = {value} but {why}; accepted: 0 or unset, or an MoE model "
-                            "(e.g. model.preset = \"tiny-moe\", a Mixtral / Qwen-MoE / OLMoE model.path)")
 
 
 def _draft_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     """A frozen target and a trainable draft; the rest of the run is unchanged."""
     train_ds, val_ds = data.train, data.val
-    _refuse_router_keys(cfg, f"a draft run trains a {cfg.draft.kind} draft, which has no experts")
+    refuse_router_keys(cfg.model, f"a draft run trains a {cfg.draft.kind} draft, which has no experts")
     model, target_dir, identity = build_glide(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint)
     _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
     meta["target_fingerprint"] = identity["config_fingerprint"]
