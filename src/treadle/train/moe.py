@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from treadle.data.packed import IGNORE_INDEX
 from treadle.config import ModelConfig
+from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
 from treadle.models.moe import RouterLosses, RouterSpec, router_losses, router_spec
 from treadle.train.callbacks import Callback
@@ -69,8 +69,8 @@ class RouterObjective:
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                     output_router_logits=True)
         labelled = batch["labels"] != IGNORE_INDEX
-        return row_cross_entropy(out.logits, batch["labels"]), router_losses(out.router_logits, labelled, self.spec), \
-            labelled.sum(-1)
+        routers = router_losses(out.router_logits, labelled, self.spec)
+        return row_cross_entropy(out.logits, batch["labels"]), routers, labelled.sum(-1)
 
     def __call__(self, model: nn.Module, batch: Batch):
         ce, r, tokens = self._forward(model, batch)
