@@ -29,6 +29,20 @@ def draft_args(shards, target_dir, out, *extra):
     ]
 
 
+MOE_MODEL = ("{hidden_size=32,moe_intermediate_size=32,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,"
+             "head_dim=8}")
+
+
+def moe_args(shards, out, *extra):
+    """A small run of the tiny-moe preset (Qwen3-MoE, 8 experts, top-2) made smaller, both router losses on."""
+    return [
+        "train", f"--train.output_dir={out}", f"--data.train={shards / 'train'}", f"--data.val={shards / 'val'}",
+        "--model.preset=tiny-moe", f"--model.overrides={MOE_MODEL}", "--data.seq_len=32", "--train.micro_batch_size=2",
+        "--train.grad_accum_steps=2", "--train.log_every=1", "--train.eval_batches=1",
+        "--model.router_aux_loss_coef=0.01", "--model.router_z_loss_coef=0.001", *extra,
+    ]
+
+
 def records(run_dir, key="loss"):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r[key] for r in lines if key in r}

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed import run_distributed
-from tests.helpers import args, draft_args, mixture_args, records, write_pairs
+from tests.helpers import args, draft_args, mixture_args, moe_args, records, write_pairs
 from treadle.cli import main
 from treadle.config import load_config
 from treadle.train.callbacks import Callback, CheckpointCallback
@@ -83,7 +83,11 @@ def _runs(rank, world_size, shards, out):
     trainer.metrics.close()
     got["term"] = (trainer.state.step, trainer.stop_reason)
 
-    # 4. A rank that does not come to the health check is reported within its timeout, not waited on.
+    # 4. MoE on FSDP2 at GA 1: each rank trains one of the micro-batches a single process trains at GA 2.
+    run_training(load_config(None, moe_args(shards, out / "moe", "--train.max_steps=2", "--train.grad_accum_steps=1",
+                                            "--distributed.engine=fsdp2", "--train.threads=1")[1:]))
+
+    # 5. A rank that does not come to the health check is reported within its timeout, not waited on.
     check = HealthCheck(timeout_s=2.0)
     check.check(0)  # everyone present: passes
     if rank == 1:
@@ -137,6 +141,15 @@ def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_pat
     ckpts = tmp_path / "term" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_2"]
     assert (ckpts / "latest").resolve().name == "step_2" and len(list((ckpts / "step_2" / "rng").iterdir())) == 2
+
+    # MoE: the router losses and expert counts of 2 ranks x GA 1 are those of 1 process x GA 2 (same micro-batches:
+    # the load-balancing loss is per micro-batch, so this holds although GA 1 x 4 rows would differ).
+    one, two = tmp_path / "moe-one", tmp_path / "moe"
+    assert main(moe_args(shards, one, "--train.max_steps=2")) == 0
+    for key in ("loss", "grad_norm", "router_aux_loss", "router_z_loss", "expert_load_max_mean", "eval_loss"):
+        a, b = records(one, key), records(two, key)
+        assert a.keys() == b.keys() and a and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in a), (key, a, b)
+    assert records(one, "expert_tokens") == records(two, "expert_tokens")
 
     # The health check named the missing rank's absence within about its timeout.
     message, waited = res[0]["health"]

@@ -141,6 +141,12 @@ class ModelConfig(Section):
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="bf16 = autocast with fp32 master weights")
     compile: bool = Field(False, description="torch.compile each decoder layer")
     overrides: dict[str, Any] = Field(default_factory=dict, description="HF config fields set on top of the preset")
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0.0, description="MoE models: weight of the router load-balancing loss added to the loss; unset = the "
+        "HF config's own router_aux_loss_coef (0.001 Mixtral/Qwen-MoE, 0.01 OLMoE); a model without experts refuses > 0")
+    router_z_loss_coef: float = Field(
+        0.0, ge=0.0, description="MoE models: weight of the router z-loss (mean logsumexp(router logits)^2, ST-MoE "
+        "uses 0.001); 0 = off; a model without experts refuses > 0")
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")

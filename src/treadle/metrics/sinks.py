@@ -59,7 +59,7 @@ class JsonlSink:
 def _fmt(record: dict) -> str:
     parts = []
     for k, v in record.items():
-        if k == "step":
+        if k == "step" or isinstance(v, list):  # per-item values (expert_tokens) stay in metrics.jsonl
             continue
         if isinstance(v, float):
             v = f"{v:.4g}" if (abs(v) < 1e5 or not math.isfinite(v)) else f"{v:,.0f}"

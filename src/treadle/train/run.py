@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -35,6 +35,7 @@ from treadle.models.hf import build_model, compile_layers, count_parameters, tra
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.models.glide import build_glide
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
+from treadle.train.moe import ExpertLoadCallback, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
 from treadle.train.rundir import check_output_dir, check_resume, prepare_output_dir, save_run_config
@@ -155,6 +156,7 @@ class ModelSetup:
     eval_loss_fn: Callable | None
     eval_callbacks: list[Callback]
     export: ExportCallback | DraftExportCallback
+    step_callbacks: list[Callback] = field(default_factory=list)  # before the metrics callback: add to the step's metrics
 
     def describe(self) -> str:
         trainable = trainable_parameters(self.model)
@@ -166,13 +168,18 @@ def _model_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
     _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
     out = Path(cfg.train.output_dir) / "hf"
-    return ModelSetup(model, model.config.vocab_size, loss_sum, None, [],
-                      ExportCallback(out, data.tokenizer_dir, meta.get("chat_template")))
+    export = ExportCallback(out, data.tokenizer_dir, meta.get("chat_template"))
+    objective = router_objective(model, cfg.model)
+    if objective is None:
+        return ModelSetup(model, model.config.vocab_size, loss_sum, None, [], export)
+    return ModelSetup(model, model.config.vocab_size, objective, objective.evaluate, [], export,
+                      step_callbacks=[ExpertLoadCallback(objective)])
 
 
 def _draft_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     """A frozen target and a trainable draft; the rest of the run is unchanged."""
     train_ds, val_ds = data.train, data.val
+    refuse_router_keys(cfg.model, f"a draft run trains a {cfg.draft.kind} draft, which has no experts")
     model, target_dir, identity = build_glide(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint)
     _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
     meta["target_fingerprint"] = identity["config_fingerprint"]
@@ -297,7 +304,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # Order matters: the guard may roll back before eval and checkpoint see the step,
     # and eval (which may set the "best" metric) runs before the checkpoint; user callbacks come
     # after eval (they see its result) and before the checkpoint (which saves their state).
-    callbacks = [MetricsCallback(t.log_every), NanGuardCallback(r)]
+    callbacks = [*setup.step_callbacks, MetricsCallback(t.log_every), NanGuardCallback(r)]
     if info.world_size > 1 and d.health_check_every:
         callbacks.append(HealthCheckCallback(d.health_check_every, d.health_check_timeout_s))
     if r.inject_nan_steps and (not r.inject_nan_ranks or info.rank in r.inject_nan_ranks):
