@@ -141,6 +141,16 @@ class ModelConfig(Section):
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="bf16 = autocast with fp32 master weights")
     compile: bool = Field(False, description="torch.compile each decoder layer")
     overrides: dict[str, Any] = Field(default_factory=dict, description="HF config fields set on top of the preset")
+    loss_chunk_tokens: Literal["auto"] | Annotated[int, Field(ge=0)] = Field(
+        "auto", description="LM head + cross-entropy computed this many tokens at a time (the [tokens, vocab] logits "
+        "never exist whole); 0 = off; auto = 1024 from a vocabulary of 32000 up, else off")
+
+    @field_validator("loss_chunk_tokens", mode="before")
+    @classmethod
+    def _chunk_tokens(cls, v: Any) -> Any:
+        if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            raise ValueError("accepted: 'auto', 0 (off) or a number of tokens per chunk")
+        return v
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")

@@ -31,6 +31,8 @@ from treadle.distributed import init_distributed
 from treadle.engine import build_engine, read_deepspeed_config, resolve_engine
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
+from treadle.data.packed import IGNORE_INDEX
+from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.hf import build_model, compile_layers, count_parameters, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.models.glide import build_glide
@@ -165,6 +167,9 @@ class ModelSetup:
 def _model_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
     _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
+    chunk = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.config.vocab_size)
+    if chunk:  # before any engine wraps the model: the head is replaced in place (loss_sum finds it)
+        use_chunked_loss(model, chunk, IGNORE_INDEX, explicit=cfg.model.loss_chunk_tokens != "auto")
     out = Path(cfg.train.output_dir) / "hf"
     return ModelSetup(model, model.config.vocab_size, loss_sum, None, [],
                       ExportCallback(out, data.tokenizer_dir, meta.get("chat_template")))
@@ -172,6 +177,9 @@ def _model_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
 
 def _draft_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     """A frozen target and a trainable draft; the rest of the run is unchanged."""
+    if cfg.model.loss_chunk_tokens not in ("auto", 0):
+        raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} is not supported in a draft run "
+                        "(draft.kind) yet: its objective needs the target's logits too; accepted: 'auto' or 0")
     train_ds, val_ds = data.train, data.val
     model, target_dir, identity = build_glide(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint)
     _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data

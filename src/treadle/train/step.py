@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treadle.data.packed import IGNORE_INDEX  # the data marks "no loss here"; the loss honours it
+from treadle.models.chunked_ce import chunked_head, scoring
 
 Batch = dict[str, torch.Tensor]
 # A loss function returns the loss of a micro-batch summed per row ([B]; a scalar sum is
@@ -46,7 +47,16 @@ class StepResult:
 
 
 def loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Next-token cross-entropy summed per row ([B]) of a batch whose labels are already shifted."""
+    """Next-token cross-entropy summed per row ([B]) of a batch whose labels are already shifted.
+
+    With a chunked LM head (``model.loss_chunk_tokens``) the model's forward returns each token's
+    cross-entropy in place of the logits, which never exist whole.
+    """
+    head = chunked_head(model)
+    if head is not None:
+        with scoring(head, batch["labels"]):
+            token_ce = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        return token_ce.sum(-1)
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     return row_cross_entropy(logits, batch["labels"])
 
