@@ -133,3 +133,38 @@ def _forward_returns_head_output(model: nn.Module, head: ChunkedLMHead) -> bool:
             return getattr(out, "logits", None) is head.last_output
     finally:
         model.train(was_training)
+
+
+def _chunk_scores(hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                  ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's per-token CE, KL(teacher || student) and the teacher's CE; softmaxes in fp32."""
+    logp = F.log_softmax(F.linear(hidden, weight).float(), -1)
+    with torch.no_grad():  # the teacher is fixed: recomputed in backward, never differentiated
+        teacher_logp = F.log_softmax(F.linear(teacher_hidden, weight).float(), -1)
+    valid = labels != ignore_index
+    ce = F.nll_loss(logp, labels, ignore_index=ignore_index, reduction="none")
+    kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1) * valid
+    teacher_ce = F.nll_loss(teacher_logp, labels, ignore_index=ignore_index, reduction="none")
+    return ce, kl, teacher_ce
+
+
+def chunked_distillation_scores(hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor,
+                                labels: torch.Tensor, chunk_tokens: int, ignore_index: int = -100
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token ([B, L]) CE of the student, KL(teacher || student) and CE of the teacher, through one shared head
+    ``weight``, ``chunk_tokens`` rows at a time: each chunk's logits (student's and teacher's) are recomputed in
+    backward (activation checkpointing per chunk), so neither model's [tokens, vocab] logits exist whole.
+
+    torch's fused ``linear_cross_entropy`` has no KL; this is the same chunking written with ``checkpoint``.
+    Call it inside a module's forward (sharded weights are gathered there).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    flat = [hidden.flatten(0, -2), teacher_hidden.flatten(0, -2), labels.flatten()]
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    parts = []
+    for start in range(0, flat[2].shape[0], chunk_tokens):
+        h, t, y = (x[start:start + chunk_tokens] for x in flat)
+        parts.append(checkpoint(_chunk_scores, h, t, weight, y, ignore_index, use_reentrant=False) if grad
+                     else _chunk_scores(h, t, weight, y, ignore_index))
+    return tuple(torch.cat(p).view(labels.shape) for p in zip(*parts))

@@ -177,12 +177,11 @@ def _model_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
 
 def _draft_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     """A frozen target and a trainable draft; the rest of the run is unchanged."""
-    if cfg.model.loss_chunk_tokens not in ("auto", 0):
-        raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} is not supported in a draft run "
-                        "(draft.kind) yet: its objective needs the target's logits too; accepted: 'auto' or 0")
     train_ds, val_ds = data.train, data.val
     model, target_dir, identity = build_glide(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint)
     _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
+    # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward).
+    model.loss_chunk_tokens = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
     meta["target_fingerprint"] = identity["config_fingerprint"]
     objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
