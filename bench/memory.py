@@ -42,7 +42,7 @@ class Case:
 
 CASES = [
     case
-    for vocab, tag in ((32_000, "32k"), (128_256, "128k"))
+    for vocab, tag in ((8192, "8k"), (32_000, "32k"), (128_256, "128k"))
     for case in (
         Case(f"ce-{tag}-decoder", f"ce-{tag}", vocab, loss="decoder"),
         Case(f"ce-{tag}-naive", f"ce-{tag}", vocab, model={"loss_chunk_tokens": 0}),
