@@ -44,7 +44,9 @@ from tests.test_engines_dist import (CPU, FROZEN, GA, GRAD_CLIP, ROWS, STEPS, WE
                                      rank_micro_batches, snapshot, tiny_llama, weights)
 from treadle.engine.deepspeed import (META, TAG, UNIVERSAL_TAG, DeepSpeedEngine, check_resumable, deepspeed_config,
                                       universal_command)
+from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
+from treadle.models.chunked_ce import use_chunked_loss
 from treadle.train.resilience import _poisoned
 from treadle.train.step import loss_sum, optimizer_step
 
@@ -64,8 +66,10 @@ VARIANTS = {  # name: (stage, bf16, offload); each runs steps 0, 1, a skipped 2,
 # ---------------------------------------------------------------- on each rank
 
 def _build(stage: int, seed: int = 0, freeze_embedding: bool = False, bf16: bool = False, offload: bool = False,
-           user_config: dict | None = None) -> DeepSpeedEngine:
+           user_config: dict | None = None, chunk_tokens: int = 0) -> DeepSpeedEngine:
     model = tiny_llama(seed, freeze_embedding)
+    if chunk_tokens:  # model.loss_chunk_tokens: ZeRO-3 gathers the head's weight only inside the head's forward
+        use_chunked_loss(model, chunk_tokens, IGNORE_INDEX)
     return DeepSpeedEngine(model, make_optimizer(model), CPU, zero_stage=stage, grad_accum_steps=GA,
                            micro_batch_size=ROWS // torch.distributed.get_world_size() // GA, grad_clip=GRAD_CLIP,
                            bf16=bf16, offload=offload, user_config=user_config or (PARTITION_ALL if stage == 3 else None))
@@ -142,6 +146,9 @@ def _check_stage(stage: int, rank: int, world_size: int, tmp: str) -> dict:
     torch.optim.lr_scheduler.LambdaLR(fresh.optimizer, lambda _: 0.0)
     out["lr0_applied"] = _steps(fresh, [NEXT + 1], rank, world_size)[0][3]
     out["export_lr0"] = snapshot(fresh.export_state_dict())
+
+    if stage == 3:
+        out["chunked_steps"] = _steps(_build(stage, chunk_tokens=5), range(2), rank, world_size)
 
     frozen = _build(stage, freeze_embedding=True)
     out["frozen_steps"] = _steps(frozen, range(2), rank, world_size)
@@ -284,6 +291,12 @@ def test_frozen_parameters_train_nowhere_and_stay_out_of_checkpoints(launched, r
     export = results[0][kind]["frozen_export"]
     assert max_abs_diff(export, reference["frozen_weights"]) <= WEIGHT_ATOL
     assert torch.equal(export[FROZEN], embedding)
+
+
+def test_chunked_cross_entropy_under_zero3_matches_the_plain_head_in_one_process(launched, reference):
+    results, _ = launched
+    for rank, res in enumerate(results):
+        assert_steps_match(res["zero3"]["chunked_steps"], reference["steps"][:2], f"zero3 chunked rank {rank}")
 
 
 def test_memory_report_zero3_holds_half_of_an_unpartitioned_copy(launched):

@@ -26,6 +26,7 @@ from tests.distributed import DistributedTestError, run_distributed
 from treadle.data.packed import IGNORE_INDEX
 from treadle.engine.local import LocalEngine
 from treadle.engine.optim import param_groups
+from treadle.models.chunked_ce import use_chunked_loss
 from treadle.train.step import optimizer_step
 
 LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -86,11 +87,13 @@ def snapshot(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- on each rank
 
-def _build(kind: str, seed: int, freeze_embedding: bool = False, **fsdp_kwargs):
+def _build(kind: str, seed: int, freeze_embedding: bool = False, chunk_tokens: int = 0, **fsdp_kwargs):
     from treadle.engine.ddp import DDPEngine
     from treadle.engine.fsdp2 import FSDP2Engine
 
     model = tiny_llama(seed, freeze_embedding)
+    if chunk_tokens:  # model.loss_chunk_tokens: the head is replaced before the engine wraps the model
+        use_chunked_loss(model, chunk_tokens, IGNORE_INDEX)
     if kind == "ddp":
         return DDPEngine(model, make_optimizer(model), CPU)
     return FSDP2Engine(model, make_optimizer, CPU, **fsdp_kwargs)
@@ -140,6 +143,10 @@ def _check_engine(kind: str, rank: int, world_size: int, ckpt_dir: str) -> dict:
     out["frozen_model_keys"] = sorted(state["model"])
     out["frozen_optim_keys"] = sorted(state["optim"]["state"])
     out["frozen_export"] = snapshot(frozen.export_state_dict())
+
+    # Chunked cross-entropy: the head's weight is gathered (FSDP2) / synced (DDP) inside the model's forward.
+    chunked = _build(kind, seed=0, chunk_tokens=5)
+    out["chunked_steps"] = _steps(chunked, range(2), rank, world_size)
 
     if kind == "fsdp2":
         # CPU offload changes where shards live, not the math; bf16 compute stays close to fp32.
@@ -264,6 +271,13 @@ def test_fsdp2_cpu_offload_and_bf16_compute(launched, reference):
             assert applied and math.isfinite(norm)
             assert loss == pytest.approx(rloss, rel=2e-2)
             assert loss != rloss  # bf16 really computed (fp32 would agree to ~1e-7 or exactly)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_chunked_cross_entropy_at_two_ranks_matches_the_plain_head_in_one_process(launched, reference, kind):
+    results, _ = launched
+    for rank, res in enumerate(results):
+        assert_steps_match(res[kind]["chunked_steps"], reference["steps"][:2], f"{kind} chunked rank {rank}")
 
 
 def test_init_distributed_without_torchrun_env_is_one_process(monkeypatch):

@@ -119,8 +119,10 @@ def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_
     run = tmp_path / "run"
     trainer = build_trainer(load_config(None, draft_args(shards, target_dir, run, "--train.max_steps=3",
                                                           "--checkpoint.best_metric=tau_sim",
-                                                          "--checkpoint.best_mode=max")[1:]))
+                                                          "--checkpoint.best_mode=max",
+                                                          "--model.loss_chunk_tokens=16")[1:]))
     model = trainer.engine.model
+    assert model.loss_chunk_tokens == 16  # trained through the chunked scores (tests/test_chunked_ce.py)
     before = {k: v.clone() for k, v in model.target.state_dict().items()}
     draft_before = {k: v.clone() for k, v in model.draft_model.state_dict().items()}
     trainer.fit()

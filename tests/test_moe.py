@@ -78,6 +78,26 @@ def test_zero_coefficients_give_exactly_the_plain_cross_entropy():
     assert objective.take_counts().sum() == plain.label_tokens * 2 * 2  # top-2, 2 layers
 
 
+def test_router_objective_uses_the_chunked_head_and_equals_the_full_logits():
+    """With model.loss_chunk_tokens the MoE objective's CE goes through the chunked head (the logits never exist
+    whole) and the step equals the unchunked one: loss, router metrics and gradients."""
+    from treadle.models.chunked_ce import chunked_head, use_chunked_loss
+
+    micro = split(make_batch(), 4)
+    objective = RouterObjective(router_spec(tiny_moe()), 0.01, 0.001)
+    full, g_full = step(micro, objective)
+    chunked_model = tiny_moe()
+    assert use_chunked_loss(chunked_model, 8) and chunked_head(chunked_model) is not None
+    seen = []
+    chunked_head(chunked_model).register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    chunked, g_chunked = step(micro, objective, chunked_model)
+    assert seen and all(len(shape) == 2 for shape in seen)  # per-token CE [B, T], never [B, T, V] logits
+    assert chunked.loss == pytest.approx(full.loss, rel=1e-6)
+    for key in ("router_aux_loss", "router_z_loss"):
+        assert chunked.metrics[key] == pytest.approx(full.metrics[key], rel=1e-6)
+    assert max_rel_diff(g_chunked, g_full) <= 1e-6
+
+
 def test_z_loss_is_exact_under_accumulation_and_aux_is_the_token_weighted_mean_of_micro_batches():
     batch = make_batch()
     spec = router_spec(tiny_moe())

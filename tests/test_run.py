@@ -148,7 +148,12 @@ def test_logits_of_exported_model_equal_the_trained_model(shards, tmp_path):
     from treadle.config import load_config
     from treadle.train.run import build_trainer
 
-    trainer = build_trainer(load_config(None, args(shards, tmp_path / "r", "--train.max_steps=2")[1:]))
+    from treadle.models.chunked_ce import ChunkedLMHead
+
+    # Trained with the chunked loss: the export is a plain model whose head holds the trained weight.
+    trainer = build_trainer(load_config(None, args(shards, tmp_path / "r", "--train.max_steps=2",
+                                                   "--model.loss_chunk_tokens=16")[1:]))
+    assert isinstance(trainer.engine.module.lm_head, ChunkedLMHead)
     trainer.fit()
     ids = torch.randint(0, 512, (2, 16))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "r" / "hf").eval()

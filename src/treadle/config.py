@@ -147,6 +147,16 @@ class ModelConfig(Section):
     router_z_loss_coef: float = Field(
         0.0, ge=0.0, description="MoE models: weight of the router z-loss (mean logsumexp(router logits)^2, ST-MoE "
         "uses 0.001); 0 = off; a model without experts refuses > 0")
+    loss_chunk_tokens: Literal["auto"] | Annotated[int, Field(ge=0)] = Field(
+        "auto", description="LM head + cross-entropy computed this many tokens at a time (the [tokens, vocab] logits "
+        "never exist whole); 0 = off; auto = 1024 from a vocabulary of 32000 up, else off")
+
+    @field_validator("loss_chunk_tokens", mode="before")
+    @classmethod
+    def _chunk_tokens(cls, v: Any) -> Any:
+        if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            raise ValueError("accepted: 'auto', 0 (off) or a number of tokens per chunk")
+        return v
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")

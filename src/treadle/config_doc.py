@@ -91,6 +91,8 @@ def accepted(annotation: Any, metadata: list = ()) -> str:
         rest = [a for a in args if a is not type(None)]
         inner = accepted(rest[0] if len(rest) == 1 else Union[tuple(rest)], metadata)
         return f"{inner}, or unset (leave the key out)"
+    if origin in (Union, types.UnionType):
+        return ", or ".join(accepted(a) for a in args)
     if origin is Literal:
         return "one of " + ", ".join(toml_value(a) for a in args)
     if annotation is bool:

@@ -34,6 +34,7 @@ from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
+from treadle.models.chunked_ce import chunked_distillation_scores
 from treadle.models.hf import greedy_continuations, load_causal_lm
 from treadle.tokenizer import tokenizer_fingerprint
 
@@ -251,8 +252,12 @@ def causal_document_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class GlideOutput:
-    logits: torch.Tensor  # the draft's, [B, T, V]
-    target_logits: torch.Tensor  # the frozen target's on the same input, [B, T, V]
+    logits: torch.Tensor | None  # the draft's, [B, T, V]
+    target_logits: torch.Tensor | None  # the frozen target's on the same input, [B, T, V]
+    # With a chunked loss (loss_chunk_tokens, labels given) the logits are never whole; per-token [B, T] instead:
+    token_ce: torch.Tensor | None = None  # the draft's CE on the labels
+    token_kl: torch.Tensor | None = None  # KL(target || draft), 0 where the label is ignored
+    target_token_ce: torch.Tensor | None = None  # the target's CE on the labels
 
 
 class GlideModel(nn.Module):
@@ -269,6 +274,7 @@ class GlideModel(nn.Module):
         target.requires_grad_(False)
         target.eval()
         self.rotary = type(target.model.rotary_emb)(config=target.config)  # buffers only, not saved
+        self.loss_chunk_tokens = 0  # > 0: forward(labels=...) scores chunk by chunk (model.loss_chunk_tokens)
 
     def train(self, mode: bool = True) -> GlideModel:
         super().train(mode)
@@ -300,13 +306,21 @@ class GlideModel(nn.Module):
     # The public methods above and forward all call these: a method FSDP wraps must not be
     # entered from inside forward, whose hooks already hold the parameters gathered.
 
-    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden: bool = False):
+        """Logits (or, ``hidden``, the final hidden states the LM head would read) and last-layer K/V."""
+        run = self.target.model if hidden else self.target
         with torch.no_grad(), capture_last_kv(self.target) as kv:
-            logits = self.target(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                 attention_mask=causal_document_mask(position_ids)).logits
-        return logits, (kv["k"], kv["v"])
+            out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                      attention_mask=causal_document_mask(position_ids))
+        return out.last_hidden_state if hidden else out.logits, (kv["k"], kv["v"])
 
     def _draft_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      target_kv: tuple[torch.Tensor, torch.Tensor], lag: int,
+                      doc_position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids)
+        return self.target.get_output_embeddings()(hidden)
+
+    def _draft_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       target_kv: tuple[torch.Tensor, torch.Tensor], lag: int,
                       doc_position_ids: torch.Tensor | None = None) -> torch.Tensor:
         doc = document_ids(position_ids if doc_position_ids is None else doc_position_ids)
@@ -316,10 +330,18 @@ class GlideModel(nn.Module):
         embeds = self.target.get_input_embeddings()(input_ids)
         rope = self.rotary(embeds, position_ids)
         hidden, _ = self.draft_model(embeds, rope, target_kv, self_mask, cross_mask)
-        return self.target.get_output_embeddings()(hidden)
+        return hidden
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lag: int = 1,
-                doc_position_ids: torch.Tensor | None = None) -> GlideOutput:
+                doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> GlideOutput:
+        if labels is not None and self.loss_chunk_tokens:
+            # Both models' final hidden states through the shared head a chunk at a time (here, inside forward:
+            # a sharding engine holds the head's weight gathered only now).
+            target_hidden, target_kv = self._target_forward(input_ids, position_ids, hidden=True)
+            hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids)
+            ce, kl, target_ce = chunked_distillation_scores(
+                hidden, target_hidden, self.target.get_output_embeddings().weight, labels, self.loss_chunk_tokens)
+            return GlideOutput(None, None, token_ce=ce, token_kl=kl, target_token_ce=target_ce)
         target_logits, target_kv = self._target_forward(input_ids, position_ids)
         logits = self._draft_logits(input_ids, position_ids, target_kv, lag, doc_position_ids)
         return GlideOutput(logits=logits, target_logits=target_logits)

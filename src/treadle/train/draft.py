@@ -66,14 +66,19 @@ class GlideObjective:
     def losses(self, model, batch: Batch, lag: int, offset: int, train: bool):
         positions = batch["position_ids"]
         shifted = anchored_positions(positions, self.cfg.anchor_positions, offset)
-        out = model(input_ids=batch["input_ids"], position_ids=shifted, lag=lag, doc_position_ids=positions)
         labels = batch["labels"]
-        ce = row_cross_entropy(out.logits, labels)
-        target_ce = row_cross_entropy(out.target_logits, labels).sum()
+        out = model(input_ids=batch["input_ids"], position_ids=shifted, lag=lag, doc_position_ids=positions,
+                    labels=labels)
+        if out.logits is None:  # a chunked loss (model.loss_chunk_tokens): per-token scores, logits never whole
+            ce, kl, target_ce = out.token_ce.sum(-1), out.token_kl.sum(-1), out.target_token_ce.sum()
+        else:
+            ce = row_cross_entropy(out.logits, labels)
+            target_ce = row_cross_entropy(out.target_logits, labels).sum()
         if not train:
             return ce, {"target_loss": target_ce}
-        kl = (F.kl_div(F.log_softmax(out.logits.float(), -1), F.log_softmax(out.target_logits.float(), -1),
-                       log_target=True, reduction="none").sum(-1) * (labels != IGNORE_INDEX)).sum(-1)
+        if out.logits is not None:
+            kl = (F.kl_div(F.log_softmax(out.logits.float(), -1), F.log_softmax(out.target_logits.float(), -1),
+                           log_target=True, reduction="none").sum(-1) * (labels != IGNORE_INDEX)).sum(-1)
         if self.cfg.loss == "mix":
             loss = (1.0 - self.cfg.kl_weight) * ce + self.cfg.kl_weight * kl
         else:

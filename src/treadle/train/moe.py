@@ -30,7 +30,7 @@ from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
 from treadle.models.moe import RouterLosses, RouterSpec, router_losses, router_spec
 from treadle.train.callbacks import Callback
-from treadle.train.step import Batch, StepResult, row_cross_entropy
+from treadle.train.step import Batch, StepResult, forward_row_ce
 
 if TYPE_CHECKING:
     from treadle.train.trainer import Trainer
@@ -66,11 +66,10 @@ class RouterObjective:
         self.counts: torch.Tensor | None = None  # [layers, E] of the micro-batches trained since the last take
 
     def _forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, RouterLosses, torch.Tensor]:
-        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                    output_router_logits=True)
+        ce, out = forward_row_ce(model, batch, output_router_logits=True)  # chunked CE too, when the head is
         labelled = batch["labels"] != IGNORE_INDEX
         routers = router_losses(out.router_logits, labelled, self.spec)
-        return row_cross_entropy(out.logits, batch["labels"]), routers, labelled.sum(-1)
+        return ce, routers, labelled.sum(-1)
 
     def __call__(self, model: nn.Module, batch: Batch):
         ce, r, tokens = self._forward(model, batch)

@@ -31,6 +31,8 @@ from treadle.distributed import init_distributed
 from treadle.engine import build_engine, read_deepspeed_config, resolve_engine
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
+from treadle.data.packed import IGNORE_INDEX
+from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.hf import build_model, compile_layers, count_parameters, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.models.glide import build_glide
@@ -167,6 +169,9 @@ class ModelSetup:
 def _model_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
     _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
+    chunk = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.config.vocab_size)
+    if chunk:  # before any engine wraps the model: the head is replaced in place (loss_sum finds it)
+        use_chunked_loss(model, chunk, IGNORE_INDEX, explicit=cfg.model.loss_chunk_tokens != "auto")
     out = Path(cfg.train.output_dir) / "hf"
     export = ExportCallback(out, data.tokenizer_dir, meta.get("chat_template"))
     objective = router_objective(model, cfg.model)
@@ -182,6 +187,8 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     refuse_router_keys(cfg.model, f"a draft run trains a {cfg.draft.kind} draft, which has no experts")
     model, target_dir, identity = build_glide(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint)
     _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
+    # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward).
+    model.loss_chunk_tokens = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
     meta["target_fingerprint"] = identity["config_fingerprint"]
     objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)

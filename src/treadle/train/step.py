@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treadle.data.packed import IGNORE_INDEX  # the data marks "no loss here"; the loss honours it
+from treadle.models.chunked_ce import chunked_head, scoring
 
 Batch = dict[str, torch.Tensor]
 # A loss function returns the loss of a micro-batch summed per row ([B]; a scalar sum is
@@ -47,8 +48,21 @@ class StepResult:
 
 def loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Next-token cross-entropy summed per row ([B]) of a batch whose labels are already shifted."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    return row_cross_entropy(logits, batch["labels"])
+    return forward_row_ce(model, batch)[0]
+
+
+def forward_row_ce(model: nn.Module, batch: Batch, **forward_kwargs) -> tuple[torch.Tensor, object]:
+    """The model's forward on ``batch`` and its next-token CE summed per row ([B]); ``forward_kwargs`` go to
+    the forward (an MoE's ``output_router_logits``).
+
+    With a chunked LM head (``model.loss_chunk_tokens``) the forward returns each token's cross-entropy in
+    place of the logits, which never exist whole.
+    """
+    head = chunked_head(model)
+    with scoring(head, batch["labels"]) if head is not None else contextlib.nullcontext():
+        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **forward_kwargs)
+    rows = out.logits.sum(-1) if head is not None else row_cross_entropy(out.logits, batch["labels"])
+    return rows, out
 
 
 def row_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

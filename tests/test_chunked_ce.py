@@ -1,0 +1,168 @@
+"""Chunked cross-entropy (model.loss_chunk_tokens) equals the plain LM head + cross-entropy.
+
+fp32, tiny Llama with tied and untied embeddings, several rows with ignored labels, a chunk size that divides
+nothing: per-row loss sums, the step's loss, per-source losses and every gradient agree to 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from treadle.data.packed import IGNORE_INDEX
+from treadle.engine.local import LocalEngine
+from treadle.errors import UserError
+from treadle.models.chunked_ce import AUTO_CHUNK_TOKENS, ChunkedLMHead, resolve_chunk_tokens, use_chunked_loss
+from treadle.train.step import loss_sum, optimizer_step
+
+VOCAB, ROWS, SEQ, CHUNK = 300, 3, 16, 7  # 48 tokens in chunks of 7: the last chunk is partial
+RTOL = 1e-6
+
+
+def tiny_llama(tied: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                                        tie_word_embeddings=tied))
+
+
+def batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    labels = ids[:, 1:].clone()
+    labels[0, :5] = IGNORE_INDEX  # a masked prompt
+    labels[1, 9] = IGNORE_INDEX  # a document boundary
+    labels[2, :] = IGNORE_INDEX  # a row with no loss at all
+    pos = torch.arange(SEQ).repeat(ROWS, 1)
+    return {"input_ids": ids[:, :-1], "labels": labels, "position_ids": pos, "source": torch.tensor([0, 1, 1])}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_loss_and_gradients_equal_the_plain_head(tied):
+    plain = tiny_llama(tied)
+    chunked = copy.deepcopy(plain)
+    assert use_chunked_loss(chunked, CHUNK, IGNORE_INDEX)
+    head = chunked.get_output_embeddings()
+    assert isinstance(head, ChunkedLMHead) and head.weight is chunked.lm_head.weight
+    assert (head.weight is chunked.model.embed_tokens.weight) == tied  # the tie survives the replacement
+    assert sorted(chunked.state_dict()) == sorted(plain.state_dict())  # same keys: checkpoints and export unchanged
+
+    b = batch()
+    want, got = loss_sum(plain, b), loss_sum(chunked, b)
+    assert got.shape == (ROWS,) and got.dtype == torch.float32
+    assert got[2].item() == 0.0  # a row without labels contributes nothing
+    assert rel(got, want) <= RTOL, (got, want)
+    (want.sum() / 7).backward()
+    (got.sum() / 7).backward()
+    g_want, g_got = grads(plain), grads(chunked)
+    for name in g_want:
+        assert rel(g_got[name], g_want[name]) <= RTOL, name
+
+    # Without labels the head is the plain linear layer: generation and export see the same logits.
+    with torch.no_grad():
+        ids = b["input_ids"]
+        assert torch.equal(chunked(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_a_step_with_chunked_loss_equals_the_plain_step():
+    """The step's exact normalization, grad norm and per-source losses through optimizer_step, GA=2."""
+    plain = tiny_llama(False)
+    chunked = copy.deepcopy(plain)
+    use_chunked_loss(chunked, CHUNK, IGNORE_INDEX)
+    results = []
+    for model in (plain, chunked):
+        engine = LocalEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.device("cpu"))
+        results.append([optimizer_step(engine, [batch(s), batch(s + 10)], grad_clip=1.0, sources=("a", "b"))
+                        for s in range(2)])
+    for want, got in zip(*results):
+        assert got.label_tokens == want.label_tokens
+        assert got.loss == pytest.approx(want.loss, rel=RTOL)
+        assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-5)
+        assert got.by_source.keys() == want.by_source.keys() == {"a", "b"}
+        for name, (loss, tokens) in want.by_source.items():
+            assert got.by_source[name][1] == tokens
+            assert got.by_source[name][0] == pytest.approx(loss, rel=RTOL)
+
+
+def test_bf16_autocast_keeps_the_loss_in_fp32():
+    plain = tiny_llama(False)
+    chunked = copy.deepcopy(plain)
+    use_chunked_loss(chunked, CHUNK, IGNORE_INDEX)
+    b = batch()
+    want = loss_sum(plain, b)  # fp32 reference
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = loss_sum(chunked, b)
+    assert got.dtype == torch.float32
+    # The decoder ran in bf16 (so not equal), but no bf16 rounding of the loss itself (8 bits: ~4e-3 relative).
+    assert rel(got, want) < 2e-2
+    # Under bf16 parameters (FSDP2 / DeepSpeed bf16 compute) the head still returns an fp32 loss.
+    bf16 = copy.deepcopy(chunked).to(torch.bfloat16)
+    assert loss_sum(bf16, b).dtype == torch.float32
+
+
+def test_a_model_that_transforms_its_logits_is_refused_or_left_unchunked():
+    """Gemma2 soft-caps its logits after the head: a linear cross-entropy would be another loss."""
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                           final_logit_softcapping=30.0, use_cache=False))
+    with pytest.raises(UserError, match=r"model\.loss_chunk_tokens: .*soft-cap"):
+        use_chunked_loss(model, CHUNK, IGNORE_INDEX, explicit=True)
+    assert type(model.get_output_embeddings()) is torch.nn.Linear
+    assert not use_chunked_loss(model, CHUNK, IGNORE_INDEX, explicit=False)
+    assert type(model.get_output_embeddings()) is torch.nn.Linear
+
+
+def test_auto_turns_chunking_on_from_32k_vocabularies():
+    assert resolve_chunk_tokens("auto", 8192) == 0
+    assert resolve_chunk_tokens("auto", 32_000) == AUTO_CHUNK_TOKENS
+    assert resolve_chunk_tokens("auto", 128_256) == AUTO_CHUNK_TOKENS
+    assert resolve_chunk_tokens(0, 128_256) == 0
+    assert resolve_chunk_tokens(256, 8192) == 256
+
+
+@pytest.mark.parametrize("objective", ["ce", "kl", "mix"])
+def test_chunked_glide_objective_equals_the_plain_one(objective):
+    """A draft run: the draft's CE and KL(target || draft) and the target's CE, chunk by chunk, equal the
+    full-logits objective (per-row losses, side sums, draft gradients), at a lag and with an offset."""
+    from treadle.config import DraftConfig
+    from treadle.models.glide import GlideDraft, GlideModel
+    from treadle.train.draft import GlideObjective
+
+    target = tiny_llama(False)
+    plain = GlideModel(target, GlideDraft(target.config)).train()
+    chunked = copy.deepcopy(plain)
+    chunked.loss_chunk_tokens = CHUNK
+    cfg = DraftConfig(kind="glide", loss=objective, kl_weight=0.3, max_position_offset=8)
+    objective_fn = GlideObjective(cfg, max_positions=64, seq_len=SEQ)
+    b = batch()
+    want, want_side = objective_fn.losses(plain, b, lag=2, offset=3, train=True)
+    got, got_side = objective_fn.losses(chunked, b, lag=2, offset=3, train=True)
+    assert rel(got, want) <= RTOL
+    assert got_side.keys() == want_side.keys()
+    for name in want_side:
+        assert got_side[name].item() == pytest.approx(want_side[name].item(), rel=RTOL), name
+    want.sum().backward()
+    got.sum().backward()
+    g_want = {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}
+    g_got = {n: p.grad for n, p in chunked.named_parameters() if p.requires_grad}
+    assert g_want.keys() == g_got.keys() and all(n.startswith("draft_model.") for n in g_want)
+    for name in g_want:
+        assert rel(g_got[name], g_want[name]) <= RTOL, name
+    # Evaluation (no grad) takes the same chunked path.
+    with torch.no_grad():
+        ev_want, ev_side = objective_fn.evaluate(plain, b)
+        ev_got, ev_got_side = objective_fn.evaluate(chunked, b)
+    assert rel(ev_got, ev_want) <= RTOL
+    assert ev_got_side["target_loss"].item() == pytest.approx(ev_side["target_loss"].item(), rel=RTOL)
