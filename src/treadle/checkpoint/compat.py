@@ -13,8 +13,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from treadle.config import flatten, show_value
 from treadle.errors import UserError
 
-# [model] keys a resumed run may change: weights are fp32 either way, and in-place compile keeps names.
-_HARMLESS_MODEL_KEYS = {"model.dtype", "model.compile"}
+# [model] keys a resumed run may change: weights are fp32 either way, and in-place compile and activation
+# checkpointing keep parameters and their names.
+_HARMLESS_MODEL_KEYS = {"model.dtype", "model.compile", "model.activation_checkpointing",
+                        "model.activation_checkpointing_every", "model.activation_checkpointing_save_ops"}
 # [draft] keys that shape the trained module; the rest (objective, lag, offsets, eval) are training choices.
 _DRAFT_ARCH_KEYS = {"draft.kind", "draft.window"}
 _META_KEYS = ("vocab_size", "tokenizer_fingerprint", "target_fingerprint")
@@ -31,7 +33,7 @@ def check_compatible(path: Path, config_toml_now: str | None, meta_now: dict | N
     """UserError if the checkpoint at ``path`` was trained as another model or on other data.
 
     Compares the checkpoint's ``config.toml`` ``[model]`` section (except
-    ``model.dtype`` and ``model.compile``, harmless to change) and the draft's kind and
+    ``model.dtype``, ``model.compile`` and ``model.activation_checkpointing*``, harmless to change) and the draft's kind and
     window with ``config_toml_now``, and ``vocab_size`` / ``tokenizer_fingerprint`` /
     ``target_fingerprint`` of its train_state.json ``meta`` with ``meta_now``. Everything else (steps, lr, logging, eval, data paths) may change.
     Either argument may be None to skip that half.
