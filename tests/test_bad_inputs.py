@@ -165,6 +165,12 @@ _BAD_FLAGS = [
     (["--distributed.zero_stage=4"], "distributed.zero_stage"),
     (["--train.max_steps", "5"], "--train.max_steps=VALUE"),
     (["--data.phases=[{start_step=1,weights={nosuch=1}}]"], "nosuch"),
+    (["--model.activation_checkpointing=partial"], "model.activation_checkpointing"),
+    (["--model.activation_checkpointing=full", "--model.activation_checkpointing_every=0"],
+     "model.activation_checkpointing_every"),
+    (["--model.activation_checkpointing_save_ops=['mm']"], "activation_checkpointing = 'selective'"),
+    (["--model.activation_checkpointing=selective", "--model.activation_checkpointing_save_ops=['matmull']"],
+     "'matmull' is not an aten op"),
 ]
 
 

@@ -349,8 +349,10 @@ def test_malicious_pickles_are_refused(tmp_path):
 def test_incompatible_resume_is_one_line_user_error(tmp_path):
     cm = CheckpointManager(tmp_path / "ck", keep_last=5)
     path = cm.save(6, engine(), train_state(6), config_toml())
-    # Harmless changes pass: steps, lr, eval, logging, autocast dtype, compile.
-    cfg = Config(model=ModelConfig(overrides=TINY, dtype="bf16", compile=True))
+    # Harmless changes pass: steps, lr, eval, logging, autocast dtype, compile, activation checkpointing, loss chunks, router coefficients.
+    cfg = Config(model=ModelConfig(overrides=TINY, dtype="bf16", compile=True, activation_checkpointing="selective",
+                                   activation_checkpointing_every=2, activation_checkpointing_save_ops=["mm"],
+                                   loss_chunk_tokens=64, router_z_loss_coef=0.001))
     cfg.train.max_steps, cfg.optim.lr, cfg.train.eval_every, cfg.train.log_every = 999, 0.1, 7, 3
     check_compatible(path, to_toml(cfg), dict(META, eos_id=5))
 

@@ -66,10 +66,14 @@ VARIANTS = {  # name: (stage, bf16, offload); each runs steps 0, 1, a skipped 2,
 # ---------------------------------------------------------------- on each rank
 
 def _build(stage: int, seed: int = 0, freeze_embedding: bool = False, bf16: bool = False, offload: bool = False,
-           user_config: dict | None = None, chunk_tokens: int = 0) -> DeepSpeedEngine:
+           user_config: dict | None = None, chunk_tokens: int = 0, checkpointing: str = "none") -> DeepSpeedEngine:
+    from treadle.config import ModelConfig
+    from treadle.models.checkpointing import apply_activation_checkpointing
+
     model = tiny_llama(seed, freeze_embedding)
     if chunk_tokens:  # model.loss_chunk_tokens: ZeRO-3 gathers the head's weight only inside the head's forward
         use_chunked_loss(model, chunk_tokens, IGNORE_INDEX)
+    apply_activation_checkpointing(model, ModelConfig(activation_checkpointing=checkpointing))  # before initialize
     return DeepSpeedEngine(model, make_optimizer(model), CPU, zero_stage=stage, grad_accum_steps=GA,
                            micro_batch_size=ROWS // torch.distributed.get_world_size() // GA, grad_clip=GRAD_CLIP,
                            bf16=bf16, offload=offload, user_config=user_config or (PARTITION_ALL if stage == 3 else None))
@@ -181,6 +185,12 @@ def _check_variant(stage: int, bf16: bool, offload: bool, rank: int, world_size:
 def check_deepspeed(rank: int, world_size: int, tmp: str) -> dict:
     out = {f"zero{stage}": _check_stage(stage, rank, world_size, tmp) for stage in STAGES}
     out.update({name: _check_variant(*spec, rank, world_size, tmp, name) for name, spec in VARIANTS.items()})
+    # ZeRO-3 with full activation checkpointing: the recomputed layers gather their partitioned parameters again.
+    checkpointed = _build(3, checkpointing="full")
+    calls = []  # each layer's MLP activation runs in forward and again in backward
+    for layer in checkpointed.module.model.layers:
+        layer.mlp.act_fn.register_forward_hook(lambda *_: calls.append(1))
+    out["zero3_checkpointing"] = {"steps": _steps(checkpointed, range(2), rank, world_size), "act_calls": len(calls)}
     return out
 
 
@@ -235,6 +245,13 @@ def launched(launched_dir) -> tuple[list[dict], dict]:
     subprocess.run([sys.executable, *command[1:]], check=True, capture_output=True, timeout=120)
     one_rank = run_distributed(resume_on_one_rank, world_size=1, timeout=120, tmp=tmp)[0]
     return results, one_rank
+
+
+def test_zero3_with_activation_checkpointing_matches_one_process(launched, reference):
+    results, _ = launched
+    for rank, res in enumerate(results):
+        assert_steps_match(res["zero3_checkpointing"]["steps"], reference["steps"][:2], f"zero3 checkpointing rank {rank}")
+        assert res["zero3_checkpointing"]["act_calls"] == 2 * 2 * GA * len(tiny_llama().model.layers)  # 2 steps, twice
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -87,13 +87,17 @@ def snapshot(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- on each rank
 
-def _build(kind: str, seed: int, freeze_embedding: bool = False, chunk_tokens: int = 0, **fsdp_kwargs):
+def _build(kind: str, seed: int, freeze_embedding: bool = False, chunk_tokens: int = 0, checkpointing: str = "none",
+           **fsdp_kwargs):
+    from treadle.config import ModelConfig
     from treadle.engine.ddp import DDPEngine
     from treadle.engine.fsdp2 import FSDP2Engine
+    from treadle.models.checkpointing import apply_activation_checkpointing
 
     model = tiny_llama(seed, freeze_embedding)
     if chunk_tokens:  # model.loss_chunk_tokens: the head is replaced before the engine wraps the model
         use_chunked_loss(model, chunk_tokens, IGNORE_INDEX)
+    apply_activation_checkpointing(model, ModelConfig(activation_checkpointing=checkpointing))  # before the wrap
     if kind == "ddp":
         return DDPEngine(model, make_optimizer(model), CPU)
     return FSDP2Engine(model, make_optimizer, CPU, **fsdp_kwargs)
@@ -154,6 +158,15 @@ def _check_engine(kind: str, rank: int, world_size: int, ckpt_dir: str) -> dict:
         out["offload_steps"] = _steps(offload, range(2), rank, world_size)
         bf16 = _build(kind, seed=0, mp_param_dtype=torch.bfloat16, reshard_after_forward=False)
         out["bf16_steps"] = _steps(bf16, range(2), rank, world_size)
+        # Activation checkpointing under FSDP2: layers recomputed in backward (their parameters gathered again by
+        # FSDP's pre-backward hook, outside the checkpoint), same numbers.
+        checkpointed = _build(kind, seed=0, checkpointing="selective")
+        calls = []  # the MLP activation of every layer runs in forward and again in backward
+        for layer in checkpointed.module.model.layers:
+            layer.mlp.act_fn.register_forward_hook(lambda *_: calls.append(1))
+        out["checkpointing_steps"] = _steps(checkpointed, range(2), rank, world_size)
+        out["checkpointing_act_calls"] = len(calls)
+        out["checkpointing_keys"] = sorted(checkpointed.state_dict()["model"])
     return out
 
 
@@ -278,6 +291,14 @@ def test_chunked_cross_entropy_at_two_ranks_matches_the_plain_head_in_one_proces
     results, _ = launched
     for rank, res in enumerate(results):
         assert_steps_match(res[kind]["chunked_steps"], reference["steps"][:2], f"{kind} chunked rank {rank}")
+
+
+def test_fsdp2_with_activation_checkpointing_matches_one_process(launched, reference):
+    results, _ = launched
+    for rank, res in enumerate(results):
+        assert_steps_match(res["fsdp2"]["checkpointing_steps"], reference["steps"][:2], f"checkpointing rank {rank}")
+        assert res["fsdp2"]["checkpointing_keys"] == reference["model_keys"]
+        assert res["fsdp2"]["checkpointing_act_calls"] == 2 * 2 * GA * LLAMA["num_hidden_layers"]  # 2 steps, twice
 
 
 def test_init_distributed_without_torchrun_env_is_one_process(monkeypatch):

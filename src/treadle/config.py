@@ -140,6 +140,21 @@ class ModelConfig(Section):
     path: str | None = Field(None, description="local Hugging Face model directory to load")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="bf16 = autocast with fp32 master weights")
     compile: bool = Field(False, description="torch.compile each decoder layer")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none", description="recompute activations in backward, per decoder layer: full (keep only each layer's input) "
+                            "or selective (keep the outputs of the ops in activation_checkpointing_save_ops)")
+    activation_checkpointing_every: int = Field(1, ge=1, description="checkpoint every k-th decoder layer (the 1st, "
+                                                "k+1-th, ...); 1 = all")
+    activation_checkpointing_save_ops: list[str] = Field(
+        default_factory=list, description="selective: aten op names whose outputs are kept (e.g. 'mm', "
+                                          "'_scaled_dot_product_flash_attention_for_cpu'); [] = matmuls and attention")
+
+    @model_validator(mode="after")
+    def _checkpointing_ops(self) -> ModelConfig:
+        if self.activation_checkpointing_save_ops and self.activation_checkpointing != "selective":
+            raise ValueError("activation_checkpointing_save_ops is set but activation_checkpointing = "
+                             f"{self.activation_checkpointing!r}; accepted: the ops with activation_checkpointing = 'selective'")
+        return self
     overrides: dict[str, Any] = Field(default_factory=dict, description="HF config fields set on top of the preset")
     router_aux_loss_coef: float | None = Field(
         None, ge=0.0, description="MoE models: weight of the router load-balancing loss added to the loss; unset = the "

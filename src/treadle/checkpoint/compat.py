@@ -13,8 +13,11 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from treadle.config import flatten, show_value
 from treadle.errors import UserError
 
-# [model] keys a resumed run may change: weights are fp32 either way, and in-place compile keeps names.
-_HARMLESS_MODEL_KEYS = {"model.dtype", "model.compile"}
+# [model] keys a resumed run may change: weights are fp32 either way; in-place compile, activation checkpointing
+# and the chunked loss keep parameters and their names; the router coefficients are training choices, like the lr.
+_HARMLESS_MODEL_KEYS = {"model.dtype", "model.compile", "model.loss_chunk_tokens", "model.activation_checkpointing",
+                        "model.activation_checkpointing_every", "model.activation_checkpointing_save_ops",
+                        "model.router_aux_loss_coef", "model.router_z_loss_coef"}
 # [draft] keys that shape the trained module; the rest (objective, lag, offsets, eval) are training choices.
 _DRAFT_ARCH_KEYS = {"draft.kind", "draft.window"}
 _META_KEYS = ("vocab_size", "tokenizer_fingerprint", "target_fingerprint")
@@ -30,8 +33,7 @@ def _architecture(config: dict) -> dict[str, Any]:
 def check_compatible(path: Path, config_toml_now: str | None, meta_now: dict | None) -> None:
     """UserError if the checkpoint at ``path`` was trained as another model or on other data.
 
-    Compares the checkpoint's ``config.toml`` ``[model]`` section (except
-    ``model.dtype`` and ``model.compile``, harmless to change) and the draft's kind and
+    Compares the checkpoint's ``config.toml`` ``[model]`` section (except ``_HARMLESS_MODEL_KEYS``) and the draft's kind and
     window with ``config_toml_now``, and ``vocab_size`` / ``tokenizer_fingerprint`` /
     ``target_fingerprint`` of its train_state.json ``meta`` with ``meta_now``. Everything else (steps, lr, logging, eval, data paths) may change.
     Either argument may be None to skip that half.

@@ -30,6 +30,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
@@ -163,6 +164,9 @@ class GlideDraft(nn.Module):
     def _merge(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2).flatten(2)
 
+    # torch.utils.checkpoint's keyword arguments when activation checkpointing is on (models/checkpointing.py).
+    checkpoint_kwargs: dict | None = None
+
     def forward(self, embeds: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 target_kv: tuple[torch.Tensor, torch.Tensor], self_mask: torch.Tensor, cross_mask: torch.Tensor,
                 past_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -171,6 +175,14 @@ class GlideDraft(nn.Module):
         ``past_kv`` holds self-attention K/V of earlier tokens (decode); ``self_mask``
         then covers past + new keys.
         """
+        # Inside forward, as transformers does for its layers: an in-place compile (of __call__) then
+        # compiles the checkpoint too, and module hooks stay outside the recomputation.
+        if self.checkpoint_kwargs is not None and self.training and torch.is_grad_enabled():
+            return checkpoint(self._block, embeds, rope, target_kv, self_mask, cross_mask, past_kv,
+                              **self.checkpoint_kwargs)
+        return self._block(embeds, rope, target_kv, self_mask, cross_mask, past_kv)
+
+    def _block(self, embeds, rope, target_kv, self_mask, cross_mask, past_kv):
         cos, sin = rope
         h = self.self_norm(embeds)
         q = rotate(self._heads(self.q_proj(h)), cos, sin)

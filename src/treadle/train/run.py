@@ -33,6 +33,7 @@ from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.data.packed import IGNORE_INDEX
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
+from treadle.models.checkpointing import apply_activation_checkpointing
 from treadle.models.hf import build_model, compile_layers, count_parameters, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.models.glide import build_glide
@@ -293,6 +294,9 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
             "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_fingerprint": train_ds.tokenizer_fingerprint,
             "chat_template": data.chat_template}  # `treadle export` of a checkpoint gives it to the tokenizer too
     setup = _draft_setup(cfg, data, meta) if cfg.draft.kind else _model_setup(cfg, data, meta)
+    # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
+    # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
+    apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
     resume = distributed.on_main(check_resume, cfg, out, resume_from, checkpoints, meta)
     if cfg.checkpoint.export_hf:  # a user's files in <output_dir>/hf are refused now, not after the training
         distributed.on_main(claim_export, setup.export.out_dir, "the run's export")
