@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up (median reported)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-ac", action="store_true", help="skip the activation checkpointing cases (bench/memory_ac_cases.py)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # the child: run this case, print JSON
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -152,6 +153,12 @@ def main() -> None:
         speed = f"{r['tokens_per_s'] / naive['tokens_per_s']:.2f}x" if naive and case.loss != "decoder" else ""
         print(f"| {case.name} | {case.vocab:,} | {r['chunk_tokens'] or '-'} | {r['peak_bytes'] / 2**20:,.0f} | "
               f"{'' if part is None else f'{part / 2**20:,.0f}'} | {share} | {r['tokens_per_s']:,.0f} | {speed} |")
+
+    if not args.no_ac and not args.only:  # the second table: activation checkpointing none / selective / full
+        import memory_ac_cases
+
+        print()
+        memory_ac_cases.print_table(memory_ac_cases.activation_checkpointing_cases(), 4096, 3, 1024)
 
 
 if __name__ == "__main__":

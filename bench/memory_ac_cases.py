@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import statistics
 import subprocess
@@ -126,16 +125,21 @@ def activation_checkpointing_cases(seq_len: int = 4096, steps: int = 3, budget_m
     return rows
 
 
-def machine() -> str:
+def print_table(rows: list[dict], seq_len: int, steps: int, budget_mib: int) -> None:
     import torch
 
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, 2 threads; torch {torch.__version__}, Python {platform.python_version()}"
+    from memory import machine  # bench/memory.py, the one script that runs these cases too
+
+    print(f"# {machine(torch.device('cpu'))}; tiny preset (4 layers, hidden 256), vocab {VOCAB:,}, 1 x {seq_len} "
+          f"tokens per step, fp32; peak RSS of a warm-up step and one more; step time: median of {steps} "
+          "interleaved rounds")
+    print(f"| activation checkpointing | peak RSS MiB | vs none | step s | vs none | tokens/s | longest seq_len "
+          f"within {budget_mib:,} MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        longest = "-" if r["longest_seq_len"] is None else f"{'>= ' if r['longest_capped'] else ''}{r['longest_seq_len']:,}"
+        print(f"| {r['case'].removeprefix('ac-')} | {r['peak_mib']:,.0f} | {r['peak_vs_none']:.2f}x | {r['step_s']:.2f} | "
+              f"{r['time_vs_none']:.2f}x | {r['tokens_per_s']:,.0f} | {longest} |")
 
 
 def main() -> None:
@@ -154,16 +158,7 @@ def main() -> None:
         print(json.dumps(run_case(args.case, args.seq_len, args.steps, args.budget_mib)))
         return
     rows = activation_checkpointing_cases(args.seq_len, args.steps, args.budget_mib, args.max_seq_len)
-    print(f"# {machine()}; tiny preset (4 layers, hidden 256), vocab {VOCAB:,}, 1 x {args.seq_len} tokens per step, "
-          f"fp32; peak RSS of a warm-up step and one more; step time: median of {args.steps} interleaved rounds")
-    print(f"| activation checkpointing | peak RSS MiB | vs none | step s | vs none | tokens/s | longest seq_len "
-          f"within {args.budget_mib:,} MiB |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        longest = "-" if r["longest_seq_len"] is None else f"{'>= ' if r['longest_capped'] else ''}{r['longest_seq_len']:,}"
-        print(f"| {r['case'].removeprefix('ac-')} | {r['peak_mib']:,.0f} | {r['peak_vs_none']:.2f}x | {r['step_s']:.2f} | "
-              f"{r['time_vs_none']:.2f}x | {r['tokens_per_s']:,.0f} | {longest} |")
-
+    print_table(rows, args.seq_len, args.steps, args.budget_mib)
 
 if __name__ == "__main__":
     main()
