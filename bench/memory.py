@@ -158,7 +158,7 @@ def main() -> None:
         import memory_ac_cases
 
         print()
-        memory_ac_cases.print_table(memory_ac_cases.activation_checkpointing_cases(), 4096, 3, 1024)
+        memory_ac_cases.print_table(memory_ac_cases.activation_checkpointing_cases())
 
 
 if __name__ == "__main__":

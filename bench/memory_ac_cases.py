@@ -60,10 +60,15 @@ def run_case(mode: str, seq_len: int, steps: int, budget_mib: int = 0) -> dict:
     if budget_mib:
         limit = budget_mib * 2**20
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    import torch
+
+    from memory import _peak_bytes  # bench/memory.py's measure: ru_maxrss on CPU
+
     engine, batch = _engine_and_batch(mode, seq_len)
+    before = _peak_bytes(torch.device("cpu"))  # interpreter, torch and the fp32 model, before any step
     times = [_timed_step(engine, batch) for _ in range(steps + 1)][1:]  # the first is the warm-up
     step_s = statistics.median(times) if times else None
-    return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "step_s": step_s}
+    return {"peak_bytes": _peak_bytes(torch.device("cpu")), "before_bytes": before, "step_s": step_s}
 
 
 def interleaved_step_times(seq_len: int, rounds: int) -> dict[str, float]:
@@ -115,8 +120,8 @@ def activation_checkpointing_cases(seq_len: int = 4096, steps: int = 3, budget_m
     for mode in MODES:
         r = _child(mode, seq_len, 1) | {"step_s": step_s[mode]}
         longest, capped = longest_seq_len(mode, budget_mib, max_seq_len) if budget_mib else (None, False)
-        rows.append({"case": f"ac-{mode}", "seq_len": seq_len, "peak_mib": r["peak_bytes"] / 2**20,
-                     "step_s": r["step_s"], "tokens_per_s": seq_len / r["step_s"],
+        rows.append({"case": f"ac-{mode}", "seq_len": seq_len, "steps": steps, "peak_mib": r["peak_bytes"] / 2**20,
+                     "before_mib": r["before_bytes"] / 2**20, "step_s": r["step_s"], "tokens_per_s": seq_len / r["step_s"],
                      "longest_seq_len": longest, "longest_capped": capped, "budget_mib": budget_mib})
     base = rows[0]
     for row in rows:
@@ -125,21 +130,22 @@ def activation_checkpointing_cases(seq_len: int = 4096, steps: int = 3, budget_m
     return rows
 
 
-def print_table(rows: list[dict], seq_len: int, steps: int, budget_mib: int) -> None:
+def print_table(rows: list[dict]) -> None:
     import torch
 
     from memory import machine  # bench/memory.py, the one script that runs these cases too
 
-    print(f"# {machine(torch.device('cpu'))}; tiny preset (4 layers, hidden 256), vocab {VOCAB:,}, 1 x {seq_len} "
-          f"tokens per step, fp32; peak RSS of a warm-up step and one more; step time: median of {steps} "
-          "interleaved rounds")
-    print(f"| activation checkpointing | peak RSS MiB | vs none | step s | vs none | tokens/s | longest seq_len "
-          f"within {budget_mib:,} MiB |")
-    print("|---|---|---|---|---|---|---|")
+    first = rows[0]
+    print(f"# {machine(torch.device('cpu'))}; tiny preset (4 layers, hidden 256), vocab {VOCAB:,}, 1 x "
+          f"{first['seq_len']} tokens per step, fp32; peak RSS of a warm-up step and one more (before the first step: "
+          f"the process with torch and the model); step time: median of {first['steps']} interleaved rounds")
+    print(f"| activation checkpointing | RSS before step MiB | peak RSS MiB | vs none | step s | vs none | tokens/s | "
+          f"longest seq_len within {first['budget_mib']:,} MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         longest = "-" if r["longest_seq_len"] is None else f"{'>= ' if r['longest_capped'] else ''}{r['longest_seq_len']:,}"
-        print(f"| {r['case'].removeprefix('ac-')} | {r['peak_mib']:,.0f} | {r['peak_vs_none']:.2f}x | {r['step_s']:.2f} | "
-              f"{r['time_vs_none']:.2f}x | {r['tokens_per_s']:,.0f} | {longest} |")
+        print(f"| {r['case'].removeprefix('ac-')} | {r['before_mib']:,.0f} | {r['peak_mib']:,.0f} | {r['peak_vs_none']:.2f}x | "
+              f"{r['step_s']:.2f} | {r['time_vs_none']:.2f}x | {r['tokens_per_s']:,.0f} | {longest} |")
 
 
 def main() -> None:
@@ -158,7 +164,7 @@ def main() -> None:
         print(json.dumps(run_case(args.case, args.seq_len, args.steps, args.budget_mib)))
         return
     rows = activation_checkpointing_cases(args.seq_len, args.steps, args.budget_mib, args.max_seq_len)
-    print_table(rows, args.seq_len, args.steps, args.budget_mib)
+    print_table(rows)
 
 if __name__ == "__main__":
     main()

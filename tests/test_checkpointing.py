@@ -116,6 +116,16 @@ def test_glide_draft_checkpointing_is_exact_and_leaves_the_target_alone():
     assert counts["silu"] == counts0["silu"] + 1  # the draft block ran again; the target's layers did not
 
 
+def built(argv):
+    """The trainer `treadle train ARGV` would fit: assembled (the run's own wiring), not trained, closed again."""
+    from treadle.config import load_config
+    from treadle.train.run import build_trainer, close_trainer
+
+    trainer = build_trainer(load_config(None, argv[1:]))
+    close_trainer(trainer)
+    return trainer
+
+
 def test_a_checkpoint_written_with_checkpointing_resumes_without_it(shards, tmp_path):
     """Same keys, same numbers: a run with selective checkpointing logs the losses of one without, and its step-2
     checkpoint resumed without checkpointing continues with them too (config compat lets the key change)."""
@@ -128,6 +138,9 @@ def test_a_checkpoint_written_with_checkpointing_resumes_without_it(shards, tmp_
     assert records(ac_run) == pytest.approx(want, rel=1e-6)
     rest = records(resumed)
     assert [rest[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-6)
+    # Equal numbers would also come from a run that never checkpointed: the run's model really is.
+    probe = built(args(shards, tmp_path / "probe", *common, "--model.activation_checkpointing=selective"))
+    assert probe.engine.module.is_activation_checkpointing
 
 
 def test_a_draft_run_with_checkpointing_trains_like_one_without(shards, target_dir, tmp_path):
@@ -140,3 +153,6 @@ def test_a_draft_run_with_checkpointing_trains_like_one_without(shards, target_d
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+    probe = built(draft_args(shards, target_dir, tmp_path / "probe", "--model.activation_checkpointing=full"))
+    assert probe.engine.module.draft_model.checkpoint_kwargs is not None  # the run's draft block is checkpointed
+    assert not probe.engine.module.target.is_activation_checkpointing

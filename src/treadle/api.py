@@ -216,13 +216,12 @@ def _digest(root: Path) -> str:
 # ---------------------------------------------------------------------------- the other commands
 
 
-def export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32", to: str | None = None) -> Path:
+def export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32", to: str = "auto") -> Path:
     """``treadle export``: a checkpoint (or a run's latest) as a Hugging Face directory (``to="hf"``) or a
-    draft export (``to="draft"``); ``dtype`` fp32 | bf16 | fp16. Returns the directory written."""
+    draft export (``to="draft"``); ``"auto"``: what the checkpoint was trained as. ``dtype`` fp32 | bf16 | fp16.
+    Returns the directory written."""
     from treadle.checkpoint.export import export_checkpoint
 
-    if to is None:  # the command's default
-        return export_checkpoint(Path(source), Path(out), dtype=dtype)
     return export_checkpoint(Path(source), Path(out), dtype=dtype, to=to)
 
 

@@ -63,7 +63,6 @@ def _config_and_overrides(args: argparse.Namespace, options: tuple[str, ...] = (
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from treadle.config import load_config
-
     from treadle.model_dirs import check_model_paths
 
     cfg = load_config(*_config_and_overrides(args))

@@ -148,13 +148,6 @@ class ModelConfig(Section):
     activation_checkpointing_save_ops: list[str] = Field(
         default_factory=list, description="selective: aten op names whose outputs are kept (e.g. 'mm', "
                                           "'_scaled_dot_product_flash_attention_for_cpu'); [] = matmuls and attention")
-
-    @model_validator(mode="after")
-    def _checkpointing_ops(self) -> ModelConfig:
-        if self.activation_checkpointing_save_ops and self.activation_checkpointing != "selective":
-            raise ValueError("activation_checkpointing_save_ops is set but activation_checkpointing = "
-                             f"{self.activation_checkpointing!r}; accepted: the ops with activation_checkpointing = 'selective'")
-        return self
     overrides: dict[str, Any] = Field(default_factory=dict, description="HF config fields set on top of the preset")
     router_aux_loss_coef: float | None = Field(
         None, ge=0.0, description="MoE models: weight of the router load-balancing loss added to the loss; unset = the "
@@ -172,6 +165,13 @@ class ModelConfig(Section):
         if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             raise ValueError("accepted: 'auto', 0 (off) or a number of tokens per chunk")
         return v
+
+    @model_validator(mode="after")
+    def _checkpointing_ops(self) -> ModelConfig:
+        if self.activation_checkpointing_save_ops and self.activation_checkpointing != "selective":
+            raise ValueError("activation_checkpointing_save_ops is set but activation_checkpointing = "
+                             f"{self.activation_checkpointing!r}; accepted: the ops with activation_checkpointing = 'selective'")
+        return self
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -341,9 +341,9 @@ class Config(Section):
 def _all_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys += _all_keys(ann, f"{prefix}{name}.")
+        section = config_doc.model_of(field.annotation)
+        if section is not None:
+            keys += _all_keys(section, f"{prefix}{name}.")
         else:
             keys.append(prefix + name)
     return keys

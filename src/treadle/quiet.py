@@ -7,23 +7,29 @@ process-wide: a notebook that called ``treadle.fit`` must find its own bars and 
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator
 
 
 @contextlib.contextmanager
 def hf_quiet() -> Iterator[None]:
-    import datasets
+    """transformers' progress bars off; datasets' bars and verbosity too when datasets is loaded (a call that
+    never reads data files does not pay its import)."""
     from transformers.utils import logging as hf_logging
 
-    bars, ds_bars, ds_level = hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    datasets = sys.modules.get("datasets")
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    if datasets is not None:
+        ds_bars, ds_level = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
     try:
         yield
     finally:
-        datasets.logging.set_verbosity(ds_level)
-        if ds_bars:
-            datasets.enable_progress_bars()
+        if datasets is not None:
+            datasets.logging.set_verbosity(ds_level)
+            if ds_bars:
+                datasets.enable_progress_bars()
         if bars:
             hf_logging.enable_progress_bar()

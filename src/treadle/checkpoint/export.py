@@ -19,6 +19,15 @@ from treadle.quiet import hf_quiet
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KIND = "export"  # the marker's kind: hf and draft exports may replace each other, nothing else
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """An export's ``--dtype``; a name not in DTYPES is one line."""
+    if name not in DTYPES:
+        raise UserError(f"export dtype {name!r} is unknown; accepted: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 # What an export held before exports carried a marker (treadle 0.1.0's own runs): recognized by its file names.
 _EXPORT_FILES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
                  "draft_model_weights.pth", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -64,9 +73,8 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
     out = Path(out)
     if not enabled:
         return out
-    if dtype not in DTYPES:
-        raise UserError(f"export dtype {dtype!r} is unknown; accepted: {', '.join(DTYPES)}")
-    state_dict = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in state_dict.items()}
+    torch_dtype = _torch_dtype(dtype)
+    state_dict = {k: v.detach().to("cpu", torch_dtype).contiguous() for k, v in state_dict.items()}
     with atomic_directory(out, command) as tmp, hf_quiet():
         # Training disables the KV cache for packed sequences; an exported model is for inference.
         saved = model.config.use_cache, model.config.dtype
@@ -75,7 +83,7 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             # save_pretrained records the dtype of the model's parameters, not of the state dict it wrote;
             # from_pretrained loads in the recorded one (transformers 5: "dtype" in config.json).
-            model.config.dtype = DTYPES[dtype]
+            model.config.dtype = torch_dtype
             model.config.save_pretrained(tmp)
         finally:
             model.config.use_cache, model.config.dtype = saved
@@ -103,7 +111,8 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
 
     draft = model.draft_model
     prefix = "draft_model."  # ``state_dict``: the whole GlideModel's full weights, as an engine exports them
-    weights = {k[len(prefix):]: v.detach().to("cpu", DTYPES[dtype]).contiguous()
+    torch_dtype = _torch_dtype(dtype)
+    weights = {k[len(prefix):]: v.detach().to("cpu", torch_dtype).contiguous()
                for k, v in state_dict.items() if k.startswith(prefix)}
     config = {
         "treadle_draft_kind": "glide",
@@ -137,8 +146,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     from treadle.config import load_config
     from treadle.models.hf import build_model
 
-    if dtype not in DTYPES:
-        raise UserError(f"export dtype {dtype!r} is unknown; accepted: {', '.join(DTYPES)}")
+    _torch_dtype(dtype)  # a bad dtype is refused before the checkpoint is read
     claim_export(out)  # before the checkpoint is read: a refusal costs nothing
     # Read-only (a live run's temporaries are not ours to touch); it inspects the checkpoint it returns, which
     # vets every pickle of a DeepSpeed checkpoint before checkpoint_weights hands the directory to DeepSpeed.

@@ -87,6 +87,8 @@ from treadle.errors import UserError
 EXIT_ROWS_FAILED = 1
 EXIT_INTERRUPTED = 130
 _MAX_SEED = 2**32
+CHAT_TEMPLATES = ("auto", "builtin")  # data.chat_template's values
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,9 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed; row i draws from its own (seed, i) stream (default: 0)")
     parser.add_argument("--max-prompt-tokens", type=int, default=None,
                         help="longer prompts are failed rows (default: the model's context minus --max-new-tokens)")
-    parser.add_argument("--chat-template", choices=["auto", "builtin"], default="auto",
+    parser.add_argument("--chat-template", choices=CHAT_TEMPLATES, default="auto",
                         help="messages rows: auto = the tokenizer's chat template if it has one, else treadle's built-in one")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available (default)")
+    parser.add_argument("--device", choices=DEVICES, default="auto", help="auto = cuda if available (default)")
 
 
 # --------------------------------------------------------------------------- report
@@ -170,10 +172,9 @@ def _stop_on_signals() -> Iterator[Stop]:
 
 
 def _check_args(args: _Flags) -> None:
-    if args.chat_template not in ("auto", "builtin"):  # argparse's choices, for callers from Python
-        raise UserError(f"--chat-template {args.chat_template!r}: accepted: auto, builtin")
-    if args.device not in ("auto", "cpu", "cuda"):
-        raise UserError(f"--device {args.device!r}: accepted: auto, cpu, cuda")
+    for flag, value, accepted in (("--chat-template", args.chat_template, CHAT_TEMPLATES), ("--device", args.device, DEVICES)):
+        if value not in accepted:  # argparse's choices, for callers from Python
+            raise UserError(f"{flag} {value!r}: accepted: {', '.join(accepted)}")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     if not args.temperature >= 0:  # also refuses nan
@@ -194,10 +195,11 @@ def _check_args(args: _Flags) -> None:
         raise UserError(f"--out {args.out}: not a regular file")
     if args.out.exists() and args.out.samefile(args.prompts):
         raise UserError(f"--out {args.out}: is the --prompts file itself; choose another output path")
-    import torch
+    if args.device == "cuda":
+        import torch  # only here: the other checks answer before torch loads
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available; accepted: --device cpu or auto")
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device is available; accepted: --device cpu or auto")
 
 
 def _prompt_limit(args: _Flags, model) -> tuple[int, str]:
@@ -275,6 +277,7 @@ def generate(model: Path, prompts: Path, out: Path, *, max_new_tokens: int = 128
     """
     args = _Flags(Path(model), Path(prompts), Path(out), max_new_tokens, temperature, top_p, batch_size, seed,
                   max_prompt_tokens, chat_template, device)
+    _check_args(args)  # before torch and transformers load: a bad flag answers at once
     import torch
     from transformers import GenerationConfig
 
@@ -283,7 +286,6 @@ def generate(model: Path, prompts: Path, out: Path, *, max_new_tokens: int = 128
     from treadle.model_dirs import resolve_model_dir
     from treadle.models.hf import load_causal_lm
 
-    _check_args(args)
     recorded = claim_out(args.out)
     rows = read_rows(args.prompts)
     done, torn_at = scan_out(args.out, rows, args.prompts)

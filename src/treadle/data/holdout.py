@@ -68,10 +68,6 @@ class Interleaved(torch.utils.data.Dataset):
     def where(self) -> str:
         return "; ".join(p.where for p in self.parts)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(p.num_tokens for p in self.parts)
-
     def __len__(self) -> int:
         return len(self._owner)
 

@@ -178,10 +178,11 @@ def _read_documents(path: Path, text_field: str) -> list[str]:
                 f"{path}:{lineno}: malformed JSON ({e.msg}); expected one JSON object per line "
                 f"with a string field {text_field!r}"
             ) from None
-        if isinstance(obj, dict) and text_field not in obj and row_kind(obj) in ("messages", "prompt_completion"):
+        kind = row_kind(obj) if isinstance(obj, dict) and text_field not in obj else None
+        if kind in ("messages", "prompt_completion"):
             # SFT needs a chat template and a loss mask, which a run applies when it reads the file itself.
             raise UserError(
-                f"{path}:{lineno}: an SFT row ({'messages' if 'messages' in obj else 'prompt/completion'}); treadle "
+                f"{path}:{lineno}: an SFT row ({'messages' if kind == 'messages' else 'prompt/completion'}); treadle "
                 f"prepare makes pre-training shards from text, SFT files are trained from directly (tokenized once "
                 f"into treadle's cache): data.train = [\"{path}\"] or [[data.sources]] path = \"{path}\""
             )

@@ -31,6 +31,7 @@ source with no usable row is always an error.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -336,6 +337,7 @@ def open_source(name: str, entries: list[str], split: str, fmt: str, text_field:
         def make(documents=None, part=""):
             return PackedDataset(shard_dirs, seq_len, data.mask_cross_doc, documents, part)
     if val_fraction:
+        @functools.cache  # both datasets ask for the mask of the same n documents: computed once
         def val(n: int):
             return held_out(n, val_fraction, key)
 

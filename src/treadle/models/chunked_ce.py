@@ -44,7 +44,6 @@ class ChunkedLMHead(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.ignore_index = ignore_index
         self.labels: torch.Tensor | None = None
-        self.last_output: torch.Tensor | None = None  # what forward returned while scoring (the pass-through check)
 
     @property
     def in_features(self) -> int:
@@ -70,8 +69,7 @@ class ChunkedLMHead(nn.Module):
                 ignore_index=self.ignore_index,
                 # An explicit size: torch's "auto" sizing is ~3x slower on CPU fp32 (research/scale-apis.md 3.1).
                 options=nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=self.chunk_tokens))
-        self.last_output = loss.view(labels.shape)
-        return self.last_output
+        return loss.view(labels.shape)
 
 
 def chunked_head(model: nn.Module) -> ChunkedLMHead | None:
@@ -86,7 +84,7 @@ def scoring(head: ChunkedLMHead, labels: torch.Tensor) -> Iterator[ChunkedLMHead
     try:
         yield head
     finally:
-        head.labels = head.last_output = None
+        head.labels = None
 
 
 def resolve_chunk_tokens(setting: int | str, vocab_size: int) -> int:
@@ -125,13 +123,16 @@ def _forward_returns_head_output(model: nn.Module, head: ChunkedLMHead) -> bool:
     """Whether the model's forward hands the head's output back as ``logits`` untouched (one 2-token forward)."""
     device = head.weight.device
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    seen = []
+    hook = head.register_forward_hook(lambda module, args, output: seen.append(output))
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), scoring(head, torch.zeros_like(ids)):
             out = model(input_ids=ids, use_cache=False)
-            return getattr(out, "logits", None) is head.last_output
+            return bool(seen) and getattr(out, "logits", None) is seen[-1]
     finally:
+        hook.remove()
         model.train(was_training)
 
 

@@ -53,6 +53,7 @@ def router_losses(router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor, s
     """
     B, L = mask.shape
     flat = mask.reshape(-1).to(torch.float32)
+    per_choice, per_token = flat.repeat_interleave(spec.top_k), flat.unsqueeze(-1)  # the same for every layer
     layers = len(router_logits)
     counts, prob_sum, z_rows = [], 0.0, 0.0
     for logits in router_logits:
@@ -60,8 +61,8 @@ def router_losses(router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor, s
         probs = torch.softmax(logits, dim=-1)
         chosen = torch.topk(probs, spec.top_k, dim=-1).indices
         counts.append(torch.zeros(spec.num_experts, device=logits.device).scatter_add_(
-            0, chosen.reshape(-1), flat.repeat_interleave(spec.top_k)))
-        prob_sum = prob_sum + (probs * flat.unsqueeze(-1)).sum(0)
+            0, chosen.reshape(-1), per_choice))
+        prob_sum = prob_sum + (probs * per_token).sum(0)
         z_rows = z_rows + (torch.logsumexp(logits, dim=-1).square() * flat).view(B, L).sum(-1)
     counts = torch.stack(counts)
     rows = flat.sum() * layers

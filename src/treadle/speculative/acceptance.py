@@ -53,15 +53,12 @@ def lookup_tau(texts: torch.Tensor, prompt_len: int, gamma: int) -> float:
     """tau of prompt lookup (no model: the continuation of the latest earlier n-gram match) on the same texts and
     starts as ``chain_acceptance``. Near gamma + 1 the texts repeat themselves: the target that wrote them loops,
     and any draft reaches the ceiling on it without having learnt much."""
+    from treadle.speculative.decode import leading_matches
     from treadle.speculative.drafters import PromptLookupDrafter
 
     lookup = PromptLookupDrafter()
     steps = []
     for row in texts.tolist():
         for s in range(prompt_len, len(row) - gamma):
-            proposal = lookup.lookup(row[: s + 1], gamma)
-            accepted = 0
-            while accepted < gamma and proposal[accepted] == row[s + 1 + accepted]:
-                accepted += 1
-            steps.append(1 + accepted)
+            steps.append(1 + leading_matches(lookup.lookup(row[: s + 1], gamma), row[s + 1 : s + 1 + gamma]))
     return sum(steps) / len(steps)

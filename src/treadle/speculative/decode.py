@@ -113,7 +113,8 @@ def _clip(tokens: list[int], max_new_tokens: int, eos_id: int | None) -> list[in
     return tokens[:max_new_tokens]
 
 
-def _leading_matches(draft: list[int], target: list[int]) -> int:
+def leading_matches(draft: list[int], target: list[int]) -> int:
+    """How many draft tokens the target accepts: the length of their common prefix."""
     n = 0
     while n < len(draft) and draft[n] == target[n]:
         n += 1
@@ -150,7 +151,7 @@ def speculative_generate(
             verify = torch.tensor([[tokens[-1], *draft]])
             # choice[i] is the target's greedy token after verify[:i+1].
             choice = forward_logits(target, verify, cache).argmax(-1).tolist()
-            n = _leading_matches(draft, choice)
+            n = leading_matches(draft, choice)
             tokens += draft[:n] + [choice[n]]
             accepted.append(n)
             # The target has now processed the accepted sequence minus the new bonus.

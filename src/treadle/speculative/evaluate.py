@@ -235,10 +235,10 @@ def spec_eval(target: Path, draft: str, *, gamma: int = 4, prompts: Path | None 
     drafter = load_drafter(str(draft), target_model, tokenizer)
 
     result = evaluate_drafter(target_model, drafter, prompt_ids, gamma, max_new_tokens, tokenizer.eos_token_id)
-    result["target"] = str(target_dir)
+    record = {"written_by": WRITTEN_BY, **result, "target": str(target_dir)}
     if json_path is not None:
-        write_atomic(json_path, json.dumps({"written_by": WRITTEN_BY, **result}, indent=2) + "\n")
-    return {"written_by": WRITTEN_BY, **result}
+        write_atomic(json_path, json.dumps(record, indent=2) + "\n")
+    return record
 
 
 def run(args: argparse.Namespace) -> int:

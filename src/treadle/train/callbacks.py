@@ -39,6 +39,11 @@ class Callback:
     def load_state_dict(self, state: dict) -> None: ...
 
 
+def is_log_step(step: int, log_every: int, max_steps: int) -> bool:
+    """Whether ``step`` writes a metrics record: every ``log_every`` steps, and the last one."""
+    return step % log_every == 0 or step == max_steps
+
+
 class MetricsCallback(Callback):
     """Every ``log_every`` steps: one metrics.jsonl record and a console update."""
 
@@ -66,7 +71,7 @@ class MetricsCallback(Callback):
             self.first_loss = result.loss
         self.last_loss = result.loss
         trainer.console.step(st.step)
-        if st.step % self.log_every and st.step != trainer.max_steps:
+        if not is_log_step(st.step, self.log_every, trainer.max_steps):
             return
         record = {
             "step": st.step,

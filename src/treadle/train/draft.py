@@ -74,11 +74,11 @@ class GlideObjective:
         else:
             ce = row_cross_entropy(out.logits, labels)
             target_ce = row_cross_entropy(out.target_logits, labels).sum()
+            if train:  # evaluation reports the CE alone
+                kl = (F.kl_div(F.log_softmax(out.logits.float(), -1), F.log_softmax(out.target_logits.float(), -1),
+                               log_target=True, reduction="none").sum(-1) * (labels != IGNORE_INDEX)).sum(-1)
         if not train:
             return ce, {"target_loss": target_ce}
-        if out.logits is not None:
-            kl = (F.kl_div(F.log_softmax(out.logits.float(), -1), F.log_softmax(out.target_logits.float(), -1),
-                           log_target=True, reduction="none").sum(-1) * (labels != IGNORE_INDEX)).sum(-1)
         if self.cfg.loss == "mix":
             loss = (1.0 - self.cfg.kl_weight) * ce + self.cfg.kl_weight * kl
         else:
@@ -134,9 +134,10 @@ class AcceptanceCallback(EvalCallback):
         model.eval()
         if self.texts is None:
             self.texts = model.continue_greedily(self.prompts.to(trainer.engine.device), self.cfg.eval_new_tokens)
-            warning = degenerate_target_warning(self.texts, self.prompts.shape[1], self.cfg.gamma)
-            if warning is not None:  # once per process: the target and its texts never change
-                trainer.console.print(warning)
+            if trainer.console.enabled:  # the rank that prints; once: the target and its texts never change
+                warning = degenerate_target_warning(self.texts, self.prompts.shape[1], self.cfg.gamma)
+                if warning is not None:
+                    trainer.console.print(warning)
         with trainer.autocast():
             got = chain_acceptance(model, self.texts, self.prompts.shape[1], self.cfg.gamma)
         model.train()

@@ -29,7 +29,7 @@ from treadle.config import ModelConfig
 from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
 from treadle.models.moe import RouterLosses, RouterSpec, router_losses, router_spec
-from treadle.train.callbacks import Callback
+from treadle.train.callbacks import Callback, is_log_step
 from treadle.train.step import Batch, StepResult, forward_row_ce
 
 if TYPE_CHECKING:
@@ -100,15 +100,17 @@ class ExpertLoadCallback(Callback):
 
     ``expert_tokens``: per expert, the labelled tokens routed to it in the step (top-k assignments, summed over the
     MoE layers); ``expert_load_max_mean``: the most loaded expert's count over the mean count, in the worst layer
-    (1 = balanced, E / top_k = every token in top_k experts). Runs before the metrics callback, which logs them.
+    (1 = balanced, E / top_k = every token in top_k experts). Runs before the metrics callback, which logs them;
+    on the steps it does not log, the counts are dropped without the all-reduce.
     """
 
-    def __init__(self, objective: RouterObjective):
+    def __init__(self, objective: RouterObjective, log_every: int):
         self.objective = objective
+        self.log_every = log_every
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         counts = self.objective.take_counts()
-        if counts is None:
+        if counts is None or not is_log_step(trainer.state.step, self.log_every, trainer.max_steps):
             return
         counts = trainer.engine.all_reduce_sum(counts.double()).cpu()
         mean = counts.mean(-1).clamp_min(1e-9)

@@ -24,14 +24,13 @@ from treadle.config import Config, SourceConfig, _explain, explicit_tree, parse_
 from treadle.data.holdout import Interleaved
 from treadle.data.loader import StepLoader, check_token_ids, eval_batches
 from treadle.data.mixture import Mixture, Phase
-from treadle.data.packed import ExampleDataset, PackedDataset
+from treadle.data.packed import IGNORE_INDEX, ExampleDataset, PackedDataset
 from treadle.data.shards import read_meta
 from treadle.data.sources import OpenedSource, file_tokenizer, open_source, resolve
 from treadle.distributed import init_distributed
 from treadle.engine import build_engine, read_deepspeed_config, resolve_engine
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
-from treadle.data.packed import IGNORE_INDEX
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
 from treadle.models.hf import build_model, compile_layers, count_parameters, trainable_parameters
@@ -179,7 +178,7 @@ def _model_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     if objective is None:
         return ModelSetup(model, model.config.vocab_size, loss_sum, None, [], export)
     return ModelSetup(model, model.config.vocab_size, objective, objective.evaluate, [], export,
-                      step_callbacks=[ExpertLoadCallback(objective)])
+                      step_callbacks=[ExpertLoadCallback(objective, cfg.train.log_every)])
 
 
 def _draft_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
