@@ -124,6 +124,28 @@ def test_a_model_that_transforms_its_logits_is_refused_or_left_unchunked():
     assert type(model.get_output_embeddings()) is torch.nn.Linear
 
 
+def test_models_without_weights_yet_are_checked_on_a_meta_twin():
+    """A model built empty for sharded loading (meta device) has no weights to run: the check runs a meta-device
+    twin (shapes only); one whose ops cannot run on meta (MoE's grouped matmuls) is judged by its config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def empty(model_type, **fields):
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.for_model(
+                model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16, use_cache=False, **fields))
+
+    llama = empty("llama")
+    assert use_chunked_loss(llama, CHUNK, IGNORE_INDEX, explicit=True)
+    assert type(llama.get_output_embeddings()) is ChunkedLMHead and llama.lm_head.weight.is_meta
+    gemma = empty("gemma2", final_logit_softcapping=30.0)
+    with pytest.raises(UserError, match="soft-cap"):
+        use_chunked_loss(gemma, CHUNK, IGNORE_INDEX, explicit=True)
+    moe = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    assert use_chunked_loss(empty("qwen3_moe", **moe), CHUNK, IGNORE_INDEX, explicit=False)
+    assert not use_chunked_loss(empty("qwen3_moe", logit_scale=0.5, **moe), CHUNK, IGNORE_INDEX, explicit=False)
+
+
 def test_auto_turns_chunking_on_from_32k_vocabularies():
     assert resolve_chunk_tokens("auto", 8192) == 0
     assert resolve_chunk_tokens("auto", 32_000) == AUTO_CHUNK_TOKENS

@@ -6,8 +6,11 @@ interface and never branches on it (DESIGN.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -17,7 +20,7 @@ from treadle.distributed import DistInfo
 from treadle.engine.local import LocalEngine
 from treadle.errors import UserError
 
-__all__ = ["LocalEngine", "build_engine", "read_deepspeed_config", "resolve_engine"]
+__all__ = ["Loading", "LocalEngine", "build_engine", "model_loading", "read_deepspeed_config", "resolve_engine"]
 
 ENGINES = ("local", "ddp", "fsdp2", "deepspeed")
 
@@ -52,11 +55,54 @@ def read_deepspeed_config(path: str | None) -> dict | None:
     return data
 
 
+@dataclass
+class Loading:
+    """How this engine wants a model it reads from disk (``model.path``, a draft's target) built.
+
+    ``empty``: on the meta device; the engine allocates and reads each rank's shards after sharding (FSDP2).
+    ``context``: models read from disk inside it are built partitioned (ZeRO-3). Neither: whole, on every rank.
+    """
+
+    empty: bool = False
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def model_loading(name: str, cfg: Config, device: torch.device, world_size: int,
+                  deepspeed_json: dict | None = None) -> Loading:
+    if cfg.model.path is None and cfg.draft.kind is None:
+        return Loading()  # a preset is built whole and seeded: the same weights under every engine
+    if name == "fsdp2":
+        return Loading(empty=True)
+    if name == "deepspeed":
+        from treadle.engine.deepspeed import zero3_loading
+
+        config = _deepspeed_config(cfg, world_size, deepspeed_json)
+        return Loading(context=lambda: zero3_loading(config, device))
+    return Loading()
+
+
+def _deepspeed_config(cfg: Config, world_size: int, deepspeed_json: dict | None) -> dict:
+    from treadle.engine.deepspeed import deepspeed_config
+
+    d, t = cfg.distributed, cfg.train
+    return deepspeed_config(zero_stage=d.zero_stage, micro_batch_size=t.micro_batch_size,
+                            grad_accum_steps=t.grad_accum_steps, world_size=world_size, grad_clip=t.grad_clip,
+                            bf16=cfg.model.dtype == "bf16", offload=d.cpu_offload, user_config=deepspeed_json)
+
+
 def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device, deepspeed_json: dict | None = None):
-    """Wrap ``model`` (fp32, on ``device``, identical on every rank) and build its optimizer inside the engine."""
+    """Move ``model`` (fp32, identical on every rank) to ``device``, wrap it and build its optimizer in the engine.
+
+    Parts of ``model`` may be empty (on the meta device, ``Loading.empty``): FSDP2 reads its shards after sharding,
+    the others read it whole first.
+    """
     from treadle.engine.optim import build_optimizer
+    from treadle.models.sharded_load import materialize
 
     d = cfg.distributed
+    if name != "fsdp2":
+        materialize(model, device)
+        model.to(device)
     if name == "local":
         return LocalEngine(model, build_optimizer(model, cfg), device)
     if name == "ddp":

@@ -107,7 +107,8 @@ def deepspeed_config(*, zero_stage: int, micro_batch_size: int, grad_accum_steps
 
 
 def _import_deepspeed(device: torch.device):
-    """DeepSpeed, made to use ``device``'s accelerator, quiet, and without its JIT-built shm allreduce."""
+    """DeepSpeed, made to use ``device``'s accelerator, quiet, without its JIT-built shm allreduce, and joined to
+    the process group treadle made."""
     # DeepSpeed picks its accelerator once, at import: on a CPU run on a GPU machine it would pick CUDA.
     os.environ.setdefault("DS_ACCELERATOR", device.type)
     import deepspeed
@@ -123,7 +124,40 @@ def _import_deepspeed(device: torch.device):
     # The shared-memory allreduce is compiled with g++ on first use (~27 s, fails without a compiler);
     # gloo does the same reduction. Read once, when DeepSpeed wraps the process group.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # The group already exists (init_distributed): DeepSpeed wraps it and never looks for MPI.
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False,
+                               dist_init_required=False)
     return deepspeed
+
+
+class _ZeRO3Loading:
+    """What transformers asks of ``HfDeepSpeedConfig`` while it loads (``is_zero3``, ``config``), without it:
+    ``HfDeepSpeedConfig`` itself needs accelerate, whose import pulls DeepSpeed into every treadle process."""
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def zero3_loading(config: dict, device: torch.device) -> Iterator[None]:
+    """While inside, transformers builds a model it reads from disk under ``deepspeed.zero.Init`` (each rank keeps
+    only its partition) and copies the files in module by module, gathering a module's parameters only while its
+    weights are written (transformers' own ZeRO-3 route). A no-op for stages 0-2: every rank holds the whole model."""
+    if config.get("zero_optimization", {}).get("stage") != 3:
+        yield
+        return
+    _import_deepspeed(device)
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    hf = _ZeRO3Loading(config)  # transformers keeps a weak reference: this frame holds it while models load
+    set_hf_deepspeed_config(hf)
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
 
 
 @contextlib.contextmanager
@@ -264,7 +298,8 @@ class DeepSpeedEngine(CollectiveEngine):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *, zero_stage: int,
                  micro_batch_size: int, grad_accum_steps: int, grad_clip: float, bf16: bool, offload: bool = False,
                  user_config: dict | None = None):
-        """Wrap ``model`` (fp32, identical on every rank) and ``optimizer`` (a torch optimizer over its trainable params)."""
+        """Wrap ``model`` (fp32, identical on every rank) and ``optimizer`` (a torch optimizer over its trainable params).
+        """
         if not dist.is_initialized():
             raise RuntimeError("DeepSpeedEngine needs a process group: call treadle.distributed.init_distributed() first")
         self.device = device
@@ -278,9 +313,6 @@ class DeepSpeedEngine(CollectiveEngine):
                             f"but train.grad_clip = {grad_clip}; accepted: leave gradient_clipping out (treadle writes "
                             "train.grad_clip there)")
         deepspeed = _import_deepspeed(device)
-        # The group already exists (init_distributed): DeepSpeed wraps it and never looks for MPI.
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False,
-                                   dist_init_required=False)
         # BF16_Optimizer print()s memory usage while it builds (force=True, past DeepSpeed's logger).
         with contextlib.redirect_stdout(io.StringIO()) as printed:
             self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,

@@ -38,6 +38,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from treadle.engine.local import CollectiveEngine
 from treadle.models.hf import decoder_layers
+from treadle.models.sharded_load import materialize
 
 # Full weights for export: gathered shard by shard and copied to CPU, on rank 0 only
 # (no rank ever holds a second full copy on the accelerator).
@@ -60,6 +61,8 @@ class FSDP2Engine(CollectiveEngine):
         cpu_offload: bool = False,
     ):
         """Shard ``model`` (fp32, identical on every rank: same seed or same checkpoint) and build its optimizer.
+
+        Parts of ``model`` may be on the meta device (``sharded_load``): they are allocated and read after sharding.
 
         ``mp_param_dtype``: the dtype layers compute in (e.g. bf16; None = fp32, the master
         weights' own dtype). ``reduce_dtype``: the dtype gradients are reduced in.
@@ -89,6 +92,9 @@ class FSDP2Engine(CollectiveEngine):
         # gather the root's parameters around them as it does around forward.
         for name in getattr(model, "fsdp_forward_methods", ()):
             register_fsdp_forward_method(model, name)
+        # A model built on the meta device (model.path, a draft's target) gets its shards now: each rank allocates
+        # and reads only its own (sharded_load). Where offloaded, the shards live on the CPU.
+        materialize(model, torch.device("cpu") if cpu_offload else device)
         self.model = self.module = model
         self.optimizer = optimizer_factory(model)
 

@@ -19,6 +19,7 @@ export and evaluation of logits are unchanged.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Iterator
 
 import torch
@@ -105,12 +106,10 @@ def use_chunked_loss(model: nn.Module, chunk_tokens: int, ignore_index: int = -1
     why = None
     if type(head) is not nn.Linear:
         why = f"its output layer is {type(head).__name__}, not a plain Linear"
+    elif not _forward_returns_head_output(model):
+        why = "its forward transforms the LM head's output (e.g. a logit soft-cap or scale)"
     else:
-        chunked = ChunkedLMHead(head, chunk_tokens, ignore_index)
-        model.set_output_embeddings(chunked)
-        if not _forward_returns_head_output(model, chunked):
-            model.set_output_embeddings(head)
-            why = "its forward transforms the LM head's output (e.g. a logit soft-cap or scale)"
+        model.set_output_embeddings(ChunkedLMHead(head, chunk_tokens, ignore_index))
     if why is None:
         return True
     if explicit:
@@ -119,21 +118,46 @@ def use_chunked_loss(model: nn.Module, chunk_tokens: int, ignore_index: int = -1
     return False
 
 
-def _forward_returns_head_output(model: nn.Module, head: ChunkedLMHead) -> bool:
-    """Whether the model's forward hands the head's output back as ``logits`` untouched (one 2-token forward)."""
-    device = head.weight.device
+# Config fields of HF models whose forward changes the head's output; read only where no forward can tell.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "logit_softcapping")
+
+
+def _forward_returns_head_output(model: nn.Module) -> bool:
+    """Whether the model's forward hands a ``ChunkedLMHead``'s output back as ``logits`` untouched.
+
+    One 2-token forward with the head replaced: of the model itself when its weights are there, else (built on the
+    meta device for sharded loading, or partitioned by ZeRO-3) of a meta-device twin of its config, which computes
+    shapes only. A twin some op cannot run on meta (MoE's grouped matmuls) is judged by its config's fields.
+    """
+    weight = model.get_output_embeddings().weight
+    whole = not weight.is_meta and not hasattr(weight, "ds_id")  # ds_id: a ZeRO-3 partition, not the weight
+    if whole:
+        subject, device, mask = model, weight.device, None
+    else:
+        with torch.device("meta"):
+            subject = type(model)(copy.deepcopy(model.config))
+        # A 4-D mask: HF builds a 2-D one by reading values (packed-sequence detection), which meta tensors lack.
+        device, mask = torch.device("meta"), torch.zeros(1, 1, 2, 2, device="meta")
+    head = subject.get_output_embeddings()
+    chunked = ChunkedLMHead(head, 1)
+    subject.set_output_embeddings(chunked)
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     seen = []
-    hook = head.register_forward_hook(lambda module, args, output: seen.append(output))
-    was_training = model.training
-    model.eval()
+    hook = chunked.register_forward_hook(lambda module, args, output: seen.append(output))
+    was_training = subject.training
+    subject.eval()
     try:
-        with torch.no_grad(), scoring(head, torch.zeros_like(ids)):
-            out = model(input_ids=ids, use_cache=False)
-            return bool(seen) and getattr(out, "logits", None) is seen[-1]
+        with torch.no_grad(), scoring(chunked, torch.zeros_like(ids)):
+            out = subject(input_ids=ids, use_cache=False, attention_mask=mask)
+        return bool(seen) and getattr(out, "logits", None) is seen[-1]
+    except RuntimeError:
+        if whole:
+            raise
+        return not any(getattr(model.config, key, None) for key in _LOGIT_TRANSFORMS)
     finally:
         hook.remove()
-        model.train(was_training)
+        subject.set_output_embeddings(head)
+        subject.train(was_training)
 
 
 def _chunk_scores(hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -399,9 +399,9 @@ def load_glide(draft_dir, target) -> GlideModel:
 # ----------------------------------------------------------------------------- a draft run's target
 
 
-def load_target(path: Path, key: str = "draft.target"):
-    """The target in fp32 and eval mode; ``GlideModel`` freezes it."""
-    target = load_causal_lm(path, key)
+def load_target(path: Path, key: str = "draft.target", empty: bool = False):
+    """The target in fp32 and eval mode (``empty``: see ``load_causal_lm``); ``GlideModel`` freezes it."""
+    target = load_causal_lm(path, key, empty)
     if target.config.model_type not in ("llama", "qwen2", "qwen3", "mistral"):
         raise UserError(f"{key} {path} is a {target.config.model_type!r} model; accepted: llama, qwen2, qwen3, "
                         "mistral (decoders with q/k/v/o attention and rotary embeddings)")
@@ -419,10 +419,13 @@ def target_identity(target_dir: Path, target) -> dict:
     }
 
 
-def build_glide(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None):
-    """(GlideModel, target dir, target identity) for a ``DraftConfig``, checked against the data. Seed torch first."""
+def build_glide(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
+    """(GlideModel, target dir, target identity) for a ``DraftConfig``, checked against the data. Seed torch first.
+
+    ``empty``: the target is built on the meta device (see ``load_causal_lm``); the draft is built whole.
+    """
     target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
-    target = load_target(target_dir)
+    target = load_target(target_dir, empty=empty)
     ident = target_identity(target_dir, target)
     if target.config.vocab_size < data_vocab:
         raise UserError(f"draft.target {target_dir} has vocab_size {target.config.vocab_size}, smaller than the "

@@ -8,6 +8,7 @@ Models know nothing about parallelism or the loop: this module only turns a
 from __future__ import annotations
 
 import json
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -30,10 +31,15 @@ def load_preset(name: str) -> dict:
     return json.loads(resources.files("treadle.presets").joinpath(f"{name}.json").read_text())
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None) -> PreTrainedModel:
-    """An fp32 model on CPU; the caller moves it and seeds torch beforehand (init is random)."""
+def build_model(cfg: ModelConfig, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None,
+                empty: bool = False) -> PreTrainedModel:
+    """An fp32 model on CPU; the caller moves it and seeds torch beforehand (init is random).
+
+    ``empty``: a model from ``model.path`` is built on the meta device, its weights read later, shard by shard
+    (``sharded_load.materialize``), where the files allow it.
+    """
     if cfg.path is not None:
-        model = load_causal_lm(Path(cfg.path), "model.path")
+        model = load_causal_lm(Path(cfg.path), "model.path", empty)
         if model.config.vocab_size < vocab_size:
             raise UserError(
                 f"model.path {cfg.path} has vocab_size {model.config.vocab_size}, smaller than the data's "
@@ -53,11 +59,22 @@ def build_model(cfg: ModelConfig, vocab_size: int, bos_id: int | None = None, eo
     return model
 
 
-def load_causal_lm(path: Path, key: str) -> PreTrainedModel:
-    """An fp32 ``AutoModelForCausalLM`` from a local directory, in eval mode; bad input is one line."""
+def load_causal_lm(path: Path, key: str, empty: bool = False) -> PreTrainedModel:
+    """An fp32 ``AutoModelForCausalLM`` from a local directory, in eval mode; bad input is one line.
+
+    ``empty``: on the meta device, to be filled by ``sharded_load.materialize`` once sharded; loaded whole (with a
+    line saying why) when its files cannot be read part by part.
+    """
     from treadle.quiet import hf_quiet
 
     path = resolve_model_dir(path, key)
+    if empty:
+        from treadle.models.sharded_load import empty_causal_lm
+
+        model, why = empty_causal_lm(path, key)
+        if model is not None:
+            return model
+        print(f"treadle: {key} {path} is loaded whole on every rank: {why}", file=sys.stderr)
     try:
         with hf_quiet():
             return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

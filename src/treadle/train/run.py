@@ -28,7 +28,7 @@ from treadle.data.packed import IGNORE_INDEX, ExampleDataset, PackedDataset
 from treadle.data.shards import read_meta
 from treadle.data.sources import OpenedSource, file_tokenizer, open_source, resolve
 from treadle.distributed import init_distributed
-from treadle.engine import build_engine, read_deepspeed_config, resolve_engine
+from treadle.engine import build_engine, model_loading, read_deepspeed_config, resolve_engine
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
@@ -166,8 +166,8 @@ class ModelSetup:
         return f"{trainable / 1e6:.1f}M trainable parameters" + (f" ({frozen / 1e6:.1f}M frozen)" if frozen else "")
 
 
-def _model_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
-    model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
+def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSetup:
+    model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"], empty=empty)
     _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
     chunk = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.config.vocab_size)
     if chunk:  # before any engine wraps the model: the head is replaced in place (loss_sum finds it)
@@ -181,11 +181,11 @@ def _model_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
                       step_callbacks=[ExpertLoadCallback(objective, cfg.train.log_every)])
 
 
-def _draft_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
+def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSetup:
     """A frozen target and a trainable draft; the rest of the run is unchanged."""
     train_ds, val_ds = data.train, data.val
     refuse_router_keys(cfg.model, f"a draft run trains a {cfg.draft.kind} draft, which has no experts")
-    model, target_dir, identity = build_glide(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint)
+    model, target_dir, identity = build_glide(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint, empty)
     _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
     # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward).
     model.loss_chunk_tokens = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
@@ -292,7 +292,11 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     meta = {"vocab_size": train_ds.vocab_size, "eos_id": train_ds.meta.get("eos_id"),
             "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_fingerprint": train_ds.tokenizer_fingerprint,
             "chat_template": data.chat_template}  # `treadle export` of a checkpoint gives it to the tokenizer too
-    setup = _draft_setup(cfg, data, meta) if cfg.draft.kind else _model_setup(cfg, data, meta)
+    # A model read from disk is built as the engine wants it: empty (FSDP2 reads each rank's shards once it has
+    # sharded it), partitioned while it is read (ZeRO-3), or whole.
+    loading = model_loading(engine_name, cfg, device, info.world_size, deepspeed_json)
+    with loading.context():
+        setup = (_draft_setup if cfg.draft.kind else _model_setup)(cfg, data, meta, loading.empty)
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
@@ -302,8 +306,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     distributed.on_main(prepare_output_dir, out, cfg, checkpoints)  # the first write: every input above is valid
     if resume is not None and resume.rollback:  # asked for with checkpoint.allow_rollback
         checkpoints.roll_back_to(resume.checkpoint, resume.rollback)
-    model = setup.model
-    model.to(device).train()
+    model = setup.model.train()
     if cfg.model.compile:  # a draft is one block: compile it whole; the frozen target stays eager
         model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
     engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
