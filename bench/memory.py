@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-ac", action="store_true", help="skip the activation checkpointing cases (bench/memory_ac_cases.py)")
+    ap.add_argument("--no-loading", action="store_true",
+                    help="skip the model-loading cases (bench/memory_loading_cases.py: torchrun, world size 1 and 2)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # the child: run this case, print JSON
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -159,6 +161,11 @@ def main() -> None:
 
         print()
         memory_ac_cases.print_table(memory_ac_cases.activation_checkpointing_cases())
+    if not args.no_loading and not args.only:  # the third: peak RSS per rank loading model.path, world size 1 and 2
+        import memory_loading_cases
+
+        print()
+        memory_loading_cases.print_table(*memory_loading_cases.loading_cases())
 
 
 if __name__ == "__main__":
