@@ -174,7 +174,7 @@ def test_bad_inputs_exit_2_and_touch_nothing(shards, tmp_path, capsys):
 
     fails(args(shards, run, "--checkpoint.resume=none"), "already holds checkpoints")
     fails(args(shards, run, f"--data.train={tmp_path / 'missing'}"), str(tmp_path / "missing"))
-    fails(args(shards, run, "--model.preset=huge"), "accepted: small, tiny")
+    fails(args(shards, run, "--model.preset=huge"), "accepted: medium, small, tiny, tiny-moe")
     fails(args(shards, run, f"--checkpoint.resume={tmp_path}"), "holds no checkpoint")
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
