@@ -27,8 +27,9 @@ from treadle.data.mixture import Mixture, Phase
 from treadle.data.packed import IGNORE_INDEX, ExampleDataset, PackedDataset
 from treadle.data.shards import read_meta
 from treadle.data.sources import OpenedSource, file_tokenizer, open_source, resolve
-from treadle.distributed import init_distributed
+from treadle.distributed import context_layout, init_distributed
 from treadle.engine import build_engine, read_deepspeed_config, resolve_engine
+from treadle.engine.context_parallel import apply_context_parallel, check_model
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
@@ -273,6 +274,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     info = init_distributed(cfg.train.device, num_threads=cfg.train.threads or None,
                             timeout=datetime.timedelta(seconds=d.timeout_s))
     engine_name = resolve_engine(d.engine, info)
+    layout = context_layout(info, d.context_parallel)  # dp x cp; one line when the world does not divide
     deepspeed_json = read_deepspeed_config(d.deepspeed_config) if engine_name == "deepspeed" else None
     device, main = info.device, info.is_main
     seq_len = cfg.data.seq_len
@@ -296,6 +298,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
+    if layout.cp_size > 1:  # before anything is written: a model it cannot split is refused
+        check_model(setup.model.config, layout.cp_size)
     resume = distributed.on_main(check_resume, cfg, out, resume_from, checkpoints, meta)
     if cfg.checkpoint.export_hf:  # a user's files in <output_dir>/hf are refused now, not after the training
         distributed.on_main(claim_export, setup.export.out_dir, "the run's export")
@@ -306,10 +310,15 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     model.to(device).train()
     if cfg.model.compile:  # a draft is one block: compile it whole; the frozen target stays eager
         model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
+    if layout.cp_size > 1:  # a model transform, where parallelism is applied: before the engine wraps the model
+        apply_context_parallel(model, layout.cp_group)
     engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
     t, r = cfg.train, cfg.resilience
+    # Data-parallel ranks draw the samples; the ranks of a context group share them and slice every sequence.
+    slicing = dict(cp_rank=layout.cp_rank, cp_size=layout.cp_size)
     loader = StepLoader({o.name: o.dataset for o in data.sources}, t.micro_batch_size, t.grad_accum_steps, t.seed,
-                        info.rank, info.world_size, data.mixture, prefetch=cfg.data.prefetch, vocab_size=setup.vocab_size)
+                        layout.dp_rank, layout.dp_size, data.mixture, prefetch=cfg.data.prefetch,
+                        vocab_size=setup.vocab_size, **slicing)
     opened.callback(loader.close)
     # Order matters: the guard may roll back before eval and checkpoint see the step,
     # and eval (which may set the "best" metric) runs before the checkpoint; user callbacks come
@@ -331,8 +340,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     opened.callback(metrics.close)
     trainer = Trainer(
         cfg, engine, build_schedule(engine.optimizer, cfg), loader,
-        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches, info.rank, info.world_size,
-                                         setup.vocab_size),
+        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches, layout.dp_rank, layout.dp_size,
+                                         setup.vocab_size, **slicing),
         callbacks=callbacks,
         checkpoints=checkpoints,
         metrics=metrics,
@@ -351,6 +360,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if resume is not None and resume.describe(kept):
         trainer.console.print(resume.describe(kept))
     where = f"{device}" if info.world_size == 1 else f"{info.world_size} ranks ({engine_name}, {device.type})"
+    if layout.cp_size > 1:
+        where += f", {layout.dp_size} data-parallel x {layout.cp_size} context-parallel"
     trainer.console.print(
         f"treadle: {setup.describe()} on {where}, {sum(o.dataset.num_tokens for o in data.sources):,} train tokens, "
         f"{loader.global_batch} x {seq_len} tokens per step, run directory {out}"
