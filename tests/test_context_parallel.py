@@ -32,9 +32,16 @@ from treadle.engine.context_parallel import check_model, packed_causal_mask
 from treadle.errors import UserError
 from treadle.models.hf import build_model
 from treadle.engine.local import LocalEngine
+from treadle.train.moe import router_objective
+from treadle.train.run import refuse_sliced_load_balancing
 from treadle.train.step import label_tokens, loss_sum, optimizer_step
 
 CP = 2
+# DeepSpeed needs nothing of its own: treadle's engines all SUM gradients over every rank (the context group's
+# share included), DeepSpeed's through its loss x world size (engine/deepspeed.py).
+ENGINES = ("fsdp2", "ddp", "deepspeed")
+_MOE = {"hidden_size": 32, "moe_intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8}
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -108,6 +115,12 @@ def test_models_cp_cannot_split_are_refused_in_one_line():
     eager = build_model(ModelConfig(preset="tiny", overrides={"attn_implementation": "eager"}), 64)
     with pytest.raises(UserError, match=r"needs sdpa attention, the model uses 'eager'"):
         check_model(eager.config, CP)
+    # An MoE's load-balancing loss is not a token sum: on slices it would be another loss. Off, the run may go on.
+    moe = ModelConfig(preset="tiny-moe", overrides=_MOE)
+    with pytest.raises(UserError, match=r"router_aux_loss_coef = 0.001, the model's own when unset\): it would be "):
+        refuse_sliced_load_balancing(router_objective(build_model(moe, 64), moe), CP)
+    moe = ModelConfig(preset="tiny-moe", overrides=_MOE, router_aux_loss_coef=0, router_z_loss_coef=0.001)
+    refuse_sliced_load_balancing(router_objective(build_model(moe, 64), moe), CP)
 
 
 def test_layouts_that_cannot_work_exit_2_with_one_line(shards, tmp_path, capsys):
@@ -141,6 +154,12 @@ def _engine(kind: str, group, seed: int = 0, checkpointing: str = "none", **llam
     model = _llama(seed, **llama)
     apply_activation_checkpointing(model, ModelConfig(activation_checkpointing=checkpointing))
     apply_context_parallel(model, group)
+    if kind == "deepspeed":  # ZeRO-3, every parameter partitioned: its reduce-scatter averages over all ranks
+        from treadle.engine.deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(model, make_optimizer(model), CPU, zero_stage=3, grad_accum_steps=GA, micro_batch_size=4,
+                               grad_clip=GRAD_CLIP, bf16=False, offload=False,
+                               user_config={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
     return DDPEngine(model, make_optimizer(model), CPU) if kind == "ddp" else FSDP2Engine(model, make_optimizer, CPU)
 
 
@@ -174,7 +193,7 @@ def _cp_ranks(rank, world_size, shards, out):
     layout = context_layout(init_distributed("cpu"), CP)
     assert (layout.dp_rank, layout.dp_size, layout.cp_rank, layout.cp_size) == (0, 1, rank, CP)
     got = {}
-    for kind in ("fsdp2", "ddp"):
+    for kind in ENGINES:
         engine = _engine(kind, layout.cp_group)
         got[kind] = {"eval0": _eval_loss(engine, rank), "steps": _train(engine, range(STEPS), rank),
                      "export": snapshot(engine.export_state_dict())}
@@ -201,7 +220,7 @@ def test_context_parallel_2_matches_one_process_on_fsdp2_and_ddp(launched):
     want_export = snapshot(engine.model.state_dict())
     ref_model = tiny_llama(0)
     want_eval = _reference_eval(ref_model)
-    for kind in ("fsdp2", "ddp"):
+    for kind in ENGINES:
         for rank, res in enumerate(results):  # every rank of the group reports the step's loss and norm
             assert_steps_match(res[kind]["steps"], steps, f"{kind} rank {rank}")
             assert res[kind]["eval0"] == pytest.approx(want_eval, rel=LOSS_RTOL)

@@ -38,7 +38,7 @@ from treadle.models.hf import build_model, compile_layers, count_parameters, tra
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.models.glide import build_glide
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
-from treadle.train.moe import ExpertLoadCallback, refuse_router_keys, router_objective
+from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
 from treadle.train.rundir import check_output_dir, check_resume, prepare_output_dir, save_run_config
@@ -199,6 +199,15 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
                       DraftExportCallback(out, target_dir, identity, cfg.draft))
 
 
+def refuse_sliced_load_balancing(loss_fn, cp: int) -> None:
+    """An MoE's load-balancing loss is a product of two means over a micro-batch, not a token sum: on a slice of
+    every sequence it would be another loss than one process's (the z-loss is a token sum and stays exact)."""
+    if isinstance(loss_fn, RouterObjective) and loss_fn.aux_coef:
+        raise UserError(f"distributed.context_parallel = {cp} with an MoE load-balancing loss (model.router_aux_loss_coef "
+                        f"= {loss_fn.aux_coef:g}, the model's own when unset): it would be computed per sequence slice; "
+                        "accepted: model.router_aux_loss_coef = 0, or context_parallel = 1")
+
+
 def checked_config(cfg: Config) -> Config:
     """The whole config validated again, cross-field rules included, as ``load_config`` would.
 
@@ -300,6 +309,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
     if layout.cp_size > 1:  # before anything is written: a model it cannot split is refused
         check_model(setup.model.config, layout.cp_size)
+        refuse_sliced_load_balancing(setup.loss_fn, layout.cp_size)
     resume = distributed.on_main(check_resume, cfg, out, resume_from, checkpoints, meta)
     if cfg.checkpoint.export_hf:  # a user's files in <output_dir>/hf are refused now, not after the training
         distributed.on_main(claim_export, setup.export.out_dir, "the run's export")
