@@ -2,9 +2,9 @@
 
 Unit tests of the data half (the slice, the shifted labels, the position ids, the loader) and of the mask run
 in this process. One launch at world size 2 (gloo) checks the model half against one process on the same batch:
-FSDP2 and DDP at CP = 2 (GA 2, packed documents whose boundary falls on either side of the cut or across it):
-losses, grad norms, label-token counts, weights after 3 steps and eval loss; key/value heads replicated (1 kv
-head, 2 ranks); activation checkpointing; and a whole run through ``run_training`` against the same run in one
+FSDP2, DDP and DeepSpeed ZeRO-3 at CP = 2 (GA 2, packed documents whose boundary falls on either side of the cut
+or across it): losses, grad norms, label-token counts, weights after 3 steps and eval loss; key/value heads
+replicated (1 kv head, 2 ranks); activation checkpointing; chunked cross-entropy; and a whole run through ``run_training`` against the same run in one
 process (loss, eval loss, grad norm, tokens per step).
 
 Tolerances (fp32): as tests/test_engines_dist.py.
@@ -30,6 +30,7 @@ from treadle.data.loader import StepLoader, eval_batches, slice_sequences
 from treadle.data.packed import IGNORE_INDEX
 from treadle.engine.context_parallel import check_model, packed_causal_mask
 from treadle.errors import UserError
+from treadle.models.chunked_ce import use_chunked_loss
 from treadle.models.hf import build_model
 from treadle.engine.local import LocalEngine
 from treadle.train.moe import router_objective
@@ -145,13 +146,15 @@ def _llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**(LLAMA | overrides)))
 
 
-def _engine(kind: str, group, seed: int = 0, checkpointing: str = "none", **llama):
+def _engine(kind: str, group, seed: int = 0, checkpointing: str = "none", chunk_tokens: int = 0, **llama):
     from treadle.engine.context_parallel import apply_context_parallel
     from treadle.engine.ddp import DDPEngine
     from treadle.engine.fsdp2 import FSDP2Engine
     from treadle.models.checkpointing import apply_activation_checkpointing
 
     model = _llama(seed, **llama)
+    if chunk_tokens:
+        use_chunked_loss(model, chunk_tokens, IGNORE_INDEX)
     apply_activation_checkpointing(model, ModelConfig(activation_checkpointing=checkpointing))
     apply_context_parallel(model, group)
     if kind == "deepspeed":  # ZeRO-3, every parameter partitioned: its reduce-scatter averages over all ranks
@@ -201,6 +204,7 @@ def _cp_ranks(rank, world_size, shards, out):
     # attention (and its all-to-alls) in backward.
     got["kv1"] = _train(_engine("fsdp2", layout.cp_group, num_key_value_heads=1), range(2), rank)
     got["checkpointed"] = _train(_engine("fsdp2", layout.cp_group, checkpointing="selective"), range(2), rank)
+    got["chunked"] = _train(_engine("fsdp2", layout.cp_group, chunk_tokens=5), range(2), rank)  # CE chunks of a slice
 
     # A whole run: the loader's slices, eval, checkpoint and export at CP = 2 on FSDP2 (engine auto).
     run_training(load_config(None, args(shards, out, "--train.max_steps=3", "--train.threads=1",
@@ -226,7 +230,7 @@ def test_context_parallel_2_matches_one_process_on_fsdp2_and_ddp(launched):
             assert res[kind]["eval0"] == pytest.approx(want_eval, rel=LOSS_RTOL)
         assert max_abs_diff(results[0][kind]["export"], want_export) <= WEIGHT_ATOL
     assert all(norm > GRAD_CLIP for _, norm, _, _ in steps)  # the norm is compared before clipping
-    for variant, llama in (("kv1", {"num_key_value_heads": 1}), ("checkpointed", {})):
+    for variant, llama in (("kv1", {"num_key_value_heads": 1}), ("checkpointed", {}), ("chunked", {})):
         model = _llama(0, **llama)
         ref = LocalEngine(model, make_optimizer(model), CPU)
         want = [(r.loss, r.grad_norm, r.label_tokens, r.applied)
