@@ -208,7 +208,7 @@ def _cp_ranks(rank, world_size, shards, out):
 
     # A whole run: the loader's slices, eval, checkpoint and export at CP = 2 on FSDP2 (engine auto).
     run_training(load_config(None, args(shards, out, "--train.max_steps=3", "--train.threads=1",
-                                        "--distributed.context_parallel=2", "--checkpoint.every=3")[1:]))
+                                        "--distributed.context_parallel=2", "--checkpoint.every=2")[1:]))
     return got
 
 
@@ -248,11 +248,14 @@ def _reference_eval(model) -> float:
 def test_a_context_parallel_run_matches_one_process(launched, shards, tmp_path):
     _, two = launched
     one = tmp_path / "one"
-    assert main(args(shards, one, "--train.max_steps=3", "--checkpoint.every=3")) == 0
+    assert main(args(shards, one, "--train.max_steps=3", "--checkpoint.every=2")) == 0
     for key in ("loss", "eval_loss", "grad_norm", "tokens"):
         a, b = records(one, key), records(two, key)
         assert a.keys() == b.keys() and a, key
         assert all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in a), (key, a, b)
-    assert (two / "checkpoints" / "step_3").is_dir()
+    # The CP = 2 checkpoint resumes in one process (CP = 1) and continues the same run.
+    resumed = tmp_path / "resumed"
+    assert main(args(shards, resumed, "--train.max_steps=3", f"--checkpoint.resume={two / 'checkpoints' / 'step_2'}")) == 0
+    assert records(resumed).keys() == {3} and math.isclose(records(resumed)[3], records(two)[3], rel_tol=LOSS_RTOL)
     config = json.loads((two / "hf" / "config.json").read_text())
     assert "treadle" not in json.dumps(config)  # the export is a plain HF model: the wrapper is not recorded
