@@ -318,10 +318,10 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         checkpoints.roll_back_to(resume.checkpoint, resume.rollback)
     model = setup.model
     model.to(device).train()
+    if layout.cp_size > 1:  # a model transform, where parallelism is applied: before compile and the engine's wrap
+        apply_context_parallel(model, layout.cp_group)
     if cfg.model.compile:  # a draft is one block: compile it whole; the frozen target stays eager
         model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
-    if layout.cp_size > 1:  # a model transform, where parallelism is applied: before the engine wraps the model
-        apply_context_parallel(model, layout.cp_group)
     engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
     t, r = cfg.train, cfg.resilience
     # Data-parallel ranks draw the samples; the ranks of a context group share them and slice every sequence.
