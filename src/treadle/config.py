@@ -296,6 +296,8 @@ class DistributedConfig(Section):
     timeout_s: float = Field(600.0, gt=0.0, description="bound on every collective: a dead peer becomes an error")
     health_check_every: int = Field(50, ge=0, description="steps between health checks of all ranks; 0 = off")
     health_check_timeout_s: float = Field(60.0, gt=0.0, description="a rank that does not answer the health check by then is hung")
+    context_parallel: int = Field(1, ge=1, description="ranks that split every sequence (Ulysses: attention heads "
+                                  "exchanged all-to-all); data-parallel replicas = world size / this")
 
 
 class Config(Section):
@@ -324,6 +326,14 @@ class Config(Section):
             raise ValueError(f"draft.eval_new_tokens={self.draft.eval_new_tokens} must exceed draft.gamma={self.draft.gamma}")
         if not self.data.train:
             raise ValueError("data.train is empty; accepted: 'builtin' or a list of shard directories")
+        cp = self.distributed.context_parallel
+        if cp > 1 and self.data.seq_len % cp:
+            raise ValueError(f"data.seq_len = {self.data.seq_len} cannot be split into distributed.context_parallel = "
+                             f"{cp} equal parts; accepted: a multiple of {cp}")
+        if cp > 1 and self.draft.kind is not None:
+            raise ValueError(f"distributed.context_parallel = {cp} with draft.kind = {self.draft.kind!r} is not "
+                             "supported (GLIDE's cross-attention would need the target's K/V of the whole sequence); "
+                             "accepted: context_parallel = 1 for draft runs")
         return self
 
     def warmup_steps(self) -> int:

@@ -113,6 +113,36 @@ def init_distributed(device_pref: str = "auto", *, num_threads: int | None = Non
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Data-parallel replicas x context-parallel groups (``distributed.context_parallel``).
+
+    Ranks ``[g * cp, (g + 1) * cp)`` form context group ``g`` (neighbours: on GPUs, one node's fast links carry
+    the all-to-alls) and share one data-parallel rank, ``g``: they are handed the same micro-batches and each
+    takes slice ``cp_rank`` of every sequence. With ``cp == 1`` this is plain data parallelism.
+    """
+
+    dp_rank: int
+    dp_size: int
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_group: object = None  # the context group's ProcessGroup (None when cp_size == 1)
+
+
+def context_layout(info: DistInfo, cp: int) -> Layout:
+    """The layout of this launch for ``cp`` ranks per sequence; a one-line UserError when it cannot be laid out."""
+    if cp == 1:
+        return Layout(dp_rank=info.rank, dp_size=info.world_size)
+    if info.world_size % cp:
+        launch = ("a launch of a multiple of it (torchrun --nproc_per_node N, N divisible by it)" if info.distributed
+                  else f"a launch of {cp} or a multiple of {cp} ranks (torchrun --nproc_per_node {cp} -m treadle train ...)")
+        raise UserError(f"distributed.context_parallel = {cp} does not divide the world size {info.world_size}; "
+                        f"accepted: {launch}, or context_parallel = 1")
+    group, _ = dist.new_subgroups(group_size=cp)  # collective: every rank creates every group, in order
+    return Layout(dp_rank=info.rank // cp, dp_size=info.world_size // cp, cp_rank=info.rank % cp, cp_size=cp,
+                  cp_group=group)
+
+
 @contextlib.contextmanager
 def quiet_single_process_dcp() -> Iterator[None]:
     """Around treadle's own DCP save/load: without a process group DCP warns on every call that it assumes one

@@ -19,6 +19,12 @@ recorded ``max_token_id``, would otherwise train on silently or die inside the
 embedding, depending on the draw. One max over a [mb, seq_len] tensor costs
 microseconds against a step of milliseconds or more.
 
+Context parallelism (``cp_size > 1``, ``distributed.context_parallel``): ``rank`` and ``world_size`` are the
+data-parallel ones (every rank of a context group gets the same micro-batches) and each micro-batch leaves with
+this rank's slice ``cp_rank`` of every sequence (``slice_sequences``). The labels were shifted when the sample
+was made, so the slice keeps the label of its last position (the next slice's first token) and the slices'
+label counts add up to the whole sequence's: the loop's token count, summed over all ranks, stays the step's.
+
 Prefetch: while the model trains on step ``s``, a background thread reads and
 collates step ``s + 1`` (its plan, the index math, is computed up front and is
 cheap). A plan that turns out wrong (a rollback rewound the step) is discarded.
@@ -37,6 +43,27 @@ import torch
 from treadle.data.mixture import Mixture, SampleOrder, stream_of
 from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
+
+
+# A sample's per-position tensors: what a context-parallel rank cuts to its slice (the rest is per row).
+SEQUENCE_KEYS = ("input_ids", "labels", "position_ids")
+
+
+def slice_sequences(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict[str, torch.Tensor]:
+    """Slice ``cp_rank`` of ``cp_size`` equal parts of every sequence in ``batch`` (rows, per-row keys untouched).
+
+    Position ids keep their values (a document crossing the cut continues its positions on the next rank: the
+    attention rebuilds the packed mask from them, RoPE reads them); labels are already shifted, so none is lost.
+    """
+    if cp_size == 1:
+        return batch
+    length = batch["input_ids"].shape[1]
+    if length % cp_size:
+        raise UserError(f"data.seq_len = {length} cannot be split into distributed.context_parallel = {cp_size} equal "
+                        f"parts; accepted: a multiple of {cp_size}")
+    part = length // cp_size
+    return {k: v[:, cp_rank * part:(cp_rank + 1) * part].contiguous() if k in SEQUENCE_KEYS else v
+            for k, v in batch.items()}
 
 
 def _collate(dataset, indices: Sequence[int]) -> dict[str, torch.Tensor]:
@@ -78,9 +105,10 @@ class _Plan:
 class StepLoader:
     def __init__(self, datasets, micro_batch_size: int, grad_accum_steps: int, seed: int,
                  rank: int = 0, world_size: int = 1, mixture: Mixture | None = None, prefetch: bool = False,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, cp_rank: int = 0, cp_size: int = 1):
         """``datasets``: one dataset (a source named "train") or ``{name: dataset}`` mixed by ``mixture``;
-        ``vocab_size``: the model's, which every token id must be below (None: unchecked)."""
+        ``vocab_size``: the model's, which every token id must be below (None: unchecked); ``rank`` /
+        ``world_size``: data-parallel; ``cp_rank`` / ``cp_size``: this rank's slice of every sequence."""
         if micro_batch_size < 1 or grad_accum_steps < 1 or world_size < 1:
             raise UserError(
                 f"micro_batch_size={micro_batch_size}, grad_accum_steps={grad_accum_steps}, "
@@ -108,6 +136,7 @@ class StepLoader:
         self.steps = 0  # steps handed out (the step index when the caller does not give one)
         self.prefetch = prefetch
         self.vocab_size = vocab_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self._pool: cf.ThreadPoolExecutor | None = None  # started on first use, again after close()
         self._pending: tuple[_Plan, cf.Future] | None = None
 
@@ -147,7 +176,7 @@ class StepLoader:
             batch["order_position"] = torch.arange(first, first + self.micro_batch_size)
             batch["source"] = torch.from_numpy(sources.copy())
             _check_batch(batch, self.vocab_size, lambda: self._where(batch))
-            batches.append(batch)
+            batches.append(slice_sequences(batch, self.cp_rank, self.cp_size))
         return batches
 
     def _where(self, batch: dict[str, torch.Tensor]) -> str:
@@ -224,7 +253,8 @@ class StepLoader:
 
 
 def eval_batches(dataset, batch_size: int, max_batches: int | None = None,
-                 rank: int = 0, world_size: int = 1, vocab_size: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+                 rank: int = 0, world_size: int = 1, vocab_size: int | None = None,
+                 cp_rank: int = 0, cp_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
     """Sequential (unshuffled) evaluation batches: samples 0, 1, ... split across ranks.
 
     The evaluation covers the first ``max_batches * batch_size`` samples (all of them
@@ -234,6 +264,7 @@ def eval_batches(dataset, batch_size: int, max_batches: int | None = None,
     number of equally shaped batches (collectives in the eval loop must match):
     slots past the covered samples are filled with sample 0 and labels of
     -100, so they count for nothing. Token ids are checked against ``vocab_size`` as in ``StepLoader``.
+    ``rank`` / ``world_size`` are data-parallel; ``cp_rank`` / ``cp_size`` slice every sequence as there.
     """
     if batch_size < 1:
         raise UserError(f"eval batch_size {batch_size}: expected a positive integer")
@@ -248,4 +279,4 @@ def eval_batches(dataset, batch_size: int, max_batches: int | None = None,
         if pad:
             batch["labels"][batch_size - pad :] = IGNORE_INDEX
         _check_batch(batch, vocab_size, lambda: f"the evaluation data ({getattr(dataset, 'where', 'data.val')})")
-        yield batch
+        yield slice_sequences(batch, cp_rank, cp_size)

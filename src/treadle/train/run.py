@@ -27,8 +27,9 @@ from treadle.data.mixture import Mixture, Phase
 from treadle.data.packed import IGNORE_INDEX, ExampleDataset, PackedDataset
 from treadle.data.shards import read_meta
 from treadle.data.sources import OpenedSource, file_tokenizer, open_source, resolve
-from treadle.distributed import init_distributed
+from treadle.distributed import context_layout, init_distributed
 from treadle.engine import build_engine, model_loading, read_deepspeed_config, resolve_engine
+from treadle.engine.context_parallel import apply_context_parallel, check_model
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
@@ -37,7 +38,7 @@ from treadle.models.hf import build_model, compile_layers, count_parameters, tra
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.models.glide import build_glide
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
-from treadle.train.moe import ExpertLoadCallback, refuse_router_keys, router_objective
+from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
 from treadle.train.rundir import check_output_dir, check_resume, prepare_output_dir, save_run_config
@@ -198,6 +199,15 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
                       DraftExportCallback(out, target_dir, identity, cfg.draft))
 
 
+def refuse_sliced_load_balancing(loss_fn, cp: int) -> None:
+    """An MoE's load-balancing loss is a product of two means over a micro-batch, not a token sum: on a slice of
+    every sequence it would be another loss than one process's (the z-loss is a token sum and stays exact)."""
+    if isinstance(loss_fn, RouterObjective) and loss_fn.aux_coef:
+        raise UserError(f"distributed.context_parallel = {cp} with an MoE load-balancing loss (model.router_aux_loss_coef "
+                        f"= {loss_fn.aux_coef:g}, the model's own when unset): it would be computed per sequence slice; "
+                        "accepted: model.router_aux_loss_coef = 0, or context_parallel = 1")
+
+
 def checked_config(cfg: Config) -> Config:
     """The whole config validated again, cross-field rules included, as ``load_config`` would.
 
@@ -273,6 +283,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     info = init_distributed(cfg.train.device, num_threads=cfg.train.threads or None,
                             timeout=datetime.timedelta(seconds=d.timeout_s))
     engine_name = resolve_engine(d.engine, info)
+    layout = context_layout(info, d.context_parallel)  # dp x cp; one line when the world does not divide
     deepspeed_json = read_deepspeed_config(d.deepspeed_config) if engine_name == "deepspeed" else None
     device, main = info.device, info.is_main
     seq_len = cfg.data.seq_len
@@ -300,6 +311,9 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
+    if layout.cp_size > 1:  # before anything is written: a model it cannot split is refused
+        check_model(setup.model.config, layout.cp_size)
+        refuse_sliced_load_balancing(setup.loss_fn, layout.cp_size)
     resume = distributed.on_main(check_resume, cfg, out, resume_from, checkpoints, meta)
     if cfg.checkpoint.export_hf:  # a user's files in <output_dir>/hf are refused now, not after the training
         distributed.on_main(claim_export, setup.export.out_dir, "the run's export")
@@ -307,12 +321,17 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if resume is not None and resume.rollback:  # asked for with checkpoint.allow_rollback
         checkpoints.roll_back_to(resume.checkpoint, resume.rollback)
     model = setup.model.train()
+    if layout.cp_size > 1:  # a model transform, where parallelism is applied: before compile and the engine's wrap
+        apply_context_parallel(model, layout.cp_group)
     if cfg.model.compile:  # a draft is one block: compile it whole; the frozen target stays eager
         model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
     engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
     t, r = cfg.train, cfg.resilience
+    # Data-parallel ranks draw the samples; the ranks of a context group share them and slice every sequence.
+    slicing = dict(cp_rank=layout.cp_rank, cp_size=layout.cp_size)
     loader = StepLoader({o.name: o.dataset for o in data.sources}, t.micro_batch_size, t.grad_accum_steps, t.seed,
-                        info.rank, info.world_size, data.mixture, prefetch=cfg.data.prefetch, vocab_size=setup.vocab_size)
+                        layout.dp_rank, layout.dp_size, data.mixture, prefetch=cfg.data.prefetch,
+                        vocab_size=setup.vocab_size, **slicing)
     opened.callback(loader.close)
     # Order matters: the guard may roll back before eval and checkpoint see the step,
     # and eval (which may set the "best" metric) runs before the checkpoint; user callbacks come
@@ -334,8 +353,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     opened.callback(metrics.close)
     trainer = Trainer(
         cfg, engine, build_schedule(engine.optimizer, cfg), loader,
-        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches, info.rank, info.world_size,
-                                         setup.vocab_size),
+        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches, layout.dp_rank, layout.dp_size,
+                                         setup.vocab_size, **slicing),
         callbacks=callbacks,
         checkpoints=checkpoints,
         metrics=metrics,
@@ -354,6 +373,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if resume is not None and resume.describe(kept):
         trainer.console.print(resume.describe(kept))
     where = f"{device}" if info.world_size == 1 else f"{info.world_size} ranks ({engine_name}, {device.type})"
+    if layout.cp_size > 1:
+        where += f", {layout.dp_size} data-parallel x {layout.cp_size} context-parallel"
     trainer.console.print(
         f"treadle: {setup.describe()} on {where}, {sum(o.dataset.num_tokens for o in data.sources):,} train tokens, "
         f"{loader.global_batch} x {seq_len} tokens per step, run directory {out}"
