@@ -296,6 +296,11 @@ class DistributedConfig(Section):
     timeout_s: float = Field(600.0, gt=0.0, description="bound on every collective: a dead peer becomes an error")
     health_check_every: int = Field(50, ge=0, description="steps between health checks of all ranks; 0 = off")
     health_check_timeout_s: float = Field(60.0, gt=0.0, description="a rank that does not answer the health check by then is hung")
+    pipeline_parallel: int = Field(1, ge=1, description="pipeline stages: the decoder layers are split over this many ranks "
+                                   "(embedding on the first, norm, head and loss on the last); 1 = off")
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="pipeline_parallel > 1: how the step's micro-batches (train.grad_accum_steps) flow through "
+        "the stages; interleaved_1f1b puts two stages on each rank")
 
 
 class Config(Section):
@@ -324,7 +329,32 @@ class Config(Section):
             raise ValueError(f"draft.eval_new_tokens={self.draft.eval_new_tokens} must exceed draft.gamma={self.draft.gamma}")
         if not self.data.train:
             raise ValueError("data.train is empty; accepted: 'builtin' or a list of shard directories")
+        self._check_pipeline()
         return self
+
+    def _check_pipeline(self) -> None:
+        """Layouts torch's pipeline schedules cannot run, refused before anything starts (the layer split and the
+        world size are checked where the model and the launch are known)."""
+        d, ga = self.distributed, self.train.grad_accum_steps
+        if d.pipeline_parallel == 1:
+            return
+        if d.engine == "deepspeed":
+            raise ValueError("distributed.pipeline_parallel > 1 runs on torch's pipeline schedules, not DeepSpeed's "
+                             "(its PipelineModule refuses ZeRO-2/3); accepted: distributed.engine = auto, or "
+                             "pipeline_parallel = 1 with deepspeed")
+        if self.draft.kind is not None:
+            raise ValueError("distributed.pipeline_parallel > 1 is not supported for draft runs (the draft is one "
+                             "block beside a frozen target); accepted: pipeline_parallel = 1")
+        if d.pipeline_schedule == "1f1b" and ga < d.pipeline_parallel:
+            raise ValueError(f"distributed.pipeline_schedule = '1f1b' needs at least one micro-batch per stage: "
+                             f"train.grad_accum_steps = {ga} < pipeline_parallel = {d.pipeline_parallel}; accepted: "
+                             f"grad_accum_steps >= {d.pipeline_parallel}, or pipeline_schedule = 'gpipe'")
+        rounds = max(1, ga // d.pipeline_parallel)
+        if d.pipeline_schedule == "interleaved_1f1b" and ga % rounds:
+            raise ValueError(f"distributed.pipeline_schedule = 'interleaved_1f1b' runs the micro-batches in rounds of "
+                             f"pipeline_parallel = {d.pipeline_parallel}: train.grad_accum_steps = {ga} is not a multiple "
+                             f"of {rounds} rounds; accepted: a multiple of {d.pipeline_parallel}, or fewer than "
+                             f"{2 * d.pipeline_parallel}")
 
     def warmup_steps(self) -> int:
         s = self.schedule

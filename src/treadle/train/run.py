@@ -170,6 +170,12 @@ def _model_setup(cfg: Config, data: RunData, meta: dict) -> ModelSetup:
     model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
     _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
     chunk = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.config.vocab_size)
+    if cfg.distributed.pipeline_parallel > 1 and chunk:  # the last stage returns logits to the schedule's loss
+        if cfg.model.loss_chunk_tokens != "auto":
+            raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with "
+                            "distributed.pipeline_parallel > 1: the chunked loss is not built into pipeline stages yet; "
+                            "accepted: loss_chunk_tokens = 0 or auto (off with pipelines)")
+        chunk = 0
     if chunk:  # before any engine wraps the model: the head is replaced in place (loss_sum finds it)
         use_chunked_loss(model, chunk, IGNORE_INDEX, explicit=cfg.model.loss_chunk_tokens != "auto")
     out = Path(cfg.train.output_dir) / "hf"
@@ -272,7 +278,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     d = cfg.distributed
     info = init_distributed(cfg.train.device, num_threads=cfg.train.threads or None,
                             timeout=datetime.timedelta(seconds=d.timeout_s))
-    engine_name = resolve_engine(d.engine, info)
+    engine_name = resolve_engine(d.engine, info, d.pipeline_parallel)
     deepspeed_json = read_deepspeed_config(d.deepspeed_config) if engine_name == "deepspeed" else None
     device, main = info.device, info.is_main
     seq_len = cfg.data.seq_len
@@ -293,6 +299,9 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
             "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_fingerprint": train_ds.tokenizer_fingerprint,
             "chat_template": data.chat_template}  # `treadle export` of a checkpoint gives it to the tokenizer too
     setup = _draft_setup(cfg, data, meta) if cfg.draft.kind else _model_setup(cfg, data, meta)
+    if d.pipeline_parallel > 1 and setup.loss_fn is not loss_sum:  # the last stage computes a plain cross-entropy
+        raise UserError("distributed.pipeline_parallel > 1 is not supported for mixture-of-experts models (their "
+                        "router losses come from every stage); accepted: pipeline_parallel = 1")
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
@@ -309,7 +318,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
     t, r = cfg.train, cfg.resilience
     loader = StepLoader({o.name: o.dataset for o in data.sources}, t.micro_batch_size, t.grad_accum_steps, t.seed,
-                        info.rank, info.world_size, data.mixture, prefetch=cfg.data.prefetch, vocab_size=setup.vocab_size)
+                        engine.data_rank, engine.data_world_size, data.mixture, prefetch=cfg.data.prefetch, vocab_size=setup.vocab_size)
     opened.callback(loader.close)
     # Order matters: the guard may roll back before eval and checkpoint see the step,
     # and eval (which may set the "best" metric) runs before the checkpoint; user callbacks come
@@ -331,7 +340,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     opened.callback(metrics.close)
     trainer = Trainer(
         cfg, engine, build_schedule(engine.optimizer, cfg), loader,
-        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches, info.rank, info.world_size,
+        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches, engine.data_rank, engine.data_world_size,
                                          setup.vocab_size),
         callbacks=callbacks,
         checkpoints=checkpoints,
