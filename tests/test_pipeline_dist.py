@@ -188,3 +188,22 @@ def test_pipeline_run_resumes_at_pp1_and_exports_the_full_model(launched, shards
     assert records(pp2, "eval_loss") == pytest.approx(records(pp1, "eval_loss"), rel=1e-5)
     final, want = load_file(pp2 / "hf" / "model.safetensors"), load_file(pp1 / "hf" / "model.safetensors")
     assert _close(final, want) <= WEIGHT_ATOL
+
+
+def test_models_that_cannot_be_split_are_one_line():
+    from treadle.engine.pipeline import plan_stages
+    from treadle.errors import UserError
+
+    _, layout = plan_stages(tiny_llama(), 2, "interleaved_1f1b")
+    assert layout == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    with pytest.raises(UserError, match="4 decoder layers do not split into 3 equal stages"):
+        plan_stages(tiny_llama(), 3, "1f1b")
+    # Gemma 2 soft-caps its logits in the model's forward: a stage without the head would cap its hidden states.
+    # Gemma (its embedding scale lives in the embedding module in transformers 5) splits fine.
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM
+
+    small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    plan_stages(GemmaForCausalLM(GemmaConfig(**small)), 2, "gpipe")
+    with pytest.raises(UserError, match="gemma2 models cannot be split into stages"):
+        plan_stages(Gemma2ForCausalLM(Gemma2Config(**small)), 2, "gpipe")

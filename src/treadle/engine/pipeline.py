@@ -159,6 +159,21 @@ def _check_split(model: nn.Module, views: list[nn.Module]) -> None:
                         "accepted: pipeline_parallel = 1")
 
 
+def plan_stages(model: nn.Module, pipeline_parallel: int, schedule: str) -> tuple[_Parts, list[range]]:
+    """The model's parts and each stage's layers; UserError (one line) for a model that cannot be split so."""
+    v = VIRTUAL_STAGES[schedule]
+    num_stages = pipeline_parallel * v
+    parts = _Parts(model)
+    n_layers = len(parts.layers)
+    if n_layers % num_stages:
+        raise UserError(f"distributed.pipeline_parallel = {pipeline_parallel}: {n_layers} decoder layers do not split "
+                        f"into {num_stages} equal stages ({pipeline_parallel} ranks x {v} for {schedule!r}); accepted: "
+                        f"a pipeline_parallel (x {v}) that divides {n_layers}")
+    layout = stage_layers(n_layers, num_stages)
+    _check_split(model, [_view(model, parts, layout[s], s == 0, s == num_stages - 1) for s in range(num_stages)])
+    return parts, layout
+
+
 class PipelineEngine(CollectiveEngine):
     # backward (the schedule runs it), step, zero_grad and load_state_dict are LocalEngine's.
     state_is_partial = True  # each rank's state dict holds its stages' tensors only (the checkpoint holds them all)
@@ -174,17 +189,10 @@ class PipelineEngine(CollectiveEngine):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         check_layout(pipeline_parallel, self.world_size)
-        pp, v = pipeline_parallel, VIRTUAL_STAGES[schedule]
-        self.num_stages = pp * v
-        parts = _Parts(model)
+        pp = pipeline_parallel
+        parts, layout = plan_stages(model, pp, schedule)
+        self.num_stages = len(layout)
         n_layers = len(parts.layers)
-        if n_layers % self.num_stages:
-            raise UserError(f"distributed.pipeline_parallel: {n_layers} decoder layers do not split into "
-                            f"{self.num_stages} equal stages ({pp} ranks x {v} stages each for {schedule!r}); "
-                            f"accepted: a pipeline_parallel whose stage count divides {n_layers}")
-        layout = stage_layers(n_layers, self.num_stages)
-        _check_split(model, [_view(model, parts, layout[s], s == 0, s == self.num_stages - 1)
-                             for s in range(self.num_stages)])
         # The optimizer's groups by the full model's parameter names: every rank saves the same lists (DCP keeps
         # one rank's copy), and a resume at another pipeline size finds each of its parameters in a group.
         names = {id(p): n for n, p in model.named_parameters()}
@@ -218,7 +226,7 @@ class PipelineEngine(CollectiveEngine):
         self._loss: Callable | None = None  # the step's loss on the last stage, set per step
         pipe = [PipelineStage(st, s, self.num_stages, device) for st, s in zip(self._stages, self.stage_ids)]
         cls = SCHEDULES[schedule]
-        self.schedule = cls(pipe if v > 1 else pipe[0], micro_batches, loss_fn=self._schedule_loss, scale_grads=False)
+        self.schedule = cls(pipe if len(pipe) > 1 else pipe[0], micro_batches, loss_fn=self._schedule_loss, scale_grads=False)
 
     # ------------------------------------------------------------------ forward and backward
 

@@ -29,6 +29,7 @@ from treadle.data.shards import read_meta
 from treadle.data.sources import OpenedSource, file_tokenizer, open_source, resolve
 from treadle.distributed import init_distributed
 from treadle.engine import build_engine, read_deepspeed_config, resolve_engine
+from treadle.engine.pipeline import plan_stages
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
@@ -302,6 +303,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if d.pipeline_parallel > 1 and setup.loss_fn is not loss_sum:  # the last stage computes a plain cross-entropy
         raise UserError("distributed.pipeline_parallel > 1 is not supported for mixture-of-experts models (their "
                         "router losses come from every stage); accepted: pipeline_parallel = 1")
+    if d.pipeline_parallel > 1:  # the layer split, before anything is written (the engine splits it later)
+        plan_stages(setup.model, d.pipeline_parallel, d.pipeline_schedule)
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
