@@ -171,6 +171,16 @@ _BAD_FLAGS = [
     (["--model.activation_checkpointing_save_ops=['mm']"], "activation_checkpointing = 'selective'"),
     (["--model.activation_checkpointing=selective", "--model.activation_checkpointing_save_ops=['matmull']"],
      "'matmull' is not an aten op"),
+    (["--distributed.pipeline_parallel=0"], "distributed.pipeline_parallel"),
+    (["--distributed.pipeline_parallel=2", "--distributed.engine=deepspeed"], "PipelineModule refuses ZeRO-2/3"),
+    (["--distributed.pipeline_parallel=2", "--draft.kind=glide", "--draft.target=/no/such/target"],
+     "not supported for draft runs"),
+    (["--distributed.pipeline_parallel=4", "--train.grad_accum_steps=2"], "grad_accum_steps = 2 < pipeline_parallel = 4"),
+    (["--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=interleaved_1f1b",
+      "--train.grad_accum_steps=5"], "not a multiple of 2 rounds"),
+    (["--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=gpipe"], "this launch has 1 processes"),
+    (["--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=gpipe", "--distributed.engine=fsdp2"],
+     "accepted: distributed.engine = auto"),
 ]
 
 

@@ -298,6 +298,11 @@ class DistributedConfig(Section):
     health_check_timeout_s: float = Field(60.0, gt=0.0, description="a rank that does not answer the health check by then is hung")
     context_parallel: int = Field(1, ge=1, description="ranks that split every sequence (Ulysses: attention heads "
                                   "exchanged all-to-all); data-parallel replicas = world size / this")
+    pipeline_parallel: int = Field(1, ge=1, description="pipeline stages: the decoder layers are split over this many ranks "
+                                   "(embedding on the first, norm, head and loss on the last); 1 = off")
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="pipeline_parallel > 1: how the step's micro-batches (train.grad_accum_steps) flow through "
+        "the stages; interleaved_1f1b puts two stages on each rank")
 
 
 class Config(Section):
@@ -334,7 +339,35 @@ class Config(Section):
             raise ValueError(f"distributed.context_parallel = {cp} with draft.kind = {self.draft.kind!r} is not "
                              "supported (GLIDE's cross-attention would need the target's K/V of the whole sequence); "
                              "accepted: context_parallel = 1 for draft runs")
+        if cp > 1 and self.distributed.pipeline_parallel > 1:
+            raise ValueError(f"distributed.context_parallel = {cp} with distributed.pipeline_parallel = "
+                             f"{self.distributed.pipeline_parallel} is not supported yet; accepted: one of them > 1")
+        self._check_pipeline()
         return self
+
+    def _check_pipeline(self) -> None:
+        """Layouts torch's pipeline schedules cannot run, refused before anything starts (the layer split and the
+        world size are checked where the model and the launch are known)."""
+        d, ga = self.distributed, self.train.grad_accum_steps
+        if d.pipeline_parallel == 1:
+            return
+        if d.engine == "deepspeed":
+            raise ValueError("distributed.pipeline_parallel > 1 runs on torch's pipeline schedules, not DeepSpeed's "
+                             "(its PipelineModule refuses ZeRO-2/3); accepted: distributed.engine = auto, or "
+                             "pipeline_parallel = 1 with deepspeed")
+        if self.draft.kind is not None:
+            raise ValueError("distributed.pipeline_parallel > 1 is not supported for draft runs (the draft is one "
+                             "block beside a frozen target); accepted: pipeline_parallel = 1")
+        if d.pipeline_schedule == "1f1b" and ga < d.pipeline_parallel:
+            raise ValueError(f"distributed.pipeline_schedule = '1f1b' needs at least one micro-batch per stage: "
+                             f"train.grad_accum_steps = {ga} < pipeline_parallel = {d.pipeline_parallel}; accepted: "
+                             f"grad_accum_steps >= {d.pipeline_parallel}, or pipeline_schedule = 'gpipe'")
+        rounds = max(1, ga // d.pipeline_parallel)
+        if d.pipeline_schedule == "interleaved_1f1b" and ga % rounds:
+            raise ValueError(f"distributed.pipeline_schedule = 'interleaved_1f1b' runs the micro-batches in rounds of "
+                             f"pipeline_parallel = {d.pipeline_parallel}: train.grad_accum_steps = {ga} is not a multiple "
+                             f"of {rounds} rounds; accepted: a multiple of {d.pipeline_parallel}, or fewer than "
+                             f"{2 * d.pipeline_parallel}")
 
     def warmup_steps(self) -> int:
         s = self.schedule

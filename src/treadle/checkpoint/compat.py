@@ -74,8 +74,10 @@ def _tensor_shapes(obj: Any, key: tuple = ()) -> dict[tuple, tuple]:
     return out
 
 
-def check_fit(path: Path, md: Metadata, state: dict) -> None:
+def check_fit(path: Path, md: Metadata, state: dict, partial: bool = False) -> None:
     """One-line UserError for a tensor this model has and the checkpoint lacks (or the reverse) or a shape change.
+
+    ``partial``: ``state`` is one pipeline stage's part of the model, so the checkpoint holding more is expected.
 
     DCP would report these as a multi-line CheckpointException (or, for a checkpoint
     holding more layers, not at all); the check uses the vetted metadata only.
@@ -95,6 +97,6 @@ def check_fit(path: Path, md: Metadata, state: dict) -> None:
             raise UserError(f"checkpoint {path} does not fit this model: {name(k)} is {list(saved[k])} there, "
                             f"{list(shape)} here; {hint}")
     for k, shape in saved.items():
-        if k not in ours:
+        if k not in ours and not partial:
             raise UserError(f"checkpoint {path} does not fit this model: it holds {name(k)} {list(shape)}, "
                             f"which this model lacks; {hint}")

@@ -423,7 +423,7 @@ class CheckpointManager:
                 engine.load_checkpoint(path / "deepspeed")
         else:
             state = engine.state_dict()
-            check_fit(path, md, state)
+            check_fit(path, md, state, partial=engine.state_is_partial)
             safe_dcp_load(state, path / "state", path, md)
             engine.load_state_dict(state)
         rng_file = path / "rng" / f"rank_{self.rank}.json"

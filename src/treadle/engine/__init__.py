@@ -25,8 +25,17 @@ __all__ = ["Loading", "LocalEngine", "build_engine", "model_loading", "read_deep
 ENGINES = ("local", "ddp", "fsdp2", "deepspeed")
 
 
-def resolve_engine(name: str, info: DistInfo) -> str:
-    """``auto`` -> local for one process, fsdp2 under a launcher; refuse combinations that cannot work."""
+def resolve_engine(name: str, info: DistInfo, pipeline_parallel: int = 1) -> str:
+    """``auto`` -> local for one process, fsdp2 under a launcher (pipeline with pipeline stages); refuse
+    combinations that cannot work."""
+    if pipeline_parallel > 1:
+        from treadle.engine.pipeline import check_layout
+
+        if name != "auto":
+            raise UserError(f"distributed.engine = {name!r} with pipeline_parallel = {pipeline_parallel}: the stages "
+                            "are the engine (no FSDP2/DDP/DeepSpeed inside them yet); accepted: distributed.engine = auto")
+        check_layout(pipeline_parallel, info.world_size)
+        return "pipeline"
     if name == "auto":
         return "fsdp2" if info.distributed else "local"
     if name == "local" and info.world_size > 1:
@@ -103,6 +112,13 @@ def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device,
     if name != "fsdp2":
         materialize(model, device)
         model.to(device)
+    if name == "pipeline":
+        from treadle.engine.pipeline import PipelineEngine
+
+        bf16 = cfg.model.dtype == "bf16"
+        return PipelineEngine(model, lambda m: build_optimizer(m, cfg), device, pipeline_parallel=d.pipeline_parallel,
+                              schedule=d.pipeline_schedule, micro_batches=cfg.train.grad_accum_steps,
+                              autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16))
     if name == "local":
         return LocalEngine(model, build_optimizer(model, cfg), device)
     if name == "ddp":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -21,9 +21,20 @@ from treadle import distributed
 
 
 class LocalEngine:
+    state_is_partial = False  # a rank's state dict holds every trainable tensor (sharded or whole)
     rank = 0
     world_size = 1
     checkpoint_format = "dcp"  # the checkpoint manager saves state_dict() with DCP (DeepSpeed writes its own)
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of each step's data this rank reads (ranks of one pipeline read the same)."""
+        return self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        """How many shares each step's data is split into (data-parallel replicas)."""
+        return self.world_size
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
         self.model = model  # what the loop calls forward on (a wrapper, on other engines)
@@ -49,6 +60,35 @@ class LocalEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def forward_backward(self, micro_batches: list[dict], fn: Callable) -> torch.Tensor:
+        """Forward and backward over one step's micro-batches; ``fn(model, mb) -> (loss, report)`` gives the loss
+        to backpropagate and a tensor of sums to report. Returns the reports' sum.
+
+        One micro-batch after another, gradients accumulating (communicated once, on the last); a pipeline
+        engine hands them to its schedule instead.
+        """
+        total = None
+        for i, mb in enumerate(micro_batches):
+            mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+            with self.no_sync(last=i == len(micro_batches) - 1):
+                loss, report = fn(self.model, mb)
+                self.backward(loss)
+            total = report if total is None else total + report
+        return total
+
+    def forward_only(self, batches: Iterable[dict], fn: Callable) -> torch.Tensor | None:
+        """The sum of ``fn(model, batch)`` (a tensor of sums) over ``batches``, without gradients (evaluation)."""
+        total = None
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    report = fn(self.model, {k: v.to(self.device) for k, v in batch.items()})
+                    total = report if total is None else total + report
+        finally:
+            self.model.train()
+        return total
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         # max_norm 0 means "measure, do not clip": an infinite bound never scales the gradients.

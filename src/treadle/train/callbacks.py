@@ -102,20 +102,18 @@ class MetricsCallback(Callback):
         self.first_loss, self.last_loss = state["first_loss"], state["last_loss"]
 
 
-@torch.no_grad()
 def evaluate(trainer: Trainer) -> tuple[float, int, dict[str, float]]:
     """Token-weighted mean loss over the validation batches, summed over ranks; side quantities likewise."""
     engine = trainer.engine
-    engine.model.eval()
-    total, names = None, []
-    for batch in trainer.val_batches():
-        batch = {k: v.to(engine.device) for k, v in batch.items()}
+    names: list[str] = []
+
+    def measure(model, batch) -> torch.Tensor:
         with trainer.autocast():
-            summed, side = split_loss(trainer.eval_loss_fn(engine.model, batch))
-        names = list(side)
-        sums = torch.stack([t.detach().double() for t in (label_tokens(batch), summed.sum(), *side.values())])
-        total = sums if total is None else total + sums
-    engine.model.train()
+            summed, side = split_loss(trainer.eval_loss_fn(model, batch))
+        names[:] = side
+        return torch.stack([t.detach().double() for t in (label_tokens(batch), summed.sum(), *side.values())])
+
+    total = engine.forward_only(trainer.val_batches(), measure)  # through a pipeline's stages, on a pipeline
     if total is None:
         return math.nan, 0, {}
     tokens, loss_total, *side_totals = engine.all_reduce_sum(total).tolist()

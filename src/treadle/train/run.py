@@ -30,6 +30,7 @@ from treadle.data.sources import OpenedSource, file_tokenizer, open_source, reso
 from treadle.distributed import context_layout, init_distributed
 from treadle.engine import build_engine, model_loading, read_deepspeed_config, resolve_engine
 from treadle.engine.context_parallel import apply_context_parallel, check_model
+from treadle.engine.pipeline import plan_stages
 from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
@@ -171,6 +172,12 @@ def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"], empty=empty)
     _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
     chunk = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.config.vocab_size)
+    if cfg.distributed.pipeline_parallel > 1 and chunk:  # the last stage returns logits to the schedule's loss
+        if cfg.model.loss_chunk_tokens != "auto":
+            raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with "
+                            "distributed.pipeline_parallel > 1: the chunked loss is not built into pipeline stages yet; "
+                            "accepted: loss_chunk_tokens = 0 or auto (off with pipelines)")
+        chunk = 0
     if chunk:  # before any engine wraps the model: the head is replaced in place (loss_sum finds it)
         use_chunked_loss(model, chunk, IGNORE_INDEX, explicit=cfg.model.loss_chunk_tokens != "auto")
     out = Path(cfg.train.output_dir) / "hf"
@@ -282,7 +289,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     d = cfg.distributed
     info = init_distributed(cfg.train.device, num_threads=cfg.train.threads or None,
                             timeout=datetime.timedelta(seconds=d.timeout_s))
-    engine_name = resolve_engine(d.engine, info)
+    engine_name = resolve_engine(d.engine, info, d.pipeline_parallel)
     layout = context_layout(info, d.context_parallel)  # dp x cp; one line when the world does not divide
     deepspeed_json = read_deepspeed_config(d.deepspeed_config) if engine_name == "deepspeed" else None
     device, main = info.device, info.is_main
@@ -308,6 +315,11 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     loading = model_loading(engine_name, cfg, device, info.world_size, deepspeed_json)
     with loading.context():
         setup = (_draft_setup if cfg.draft.kind else _model_setup)(cfg, data, meta, loading.empty)
+    if d.pipeline_parallel > 1 and setup.loss_fn is not loss_sum:  # the last stage computes a plain cross-entropy
+        raise UserError("distributed.pipeline_parallel > 1 is not supported for mixture-of-experts models (their "
+                        "router losses come from every stage); accepted: pipeline_parallel = 1")
+    if d.pipeline_parallel > 1:  # the layer split, before anything is written (the engine splits it later)
+        plan_stages(setup.model, d.pipeline_parallel, d.pipeline_schedule)
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
@@ -327,11 +339,13 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
     engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
     t, r = cfg.train, cfg.resilience
-    # Data-parallel ranks draw the samples; the ranks of a context group share them and slice every sequence.
+    # Data-parallel ranks draw the samples; the ranks of a context group share them and slice every sequence, the
+    # stages of a pipeline are one data-parallel replica (the engine says which).
     slicing = dict(cp_rank=layout.cp_rank, cp_size=layout.cp_size)
+    dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout.cp_size > 1 else (engine.data_rank, engine.data_world_size)
     loader = StepLoader({o.name: o.dataset for o in data.sources}, t.micro_batch_size, t.grad_accum_steps, t.seed,
-                        layout.dp_rank, layout.dp_size, data.mixture, prefetch=cfg.data.prefetch,
-                        vocab_size=setup.vocab_size, **slicing)
+                        dp_rank, dp_size, data.mixture, prefetch=cfg.data.prefetch, vocab_size=setup.vocab_size,
+                        **slicing)
     opened.callback(loader.close)
     # Order matters: the guard may roll back before eval and checkpoint see the step,
     # and eval (which may set the "best" metric) runs before the checkpoint; user callbacks come
@@ -353,7 +367,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     opened.callback(metrics.close)
     trainer = Trainer(
         cfg, engine, build_schedule(engine.optimizer, cfg), loader,
-        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches, layout.dp_rank, layout.dp_size,
+        val_batches=lambda: eval_batches(val_ds, t.micro_batch_size, t.eval_batches, dp_rank, dp_size,
                                          setup.vocab_size, **slicing),
         callbacks=callbacks,
         checkpoints=checkpoints,

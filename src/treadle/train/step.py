@@ -100,24 +100,26 @@ def optimizer_step(
     n_tokens, *source_tokens = engine.all_reduce_sum(local).tolist()
     denom = max(n_tokens, 1.0)  # a step with no label tokens contributes zero gradient, not NaN
 
-    total: torch.Tensor | None = None  # [loss, *side quantities, *per-source loss]; stays on the device
-    for i, mb in enumerate(micro_batches):
-        mb = {k: v.to(engine.device, non_blocking=True) for k, v in mb.items()}
-        with engine.no_sync(last=i == len(micro_batches) - 1):
-            with autocast():
-                summed, side = split_loss(loss_fn(engine.model, mb))
-            per_row = summed if summed.dim() == 1 else None
-            summed = summed.sum()
-            engine.backward(summed / denom)
+    def run(model: nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch: its loss scaled for backward, and [loss, *side quantities, *per-source loss] sums."""
+        with autocast():
+            summed, side = split_loss(loss_fn(model, mb))
+        per_row = summed if summed.dim() == 1 else None
+        summed = summed.sum()
         sums = torch.stack([t.detach().double() for t in (summed, *side.values())])
         if S:
             sums = torch.cat([sums, _by_source(mb, per_row, S) if per_row is not None
                               else torch.full((S,), math.nan, dtype=torch.float64, device=sums.device)])
-        total = sums if total is None else total + sums
+        names[:] = side
+        return summed / denom, sums
 
+    names: list[str] = []  # the side quantities' names (on a pipeline, known where the loss runs: the last stage)
+    # The engine runs forward and backward over the micro-batches: in a loop, or through a pipeline's schedule.
+    total = engine.forward_backward(micro_batches, run)  # stays on the device
     reduced = engine.all_reduce_sum(total).tolist()  # one collective for all of them
-    loss, side_values = reduced[0] / denom, [v / denom for v in reduced[1 : 1 + len(side)]]
-    by_source = {name: (value / count, int(count)) for name, value, count in zip(sources, reduced[1 + len(side):], source_tokens)
+    n_side = len(reduced) - 1 - S
+    loss, side_values = reduced[0] / denom, [v / denom for v in reduced[1 : 1 + n_side]]
+    by_source = {name: (value / count, int(count)) for name, value, count in zip(sources, reduced[1 + n_side:], source_tokens)
                  if count and math.isfinite(value)}
     grad_norm = float(engine.clip_grad_norm(grad_clip))
     # All ranks must agree, or one rank would step while another skips and the replicas drift.
@@ -126,4 +128,4 @@ def optimizer_step(
         engine.step()
     engine.zero_grad()
     return StepResult(loss=loss, grad_norm=grad_norm, label_tokens=int(n_tokens), applied=applied,
-                      metrics=dict(zip(side, side_values)), by_source=by_source)
+                      metrics=dict(zip(names, side_values)), by_source=by_source)

@@ -1,0 +1,320 @@
+"""Pipeline parallelism: the decoder layers split into stages over ranks, on torch.distributed.pipelining.
+
+The same interface as ``LocalEngine``; what differs is hidden here:
+
+* Who runs the micro-batches. ``forward_backward`` hands the step's micro-batches to a torch schedule
+  (GPipe, 1F1B, interleaved 1F1B) instead of looping over them; the step's loss function runs on the
+  last stage, on that stage's logits (``_Outputs`` replays them as the model's output), so the loss is
+  still ``sum CE / N_step`` with N counted over the whole step before any backward (``scale_grads=False``:
+  torch must not divide by the number of micro-batches again).
+* The split. Each rank keeps only what its stages own; everything else in the model becomes a
+  ``PassThrough`` (returns its input), so parameter names stay those of the full model: DCP checkpoints
+  of the stages together hold the full model's state dict, and resume at any pipeline size (1 included).
+  A stage is a *view* of the rank's model (shallow copies down to the layer list) that runs the model's
+  own forward with the other stages' layers passed through: no per-architecture forward code. That
+  relies on the model's forward not transforming the hidden state outside its layers, embedding and
+  head (Gemma scales its embeddings there), so the split is checked once against the whole model's
+  logits before anything is pruned.
+* Tied embeddings: the first stage's embedding and the last stage's head are one weight on two ranks;
+  their gradients are summed between those two ranks after the backward, and the norm counts it once.
+* Sums and decisions. ``all_reduce_sum`` sums over data-parallel replicas (a pipeline is one replica:
+  every stage saw the same micro-batches), ``all_agree`` / ``any_rank`` over every rank; the gradient
+  norm is the global norm over all stages; the step's loss sums, computed on the last stage, are
+  broadcast so every rank reports the same loss.
+
+A pipeline is the whole launch for now (world size = pipeline_parallel): data parallelism beside the
+stages is refused in ``check_layout``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleLoopedBFS)
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from treadle.engine.local import _SAVE, CollectiveEngine
+from treadle.errors import UserError
+from treadle.models.hf import decoder_layers
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}  # stages per rank
+
+
+def check_layout(pipeline_parallel: int, world_size: int) -> None:
+    if world_size != pipeline_parallel:
+        raise UserError(f"distributed.pipeline_parallel = {pipeline_parallel} but this launch has {world_size} "
+                        f"processes; accepted: --nproc_per_node {pipeline_parallel} (data parallelism beside "
+                        "pipeline stages is not built yet)")
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[range]:
+    """The decoder layers of each stage: equal, consecutive blocks."""
+    per = num_layers // num_stages
+    return [range(s * per, (s + 1) * per) for s in range(num_stages)]
+
+
+class PassThrough(nn.Module):
+    """Stands in for a module another stage owns: returns its input (a decoder layer's hidden state)."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+class _Outputs:
+    """The last stage's logits, handed to the step's loss function as if the whole model had produced them."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    def __call__(self, **_):
+        return self
+
+    def modules(self):  # no chunked head here: the last stage returned logits
+        return iter(())
+
+
+def _shell(module: nn.Module, **children: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` with some children replaced; parameters and the other children are shared."""
+    shell = copy.copy(module)
+    shell._modules = {**module._modules, **children}
+    return shell
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str:
+    return next(n for n, m in parent.named_children() if m is child)
+
+
+class _Parts:
+    """Where the pieces of an HF causal LM are: its base model, layer list, embedding, final norm and head."""
+
+    def __init__(self, model: nn.Module):
+        self.base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+        self.layers = decoder_layers(model)
+        norm = getattr(self.base, "norm", None)
+        head = model.get_output_embeddings()
+        if self.base is None or not isinstance(norm, nn.Module) or head is None:
+            raise UserError(f"distributed.pipeline_parallel: {type(model).__name__} is not a decoder with a final "
+                            "norm and an output layer that can be split into stages; accepted: pipeline_parallel = 1")
+        self.layers_name = _child_name(self.base, self.layers)
+        self.embed_name = _child_name(self.base, model.get_input_embeddings())
+        self.head_name = _child_name(model, head)
+        self.tied = head.weight is model.get_input_embeddings().weight
+
+
+def _view(model: nn.Module, parts: _Parts, layers: range, first: bool, last: bool) -> nn.Module:
+    """The model's forward restricted to one stage: other layers, and the embedding / norm / head it does not
+    own, pass their input through."""
+    kept = nn.ModuleList([m if i in layers else PassThrough() for i, m in enumerate(parts.layers)])
+    base = {parts.layers_name: kept}
+    if not first:
+        base[parts.embed_name] = PassThrough()
+    if not last:
+        base["norm"] = PassThrough()
+    top = {getattr(model, "base_model_prefix", "model"): _shell(parts.base, **base)}
+    if not last:
+        top[parts.head_name] = PassThrough()
+    return _shell(model, **top)
+
+
+class _Stage(nn.Module):
+    """What torch's PipelineStage runs: token ids (first stage) or hidden states in, hidden states or logits out."""
+
+    def __init__(self, view: nn.Module, first: bool, autocast: Callable):
+        super().__init__()
+        self.view = view
+        self.first = first
+        self.autocast = autocast
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        with self.autocast():
+            return self.view(**inputs, position_ids=position_ids, use_cache=False).logits
+
+
+def _check_split(model: nn.Module, views: list[nn.Module]) -> None:
+    """The chained stage views give the whole model's logits (fixed ids: no RNG is drawn)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    ids = (torch.arange(8, device=device) % model.config.vocab_size)[None]
+    pos = torch.arange(8, device=device)[None]
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        x = ids
+        for i, v in enumerate(views):
+            v.eval()
+            x = v(**({"input_ids": x} if i == 0 else {"inputs_embeds": x}), position_ids=pos, use_cache=False).logits
+    model.train(was_training)
+    if x.shape != want.shape or not torch.allclose(x, want, rtol=1e-5, atol=1e-6):
+        raise UserError(f"distributed.pipeline_parallel: {model.config.model_type} models cannot be split into stages "
+                        "by passing modules through (their forward changes the hidden state outside the layers); "
+                        "accepted: pipeline_parallel = 1")
+
+
+def plan_stages(model: nn.Module, pipeline_parallel: int, schedule: str) -> tuple[_Parts, list[range]]:
+    """The model's parts and each stage's layers; UserError (one line) for a model that cannot be split so."""
+    v = VIRTUAL_STAGES[schedule]
+    num_stages = pipeline_parallel * v
+    parts = _Parts(model)
+    n_layers = len(parts.layers)
+    if n_layers % num_stages:
+        raise UserError(f"distributed.pipeline_parallel = {pipeline_parallel}: {n_layers} decoder layers do not split "
+                        f"into {num_stages} equal stages ({pipeline_parallel} ranks x {v} for {schedule!r}); accepted: "
+                        f"a pipeline_parallel (x {v}) that divides {n_layers}")
+    layout = stage_layers(n_layers, num_stages)
+    _check_split(model, [_view(model, parts, layout[s], s == 0, s == num_stages - 1) for s in range(num_stages)])
+    return parts, layout
+
+
+class PipelineEngine(CollectiveEngine):
+    # backward (the schedule runs it), step, zero_grad and load_state_dict are LocalEngine's.
+    state_is_partial = True  # each rank's state dict holds its stages' tensors only (the checkpoint holds them all)
+    data_rank, data_world_size = 0, 1  # every stage of the one pipeline reads the same micro-batches
+
+    def __init__(self, model: nn.Module, optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
+                 device: torch.device, *, pipeline_parallel: int, schedule: str, micro_batches: int,
+                 autocast: Callable):
+        """Split ``model`` (fp32, on ``device``, identical on every rank) into this rank's stages."""
+        if not dist.is_initialized():
+            raise RuntimeError("PipelineEngine needs a process group: call treadle.distributed.init_distributed() first")
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        check_layout(pipeline_parallel, self.world_size)
+        pp = pipeline_parallel
+        parts, layout = plan_stages(model, pp, schedule)
+        self.num_stages = len(layout)
+        n_layers = len(parts.layers)
+        # The optimizer's groups by the full model's parameter names: every rank saves the same lists (DCP keeps
+        # one rank's copy), and a resume at another pipeline size finds each of its parameters in a group.
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._group_names = [[names[id(p)] for p in g["params"]] for g in optimizer_factory(model).param_groups]
+
+        # Stage s runs on rank s % pp (the looped placement interleaved schedules expect).
+        self.stage_ids = [s for s in range(self.num_stages) if s % pp == self.rank]
+        self.first_rank, self.last_rank = 0, (self.num_stages - 1) % pp
+        owned = {i for s in self.stage_ids for i in layout[s]}
+        has_first, has_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
+        for i in range(n_layers):
+            if i not in owned:
+                parts.layers[i] = PassThrough()
+        # Tied: the last rank keeps the embedding module (its head's weight), so the weight's name is the
+        # embedding's on every pipeline size, as a single process names it.
+        if not has_first and not (has_last and parts.tied):
+            setattr(parts.base, parts.embed_name, PassThrough())
+        if not has_last:
+            parts.base.norm = PassThrough()
+            setattr(model, parts.head_name, PassThrough())
+        self.tied_weight = model.get_input_embeddings().weight if parts.tied and (has_first or has_last) else None
+        self._tied_group = dist.new_group([self.first_rank, self.last_rank]) if parts.tied and pp > 1 else None
+
+        self.model = self.module = model
+        self.optimizer = optimizer_factory(model)
+        self.autocast = autocast
+        self._stages = [_Stage(_view(model, parts, layout[s], s == 0, s == self.num_stages - 1), s == 0, autocast)
+                        for s in self.stage_ids]
+        self.has_first, self.has_last = has_first, has_last
+        self.n_microbatches = micro_batches
+        self._loss: Callable | None = None  # the step's loss on the last stage, set per step
+        pipe = [PipelineStage(st, s, self.num_stages, device) for st, s in zip(self._stages, self.stage_ids)]
+        cls = SCHEDULES[schedule]
+        self.schedule = cls(pipe if len(pipe) > 1 else pipe[0], micro_batches, loss_fn=self._schedule_loss, scale_grads=False)
+
+    # ------------------------------------------------------------------ forward and backward
+
+    def _schedule_loss(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return self._loss(logits, int(index))
+
+    def _run(self, schedule, micro_batches: list[dict], fn: Callable, **step_kwargs) -> torch.Tensor | None:
+        """Push ``micro_batches`` through ``schedule``; ``fn(model, mb) -> (loss, report)`` runs on the last stage.
+        Returns the reports' sum on every rank (broadcast from the last stage)."""
+        mbs = [{k: t.to(self.device, non_blocking=True) for k, t in mb.items()} for mb in micro_batches]
+        reports: dict[int, torch.Tensor] = {}
+
+        def loss(logits: torch.Tensor, i: int) -> torch.Tensor:
+            value, reports[i] = fn(_Outputs(logits), mbs[i])
+            return value
+
+        self._loss = loss
+        # The target is each micro-batch's index: the loss function looks its labels (and sources) up.
+        args = (torch.cat([mb["input_ids"] for mb in mbs]),) if self.has_first else ()
+        target = torch.arange(len(mbs)) if self.has_last else None
+        try:
+            step_kwargs["position_ids"] = torch.cat([mb["position_ids"] for mb in mbs])
+            schedule(*args, target=target, return_outputs=False, **step_kwargs)
+        finally:
+            self._loss = None
+        total = sum(reports[i] for i in sorted(reports)) if reports else None
+        box = [total.cpu() if total is not None else None]
+        dist.broadcast_object_list(box, src=self.last_rank)
+        return None if box[0] is None else box[0].to(self.device)
+
+    def forward_backward(self, micro_batches: list[dict], fn: Callable) -> torch.Tensor:
+        if len(micro_batches) != self.n_microbatches:
+            raise RuntimeError(f"a pipeline step takes {self.n_microbatches} micro-batches, got {len(micro_batches)}")
+        total = self._run(self.schedule.step, micro_batches, fn)
+        if self._tied_group is not None and self.tied_weight is not None:
+            # The embedding's and the head's shares of the tied weight's gradient, on two ranks: both need the sum.
+            grad = self.tied_weight.grad if self.tied_weight.grad is not None else torch.zeros_like(self.tied_weight)
+            dist.all_reduce(grad, group=self._tied_group)
+            self.tied_weight.grad = grad
+        return total
+
+    def forward_only(self, batches, fn: Callable) -> torch.Tensor | None:
+        """Forward through the stages with no backward (evaluation): one forward-only schedule per call."""
+        batches = list(batches)  # every rank of the pipeline sees the same, equally shaped batches
+        if not batches:
+            return None
+        pipe = [PipelineStage(st, s, self.num_stages, self.device) for st, s in zip(self._stages, self.stage_ids)]
+        sched = (ScheduleLoopedBFS(pipe, len(batches), loss_fn=self._schedule_loss, scale_grads=False)
+                 if len(pipe) > 1 else ScheduleGPipe(pipe[0], len(batches), loss_fn=self._schedule_loss, scale_grads=False))
+
+        def report(model, batch):
+            return torch.zeros(()), fn(model, batch)
+
+        for st in self._stages:
+            st.view.eval()
+        try:
+            with torch.no_grad():
+                return self._run(sched.eval, batches, report)
+        finally:
+            for st in self._stages:
+                st.view.train()
+
+    # ------------------------------------------------------------------ sums, norm, state
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t  # one pipeline is one data-parallel replica: every stage already holds the step's sums
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global norm over every stage's gradients (a tied weight counted once), clipped on every rank."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        counted = [p.grad for p in params if not (p is self.tied_weight and not self.has_first)]
+        local = get_total_norm(counted, norm_type=2.0, foreach=True) if counted else torch.zeros((), device=self.device)
+        squares = local.double().pow(2).reshape(1)
+        dist.all_reduce(squares)
+        total = squares.sqrt().to(torch.float32)[0]
+        if max_norm > 0 and params and math.isfinite(total.item()):
+            clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SAVE)
+        for group, names in zip(optim_sd["param_groups"], self._group_names):
+            group["params"] = list(names)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's weights on rank 0 ({} elsewhere): every stage sends its own tensors."""
+        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        return {k: v for part in gathered for k, v in part.items()} if self.rank == 0 else {}

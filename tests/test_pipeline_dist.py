@@ -1,0 +1,209 @@
+"""Pipeline parallelism at 2 stages (gloo, CPU) against one process on the same batches.
+
+One launch (two ranks) runs every schedule (gpipe, 1f1b, interleaved 1f1b: 4 stages on 2 ranks), a model with
+tied embeddings, a DCP checkpoint written by the stages, and whole runs through ``run_training`` (data, eval,
+checkpoint, HF export); the tests below compare each with a single-process ``LocalEngine`` or a PP=1 run, and
+resume the PP=2 run's checkpoint at PP=1. The reference takes the step's micro-batches in one loop (GA=4):
+a pipeline must give the same loss (normalized by the step's token count over all micro-batches), the same
+global grad norm and the same weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.distributed import run_distributed
+from tests.helpers import args, records
+from treadle.config import load_config
+from treadle.engine.local import LocalEngine
+from treadle.engine.optim import param_groups
+from treadle.train.step import loss_sum, optimizer_step
+
+LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, use_cache=False)
+ROWS, SEQ, GA, STEPS = 8, 16, 4, 2
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+LOSS_RTOL, NORM_RTOL, WEIGHT_ATOL = 1e-6, 1e-5, 1e-5
+CPU = torch.device("cpu")
+FOUR_LAYERS = "{hidden_size=32,intermediate_size=64,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=2}"
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def tiny_llama(tied: bool = False, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**LLAMA, tie_word_embeddings=tied))
+
+
+def make_optimizer(model):
+    return torch.optim.AdamW(param_groups(model, 0.1, False, False), lr=1e-2)
+
+
+def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
+    """GA micro-batches of packed rows (positions restart mid-row) with very different valid label counts."""
+    g = torch.Generator().manual_seed(2000 + step)
+    ids = torch.randint(0, LLAMA["vocab_size"], (ROWS, SEQ + 1), generator=g)
+    labels = ids[:, 1:].clone()
+    pos = torch.empty(ROWS, SEQ, dtype=torch.long)
+    for i in range(ROWS):
+        b = 3 + (i + step) % 10
+        pos[i, :b], pos[i, b:] = torch.arange(b), torch.arange(SEQ - b)
+        labels[i, b - 1] = -100
+        labels[i, : (3 * i + step) % SEQ] = -100
+    batch = {"input_ids": ids[:, :-1], "labels": labels, "position_ids": pos}
+    mb = ROWS // GA
+    return [{k: v[m * mb:(m + 1) * mb] for k, v in batch.items()} for m in range(GA)]
+
+
+def _steps(engine, steps) -> list[tuple[float, float, int]]:
+    out = []
+    for s in steps:
+        r = optimizer_step(engine, micro_batches(s), grad_clip=1.0)
+        assert r.applied
+        out.append((r.loss, r.grad_norm, r.label_tokens))
+    return out
+
+
+def _eval(engine) -> list[float]:
+    def measure(model, batch):
+        return torch.stack([loss_sum(model, batch).sum().double(), (batch["labels"] != -100).sum().double()])
+    return engine.forward_only(micro_batches(9), measure).tolist()
+
+
+# ---------------------------------------------------------------- on each rank
+
+def _pipeline(schedule: str, tied: bool = False):
+    from treadle.engine.pipeline import PipelineEngine
+
+    import contextlib
+    return PipelineEngine(tiny_llama(tied), make_optimizer, CPU, pipeline_parallel=2, schedule=schedule,
+                          micro_batches=GA, autocast=contextlib.nullcontext)
+
+
+def _check(rank: int, world_size: int, tmp: str, shards, out) -> dict:
+    from treadle.train.run import run_training
+
+    got = {}
+    for schedule in SCHEDULES:
+        engine = _pipeline(schedule)
+        got[schedule] = {"steps": _steps(engine, range(STEPS)), "eval": _eval(engine),
+                         "weights": engine.export_state_dict(), "keys": sorted(engine.state_dict()["model"])}
+        if schedule == "1f1b":  # the stages' checkpoint: each writes its own tensors under the full model's names
+            dcp.save(engine.state_dict(), checkpoint_id=f"{tmp}/ckpt")
+    engine = _pipeline("1f1b", tied=True)
+    got["tied"] = {"steps": _steps(engine, range(STEPS)), "weights": engine.export_state_dict()}
+    # Whole runs: 2 steps at PP=2 with a checkpoint, eval and the HF export (resumed at PP=1 in the test).
+    run_training(load_config(None, args(shards, out / "pp2", "--train.threads=1", f"--model.overrides={FOUR_LAYERS}",
+                                        "--train.max_steps=2", "--checkpoint.every=2", "--train.eval_every=2", "--schedule.decay=constant",
+                                        "--distributed.pipeline_parallel=2",
+                                        "--distributed.pipeline_schedule=gpipe")[1:]))
+    return got
+
+
+# ---------------------------------------------------------------- in the test process
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, shards):
+    tmp = tmp_path_factory.mktemp("pipeline_dist")
+    return run_distributed(_check, world_size=2, timeout=300, tmp=str(tmp), shards=shards, out=tmp), tmp
+
+
+def _local(tied: bool = False):
+    model = tiny_llama(tied)
+    return LocalEngine(model, make_optimizer(model), CPU)
+
+
+def _close(got: dict, want: dict) -> float:
+    assert sorted(got) == sorted(want)
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+def _assert_steps(got, want):
+    for (loss, norm, tokens), (rloss, rnorm, rtokens) in zip(got, want, strict=True):
+        assert tokens == rtokens
+        assert loss == pytest.approx(rloss, rel=LOSS_RTOL)
+        assert norm == pytest.approx(rnorm, rel=NORM_RTOL)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_two_stages_match_one_process(launched, schedule):
+    results, _ = launched
+    ref = _local()
+    want = _steps(ref, range(STEPS))
+    for res in results:  # loss and norm are known on every rank, not only on the last stage
+        _assert_steps(res[schedule]["steps"], want)
+        assert res[schedule]["eval"] == pytest.approx(_eval(ref), rel=1e-6)
+    assert _close(results[0][schedule]["weights"], ref.export_state_dict()) <= WEIGHT_ATOL
+    assert results[1][schedule]["weights"] == {}  # the full model is gathered on rank 0 only
+    # Each stage holds only its own tensors, under the full model's names; together they are the whole model.
+    keys = [set(res[schedule]["keys"]) for res in results]
+    assert not keys[0] & keys[1] and keys[0] | keys[1] == set(ref.state_dict()["model"])
+
+
+def test_tied_embeddings_across_stages_match_one_process(launched):
+    results, _ = launched
+    ref = _local(tied=True)
+    want = _steps(ref, range(STEPS))
+    for res in results:
+        _assert_steps(res["tied"]["steps"], want)
+    weights = results[0]["tied"]["weights"]
+    assert _close(weights, ref.export_state_dict()) <= WEIGHT_ATOL
+    assert torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+
+
+def test_stage_checkpoint_resumes_in_one_process(launched):
+    """The 1f1b stages' DCP checkpoint after 2 steps, loaded by one process, continues like the uninterrupted run
+    (two more steps: the second also checks the optimizer state)."""
+    _, tmp = launched
+    ref = _local()
+    _steps(ref, range(STEPS))
+    want = _steps(ref, range(STEPS, STEPS + 2))
+    resumed = _local()
+    state = resumed.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp / "ckpt"))
+    resumed.load_state_dict(state)
+    _assert_steps(_steps(resumed, range(STEPS, STEPS + 2)), want)
+    assert _close(resumed.export_state_dict(), ref.export_state_dict()) <= WEIGHT_ATOL
+
+
+def test_pipeline_run_resumes_at_pp1_and_exports_the_full_model(launched, shards):
+    """treadle train at PP=2 (gpipe) for 2 steps, resumed at PP=1 to step 4, equals an uninterrupted PP=1 run."""
+    _, tmp = launched
+    common = ["--train.threads=1", f"--model.overrides={FOUR_LAYERS}", "--checkpoint.every=2", "--train.eval_every=2",
+              "--schedule.decay=constant"]
+    from treadle.train.run import run_training
+
+    run_training(load_config(None, args(shards, tmp / "pp1", *common, "--train.max_steps=4")[1:]))
+    pp2, pp1 = tmp / "pp2", tmp / "pp1"
+    one = records(pp1)
+    assert records(pp2) == pytest.approx({s: one[s] for s in (1, 2)}, rel=1e-5)
+    assert records(pp2, "eval_loss") == pytest.approx({s: records(pp1, "eval_loss")[s] for s in (0, 2)}, rel=1e-5)
+    exported = load_file(pp2 / "hf" / "model.safetensors")
+    assert len(exported) == len(load_file(pp1 / "hf" / "model.safetensors"))  # every layer, not one stage's
+    run_training(load_config(None, args(shards, pp2, *common, "--train.max_steps=4")[1:]))
+    assert records(pp2) == pytest.approx(one, rel=1e-5)
+    assert records(pp2, "eval_loss") == pytest.approx(records(pp1, "eval_loss"), rel=1e-5)
+    final, want = load_file(pp2 / "hf" / "model.safetensors"), load_file(pp1 / "hf" / "model.safetensors")
+    assert _close(final, want) <= WEIGHT_ATOL
+
+
+def test_models_that_cannot_be_split_are_one_line():
+    from treadle.engine.pipeline import plan_stages
+    from treadle.errors import UserError
+
+    _, layout = plan_stages(tiny_llama(), 2, "interleaved_1f1b")
+    assert layout == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    with pytest.raises(UserError, match="4 decoder layers do not split into 3 equal stages"):
+        plan_stages(tiny_llama(), 3, "1f1b")
+    # Gemma 2 soft-caps its logits in the model's forward: a stage without the head would cap its hidden states.
+    # Gemma (its embedding scale lives in the embedding module in transformers 5) splits fine.
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM
+
+    small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    plan_stages(GemmaForCausalLM(GemmaConfig(**small)), 2, "gpipe")
+    with pytest.raises(UserError, match="gemma2 models cannot be split into stages"):
+        plan_stages(Gemma2ForCausalLM(Gemma2Config(**small)), 2, "gpipe")
