@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import resource
 import signal
@@ -36,6 +35,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from scaling import machine  # bench/ is the script's own directory: on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -102,12 +103,6 @@ def launch(cp: int, args, results: Path) -> dict:
     return {"tokens_per_s": ranks[0]["tokens_per_s"], "step_s": ranks[0]["step_s"], "threads": ranks[0]["threads"],
             **{k: max(r[k] for r in ranks) for k in ("before", "peak")},
             "step": max(r["peak"] - r["before"] for r in ranks)}
-
-
-def machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor() or platform.machine())
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
 
 
 def main() -> None:

@@ -66,7 +66,7 @@ def worker(args) -> None:
             f"--train.output_dir={Path(args.results) / f'{args.worker}-ws{ws}-run'}",  # one run dir for all ranks
             "--train.device=cpu", "--model.preset=tiny", "--data.seq_len=256", "--train.micro_batch_size=4",
             f"--train.grad_accum_steps={2 // ws}", f"--train.threads={2 // ws}",  # same global batch, same 2 cores
-            f"--train.max_steps={args.warmup + args.steps}", f"--train.log_every={10**6}", "--schedule.warmup_steps=0",
+            f"--train.max_steps={args.warmup + args.steps}", f"--train.log_every={10**6}", "--schedule.warmup_proportion=0",
             "--data.val=[]", "--checkpoint.export_hf=false", "--checkpoint.resume=none",
             f"--distributed.engine={'deepspeed' if stage else args.worker}", f"--distributed.zero_stage={stage or 0}",
             "--distributed.health_check_every=0", "--distributed.timeout_s=120",  # a dead peer fails, not hangs
