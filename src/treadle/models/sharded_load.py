@@ -149,7 +149,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     with torch.no_grad():
         for name, value in real.items():
             _set(model, name, value)
-    for _, sub in [(n, m) for n, m in model.named_modules() if hasattr(m, WEIGHTS_FROM)]:
+    for sub in [m for m in model.modules() if hasattr(m, WEIGHTS_FROM)]:  # listed first: the loop deletes the mark
         path = getattr(sub, WEIGHTS_FROM)
         _recompute_buffers(sub)
         state, _ = _wanted(_persistent_state(sub), checkpoint_keys(path) or set())
