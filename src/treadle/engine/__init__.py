@@ -85,18 +85,18 @@ def model_loading(name: str, cfg: Config, device: torch.device, world_size: int,
     if name == "deepspeed":
         from treadle.engine.deepspeed import zero3_loading
 
-        config = _deepspeed_config(cfg, world_size, deepspeed_json)
+        from treadle.engine.deepspeed import deepspeed_config
+
+        config = deepspeed_config(world_size=world_size, **_deepspeed_settings(cfg, deepspeed_json))
         return Loading(context=lambda: zero3_loading(config, device))
     return Loading()
 
 
-def _deepspeed_config(cfg: Config, world_size: int, deepspeed_json: dict | None) -> dict:
-    from treadle.engine.deepspeed import deepspeed_config
-
+def _deepspeed_settings(cfg: Config, deepspeed_json: dict | None) -> dict:
+    """The config's DeepSpeed settings: ``DeepSpeedEngine``'s keywords, and with the world size ``deepspeed_config``'s."""
     d, t = cfg.distributed, cfg.train
-    return deepspeed_config(zero_stage=d.zero_stage, micro_batch_size=t.micro_batch_size,
-                            grad_accum_steps=t.grad_accum_steps, world_size=world_size, grad_clip=t.grad_clip,
-                            bf16=cfg.model.dtype == "bf16", offload=d.cpu_offload, user_config=deepspeed_json)
+    return dict(zero_stage=d.zero_stage, micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
+                grad_clip=t.grad_clip, bf16=cfg.model.dtype == "bf16", offload=d.cpu_offload, user_config=deepspeed_json)
 
 
 def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device, deepspeed_json: dict | None = None):
@@ -136,9 +136,5 @@ def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device,
     if name == "deepspeed":
         from treadle.engine.deepspeed import DeepSpeedEngine
 
-        t = cfg.train
-        return DeepSpeedEngine(model, build_optimizer(model, cfg), device, zero_stage=d.zero_stage,
-                               micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
-                               grad_clip=t.grad_clip, bf16=cfg.model.dtype == "bf16", offload=d.cpu_offload,
-                               user_config=deepspeed_json)
+        return DeepSpeedEngine(model, build_optimizer(model, cfg), device, **_deepspeed_settings(cfg, deepspeed_json))
     raise UserError(f"distributed.engine = {name!r} is unknown; accepted: auto, {', '.join(ENGINES)}")

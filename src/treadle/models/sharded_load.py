@@ -75,10 +75,10 @@ def check_loadable(model: nn.Module, path: Path) -> str | None:
     return None
 
 
-def empty_causal_lm(path: Path, key: str):
-    """The ``AutoModelForCausalLM`` of ``path``'s config on the meta device, in eval mode: no weights yet.
+def empty_causal_lm(path: Path, key: str) -> tuple[nn.Module | None, str | None]:
+    """(the ``AutoModelForCausalLM`` of ``path``'s config on the meta device, in eval mode: no weights yet; None).
 
-    None (with the reason) when the files cannot be read part by part: the caller loads the model whole.
+    (None, the reason) when the files cannot be read part by part: the caller loads the model whole.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
