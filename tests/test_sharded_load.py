@@ -1,4 +1,4 @@
-"""Meta-device init and sharded loading (models/sharded_load.py, engine.model_loading).
+"""Meta-device init and sharded loading (models/sharded_load.py, engine.builds_empty and build_engine).
 
 A model from disk built empty and filled after sharding must hold exactly what ``from_pretrained`` gives (bf16
 files into fp32 weights, tied and untied heads, RoPE buffers recomputed); each FSDP2 rank must hold only its shard;
@@ -85,8 +85,7 @@ def _path_args(shards, out, saved, *extra):
 
 
 def _sharded(rank, world_size, saved, shards, out):
-    from treadle.engine import model_loading
-    from treadle.engine.deepspeed import DeepSpeedEngine
+    from treadle.engine import build_engine, builds_empty
     from treadle.engine.fsdp2 import FSDP2Engine
     from treadle.models.hf import build_model
     from treadle.train.run import run_training
@@ -96,22 +95,21 @@ def _sharded(rank, world_size, saved, shards, out):
     opt = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)  # noqa: E731
     # FSDP2: built empty (what run.py asks for under fsdp2), each rank allocates and reads only its shard.
     cfg = load_config(None, [f"--model.path={saved['untied']}", "--distributed.engine=fsdp2"])
-    loading = model_loading("fsdp2", cfg, device, world_size)
-    model = build_model(cfg.model, TARGET["vocab_size"], empty=loading.empty)
+    model = build_model(cfg.model, TARGET["vocab_size"], empty=builds_empty("fsdp2", cfg, world_size))
     got["empty"] = is_empty(model)
     engine = FSDP2Engine(model, opt, device)
     local = sum(p.to_local().numel() for p in engine.module.parameters())
     got["fsdp2"] = (local, sum(p.numel() for p in engine.module.parameters()), engine.export_state_dict())
-    # ZeRO-3: transformers builds it under zero.Init inside the loading context: partitions from the start.
+    # ZeRO-3: built empty, then read and partitioned module by module (rank 0 reads, the partitions broadcast).
     cfg = load_config(None, [f"--model.path={saved['tied']}", "--distributed.engine=deepspeed",
                              "--distributed.zero_stage=3", "--train.micro_batch_size=1", "--train.grad_accum_steps=1"])
-    loading = model_loading("deepspeed", cfg, device, world_size)
-    with loading.context():
-        model = build_model(cfg.model, TARGET["vocab_size"], empty=loading.empty)
+    assert builds_empty("deepspeed", cfg, world_size)
+    model = build_model(cfg.model, TARGET["vocab_size"], empty=True)
+    engine = build_engine("deepspeed", model, cfg, device)
     got["zero3_partitioned"] = all(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters())
-    engine = DeepSpeedEngine(model, opt(model), device, zero_stage=3, micro_batch_size=1, grad_accum_steps=1,
-                             grad_clip=1.0, bf16=False)
+    got["zero3_tied"] = model.lm_head.weight is model.model.embed_tokens.weight
     got["zero3"] = engine.export_state_dict()
+    got["zero3_buffers"] = {k: b.clone() for k, b in model.named_buffers()}  # inv_freq computed, not left empty
     # A whole run from model.path under fsdp2: the same losses as one process (compared by the test).
     run_training(load_config(None, _path_args(shards, out, saved, "--train.threads=1", "--distributed.engine=fsdp2")[1:]))
     return got
@@ -126,7 +124,9 @@ def test_fsdp2_ranks_read_their_shards_and_zero3_builds_partitioned(saved, shard
         want = load_causal_lm(saved[kind], "model.path").state_dict()
         assert set(got) <= set(want) and len(got) >= len(want) - 1, kind  # a tied head may be exported once
         assert all(torch.equal(got[k], want[k]) for k in got), kind
-    assert all(r["zero3_partitioned"] for r in res)
+    assert all(r["zero3_partitioned"] and r["zero3_tied"] for r in res)
+    want = dict(load_causal_lm(saved["tied"], "model.path").named_buffers())
+    assert all(torch.equal(b, want[k]) for r in res for k, b in r["zero3_buffers"].items())
     one = tmp_path / "one"
     assert main(_path_args(shards, one, saved, "--train.grad_accum_steps=4")) == 0  # the same global batch
     a, b = records(one), records(tmp_path / "two")

@@ -6,11 +6,8 @@ interface and never branches on it (DESIGN.md).
 
 from __future__ import annotations
 
-import contextlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -20,7 +17,7 @@ from treadle.distributed import DistInfo
 from treadle.engine.local import LocalEngine
 from treadle.errors import UserError
 
-__all__ = ["Loading", "LocalEngine", "build_engine", "model_loading", "read_deepspeed_config", "resolve_engine"]
+__all__ = ["LocalEngine", "build_engine", "builds_empty", "read_deepspeed_config", "resolve_engine"]
 
 ENGINES = ("local", "ddp", "fsdp2", "deepspeed")
 
@@ -64,32 +61,21 @@ def read_deepspeed_config(path: str | None) -> dict | None:
     return data
 
 
-@dataclass
-class Loading:
-    """How this engine wants a model it reads from disk (``model.path``, a draft's target) built.
-
-    ``empty``: on the meta device; the engine allocates and reads each rank's shards after sharding (FSDP2).
-    ``context``: models read from disk inside it are built partitioned (ZeRO-3). Neither: whole, on every rank.
-    """
-
-    empty: bool = False
-    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-
-
-def model_loading(name: str, cfg: Config, device: torch.device, world_size: int,
-                  deepspeed_json: dict | None = None) -> Loading:
+def builds_empty(name: str, cfg: Config, world_size: int, deepspeed_json: dict | None = None) -> bool:
+    """Whether a model this run reads from disk (``model.path``, a draft's target) is built on the meta device, for
+    ``build_engine`` to allocate and read as the engine partitions it (FSDP2: each rank its shards, after sharding;
+    ZeRO-3: module by module). Otherwise it is read whole, on every rank."""
     if cfg.model.path is None and cfg.draft.kind is None:
-        return Loading()  # a preset is built whole and seeded: the same weights under every engine
-    if name == "fsdp2":
-        return Loading(empty=True)
-    if name == "deepspeed":
-        from treadle.engine.deepspeed import zero3_loading
+        return False  # a preset is built whole and seeded: the same weights under every engine
+    return name == "fsdp2" or (name == "deepspeed" and _zero3(cfg, deepspeed_json, world_size) is not None)
 
-        from treadle.engine.deepspeed import deepspeed_config
 
-        config = deepspeed_config(world_size=world_size, **_deepspeed_settings(cfg, deepspeed_json))
-        return Loading(context=lambda: zero3_loading(config, device))
-    return Loading()
+def _zero3(cfg: Config, deepspeed_json: dict | None, world_size: int) -> dict | None:
+    """The DeepSpeed config when it partitions parameters (ZeRO stage 3, the user's JSON included), else None."""
+    from treadle.engine.deepspeed import deepspeed_config
+
+    config = deepspeed_config(world_size=world_size, **_deepspeed_settings(cfg, deepspeed_json))
+    return config if config.get("zero_optimization", {}).get("stage") == 3 else None
 
 
 def _deepspeed_settings(cfg: Config, deepspeed_json: dict | None) -> dict:
@@ -102,15 +88,21 @@ def _deepspeed_settings(cfg: Config, deepspeed_json: dict | None) -> dict:
 def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device, deepspeed_json: dict | None = None):
     """Move ``model`` (fp32, identical on every rank) to ``device``, wrap it and build its optimizer in the engine.
 
-    Parts of ``model`` may be empty (on the meta device, ``Loading.empty``): FSDP2 reads its shards after sharding,
-    the others read it whole first.
+    Parts of ``model`` may be empty (on the meta device, ``builds_empty``): FSDP2 reads its shards after sharding,
+    ZeRO-3 reads and partitions it module by module, the others read it whole first.
     """
     from treadle.engine.optim import build_optimizer
-    from treadle.models.sharded_load import materialize
+    from treadle.models.sharded_load import is_empty, materialize, materialize_by_module
 
     d = cfg.distributed
-    if name != "fsdp2":
+    if name == "deepspeed" and is_empty(model):  # built empty for ZeRO-3 only (builds_empty)
+        from treadle.engine.deepspeed import zero3_partitioner
+
+        zero3 = _zero3(cfg, deepspeed_json, torch.distributed.get_world_size())
+        materialize_by_module(model, device, zero3_partitioner(zero3, device), read=torch.distributed.get_rank() == 0)
+    elif name != "fsdp2":
         materialize(model, device)
+    if name != "fsdp2":
         model.to(device)
     if name == "pipeline":
         from treadle.engine.pipeline import PipelineEngine

@@ -47,7 +47,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -130,34 +130,24 @@ def _import_deepspeed(device: torch.device):
     return deepspeed
 
 
-class _ZeRO3Loading:
-    """What transformers asks of ``HfDeepSpeedConfig`` while it loads (``is_zero3``, ``config``), without it:
-    ``HfDeepSpeedConfig`` itself needs accelerate, whose import pulls DeepSpeed into every treadle process."""
+def zero3_partitioner(config: dict, device: torch.device) -> Callable[[nn.Module], None]:
+    """What ``sharded_load.materialize_by_module`` hands each module to under ZeRO-3: its new parameters become
+    ZeRO-3 partitions (rank 0's values broadcast, each rank keeping its part), as ``deepspeed.initialize`` would
+    convert them later, but one module at a time, so no rank ever holds the whole model."""
+    deepspeed = _import_deepspeed(device)
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
 
-    def __init__(self, config: dict):
-        self.config = config
+    def partition(module: nn.Module) -> None:
+        new = [p for p in module.parameters() if not is_zero_param(p)]
+        done = next((p for p in module.parameters() if is_zero_param(p)), None)
+        if done is None:
+            # memory_efficient_linear off: Init(module=...) would replace torch's F.linear for the whole process.
+            deepspeed.zero.Init(module=module, config_dict_or_path=_merge(config, {"zero_optimization": {
+                "memory_efficient_linear": False}}))
+        elif new:
+            done.convert_to_zero_parameters(param_list=new)  # the settings of the Init that made ``done``
 
-    def is_zero3(self) -> bool:
-        return True
-
-
-@contextlib.contextmanager
-def zero3_loading(config: dict, device: torch.device) -> Iterator[None]:
-    """While inside, transformers builds a model it reads from disk under ``deepspeed.zero.Init`` (each rank keeps
-    only its partition) and copies the files in module by module, gathering a module's parameters only while its
-    weights are written (transformers' own ZeRO-3 route). A no-op for stages 0-2: every rank holds the whole model."""
-    if config.get("zero_optimization", {}).get("stage") != 3:
-        yield
-        return
-    _import_deepspeed(device)
-    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
-
-    hf = _ZeRO3Loading(config)  # transformers keeps a weak reference: this frame holds it while models load
-    set_hf_deepspeed_config(hf)
-    try:
-        yield
-    finally:
-        unset_hf_deepspeed_config()
+    return partition
 
 
 @contextlib.contextmanager

@@ -6,8 +6,8 @@ the architecture on the meta device (``empty_causal_lm``: shapes only, nothing a
 nothing read but ``config.json``), lets the engine shard it, and only then allocates each
 rank's shards and reads them (``materialize``): torch's DCP ``HuggingFaceStorageReader``
 reads just the rows of each safetensors tensor the rank keeps (``get_slice``), converting
-bf16 files to the fp32 master weights on the way. ZeRO-3 has its own route (transformers
-builds the model under ``deepspeed.zero.Init``: ``engine/deepspeed.zero3_loading``).
+bf16 files to the fp32 master weights on the way. Under ZeRO-3 (``materialize_by_module``) the model is
+allocated, filled and partitioned one module at a time: a rank holds its partitions plus one module whole.
 
 Traps met on the way (docs/architecture.md):
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from itertools import chain
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -160,6 +161,64 @@ def materialize(model: nn.Module, device: torch.device) -> None:
                 raise
             raise UserError(f"{path}: its safetensors files cannot be read into the model: {first_line(exc)}") from None
         delattr(sub, WEIGHTS_FROM)
+
+
+def materialize_by_module(model: nn.Module, device: torch.device, partition: Callable[[nn.Module], None],
+                          read: bool = True) -> None:
+    """Allocate ``model``'s meta tensors and fill them from the files one module at a time, handing each module to
+    ``partition`` (which keeps this rank's part of its parameters and frees the rest) before the next one.
+
+    Children come before their parents, so ``partition`` of a module sees its descendants' parameters already
+    partitioned. ``read=False`` leaves parameters unread where ``partition`` overwrites them (ZeRO-3 broadcasts
+    rank 0's values); buffers are not partitioned, so every rank reads its own.
+    """
+    for owner in [m for m in model.modules() if hasattr(m, WEIGHTS_FROM)]:
+        path = getattr(owner, WEIGHTS_FROM)
+        files = _files_of(path)
+        names: dict[int, list[str]] = {}  # a tensor's names in the files' terms (a tied head has two)
+        for name, t in owner.state_dict(keep_vars=True).items():
+            names.setdefault(id(t), []).append(name)
+        made: dict[int, torch.Tensor] = {}  # meta tensor -> its real one: tied names get the same tensor again
+        init = getattr(owner, "_init_weights", None)
+        for prefix, module in reversed(list(owner.named_modules())):
+            fresh = False
+            for slots, is_param in ((module._parameters, True), (module._buffers, False)):
+                for attr, t in list(slots.items()):
+                    if t is None or not t.is_meta:
+                        continue
+                    if id(t) not in made:
+                        real = torch.empty_like(t, device=device)
+                        made[id(t)] = nn.Parameter(real, requires_grad=t.requires_grad) if is_param else real
+                        key = next((k for k in names.get(id(t), []) if k in files), None)
+                        if key is not None and (read or not is_param):
+                            _read_into(made[id(t)], files[key], key)
+                        fresh = fresh or is_param
+                    slots[attr] = made[id(t)]
+            if module._non_persistent_buffers_set and init is not None:
+                with torch.no_grad():
+                    init(module)  # RoPE's inv_freq: in no file
+            if fresh:
+                partition(module)
+        delattr(owner, WEIGHTS_FROM)
+
+
+def _files_of(path: Path) -> dict[str, Path]:
+    """Which safetensors file of ``path`` holds each tensor (headers only)."""
+    from safetensors import safe_open
+
+    files = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), file))
+    return files
+
+
+def _read_into(t: torch.Tensor, file: Path, key: str) -> None:
+    # Opened per tensor: a mapping kept open would keep every page read so far in this process's RSS.
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f, torch.no_grad():
+        t.copy_(f.get_tensor(key))
 
 
 def _recompute_buffers(model: nn.Module) -> None:

@@ -28,7 +28,7 @@ from treadle.data.packed import IGNORE_INDEX, ExampleDataset, PackedDataset
 from treadle.data.shards import read_meta
 from treadle.data.sources import OpenedSource, file_tokenizer, open_source, resolve
 from treadle.distributed import context_layout, init_distributed
-from treadle.engine import build_engine, model_loading, read_deepspeed_config, resolve_engine
+from treadle.engine import build_engine, builds_empty, read_deepspeed_config, resolve_engine
 from treadle.engine.context_parallel import apply_context_parallel, check_model
 from treadle.engine.pipeline import plan_stages
 from treadle.errors import UserError
@@ -311,10 +311,9 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
             "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_fingerprint": train_ds.tokenizer_fingerprint,
             "chat_template": data.chat_template}  # `treadle export` of a checkpoint gives it to the tokenizer too
     # A model read from disk is built as the engine wants it: empty (FSDP2 reads each rank's shards once it has
-    # sharded it), partitioned while it is read (ZeRO-3), or whole.
-    loading = model_loading(engine_name, cfg, device, info.world_size, deepspeed_json)
-    with loading.context():
-        setup = (_draft_setup if cfg.draft.kind else _model_setup)(cfg, data, meta, loading.empty)
+    # sharded it, ZeRO-3 reads and partitions it module by module), or whole.
+    empty = builds_empty(engine_name, cfg, info.world_size, deepspeed_json)
+    setup = (_draft_setup if cfg.draft.kind else _model_setup)(cfg, data, meta, empty)
     if d.pipeline_parallel > 1 and setup.loss_fn is not loss_sum:  # the last stage computes a plain cross-entropy
         raise UserError("distributed.pipeline_parallel > 1 is not supported for mixture-of-experts models (their "
                         "router losses come from every stage); accepted: pipeline_parallel = 1")
