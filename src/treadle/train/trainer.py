@@ -16,7 +16,7 @@ from typing import Callable, ContextManager, Iterable
 from treadle.checkpoint.manager import CheckpointManager
 from treadle.config import Config, to_toml
 from treadle.errors import UserError, first_line
-from treadle.metrics.sinks import Console, JsonlSink
+from treadle.metrics.sinks import Console, Sinks
 from treadle.train.callbacks import Callback
 from treadle.train.resilience import ShutdownWatcher, TrainingFailed
 from treadle.train.step import StepResult, loss_sum, optimizer_step
@@ -52,7 +52,7 @@ class Trainer:
         val_batches: Callable[[], Iterable[dict]],
         callbacks: list[Callback],
         checkpoints: CheckpointManager,
-        metrics: JsonlSink,
+        metrics: Sinks,
         console: Console,
         autocast: Callable[[], ContextManager] = contextlib.nullcontext,
         meta: dict | None = None,
@@ -151,7 +151,7 @@ class Trainer:
 
     def log(self, record: dict, kind: str = "step") -> None:
         self.latest_metrics = {**self.latest_metrics, **record}
-        self.metrics.write(record)
+        self.metrics.write(record, kind)
         self.console.log(record, kind)
 
     def save_checkpoint(self) -> Path:
