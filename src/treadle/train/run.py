@@ -44,9 +44,11 @@ from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideOb
 from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
+from treadle.train.profiling import ProfilerCallback
 from treadle.train.rundir import check_output_dir, check_resume, prepare_output_dir, save_run_config
 from treadle.train.step import loss_sum
 from treadle.train.trainer import Trainer
+from treadle.train.user_callbacks import load_callbacks
 from treadle.tokenizer import tokenizer_fingerprint
 
 
@@ -284,7 +286,7 @@ def build_trainer(cfg: Config, live: bool | None = None, callbacks: Sequence[Cal
     """
     cfg = checked_config(cfg)  # before anything is opened or written
     check_sinks_installed(cfg.metrics.sinks)
-    callbacks = _check_user_callbacks(callbacks)
+    callbacks = _check_user_callbacks([*load_callbacks(cfg.callbacks), *callbacks])
     with contextlib.ExitStack() as opened:
         if not torch.distributed.is_initialized():
             opened.callback(distributed.destroy)
@@ -374,6 +376,10 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         callbacks.append(HealthCheckCallback(d.health_check_every, d.health_check_timeout_s))
     if r.inject_nan_steps and (not r.inject_nan_ranks or info.rank in r.inject_nan_ranks):
         callbacks.append(FaultInjectionCallback(r.inject_nan_steps))
+    if cfg.profile.start_step is not None:  # first: its window takes in the other callbacks' work at those steps
+        p = cfg.profile
+        callbacks.insert(0, ProfilerCallback(p.start_step, p.steps, Path(p.dir) if p.dir else out / "profile",
+                                             p.record_shapes, p.memory, p.with_stack))
     if val_ds is not None:
         callbacks.append(EvalCallback(t.eval_every, t.eval_at_start))
     callbacks += setup.eval_callbacks

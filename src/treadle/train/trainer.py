@@ -80,6 +80,7 @@ class Trainer:
         self.eval_loss_fn = eval_loss_fn or loss_fn  # what evaluation reports as eval_loss
         self.resumed_from: Path | None = None
         self.stop_reason: str | None = None
+        self.stop_asked: str | None = None  # a callback's request_stop, seen after the step's callbacks
         self.last_step_seconds = 0.0
         self.last_data_seconds = 0.0  # of the last step, waiting for its batches
         self.last_save_seconds = 0.0
@@ -138,13 +139,17 @@ class Trainer:
             getattr(cb, hook)(self)
 
     def _stop_requested(self) -> str | None:
-        local = self.shutdown.requested(self.last_step_seconds, self.last_save_seconds)
+        local = self.stop_asked or self.shutdown.requested(self.last_step_seconds, self.last_save_seconds)
         # One collective: every rank stops after the same step, or one would wait forever in the next.
         if self.engine.any_rank(local is not None):
             return local or "stop requested by another rank"
         return None
 
     # ------------------------------------------------------------------ helpers for callbacks
+
+    def request_stop(self, reason: str) -> None:
+        """Stop after this step as a signal would (on_stop: a checkpoint; the run resumes later, exit code 75)."""
+        self.stop_asked = reason
 
     def current_lr(self) -> float:
         return self.engine.optimizer.param_groups[0]["lr"]
