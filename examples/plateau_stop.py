@@ -23,10 +23,10 @@ class StopOnPlateau(treadle.Callback):
 
     def on_step_end(self, trainer, result):
         step = trainer.state.step
-        latest = trainer.latest_metrics  # the newest value of every logged key, with the step that logged it
-        if latest.get("step") != step or latest.get("eval_loss") is None:
+        evaluation = trainer.last_records.get("eval")  # the last record of each kind treadle logged
+        if evaluation is None or evaluation["step"] != step or evaluation.get("eval_loss") is None:
             return  # no evaluation at this step
-        loss = latest["eval_loss"]
+        loss = evaluation["eval_loss"]
         if self.best is None or loss < self.best - self.min_delta:
             self.best, self.flat = loss, 0
         else:

@@ -72,6 +72,7 @@ class Trainer:
         self.autocast = autocast
         self.meta = meta or {}  # facts about the run's inputs (vocab, tokenizer) that export needs
         self.latest_metrics: dict = {}  # last value of every logged key (checkpoint "best" uses it)
+        self.last_records: dict[str, dict] = {}  # kind ("step", "eval") -> the last record logged of that kind
         self.max_steps = cfg.train.max_steps
         self.tokens_per_step = loader.global_batch * cfg.data.seq_len
         self.shutdown = shutdown or ShutdownWatcher(None, cfg.resilience.shutdown_timeout_s)
@@ -156,6 +157,7 @@ class Trainer:
 
     def log(self, record: dict, kind: str = "step") -> None:
         self.latest_metrics = {**self.latest_metrics, **record}
+        self.last_records[kind] = record
         self.metrics.write(record, kind)
         self.console.log(record, kind)
 
