@@ -23,7 +23,7 @@ def test_sinks_profile_and_a_config_callback_through_a_resume(shards, tmp_path, 
     config.write_text(f'[[callbacks]]\npath = "{ROOT / "examples" / "plateau_stop.py"}:StopOnPlateau"\n'
                       'args = { patience = 100 }\n')
     argv = args(shards, run, "--train.max_steps=6", "--checkpoint.every=3", "--checkpoint.keep_last=5",
-                "--train.eval_every=3", SINKS, "--metrics.wandb.mode=offline", "--metrics.peak_tflops=2.0",
+                "--train.eval_every=3", SINKS, "--metrics.wandb_mode=offline", "--metrics.peak_tflops=2.0",
                 "--profile.start_step=2", "--profile.steps=2")
     argv.insert(1, str(config))
     assert main(argv) == 0

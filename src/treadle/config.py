@@ -305,27 +305,21 @@ class DistributedConfig(Section):
         "the stages; interleaved_1f1b puts two stages on each rank")
 
 
-class WandbConfig(Section):
-    """``[metrics.wandb]``: the Weights & Biases run a ``wandb`` sink logs to."""
-
-    project: str = Field("treadle", description="W&B project")
-    name: str | None = Field(None, description="run name; unset = the run directory's name")
-    group: str | None = Field(None, description="W&B group (e.g. one sweep)")
-    tags: list[str] = Field(default_factory=list)
-    mode: Literal["online", "offline", "disabled"] = Field(
-        "online", description="offline: written under <output_dir>/wandb for `wandb sync` later (no network)")
-
-
 class MetricsConfig(Section):
     """Where the metrics of a run go, and what the MFU is measured against."""
 
     sinks: list[Literal["jsonl", "console", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["jsonl", "console"],
         description="jsonl: <output_dir>/metrics.jsonl; console: a line per record; tensorboard: <output_dir>/tensorboard "
-                    "(pip install treadle[tensorboard]); wandb: [metrics.wandb] (pip install treadle[wandb])")
+                    "(pip install treadle[tensorboard]); wandb: W&B, the wandb_* keys (pip install treadle[wandb])")
     peak_tflops: float | None = Field(None, gt=0.0, description="one device's peak TFLOP/s for mfu; unset = a known "
                                       "GPU's bf16 / fp32 peak (none on CPU: tflops_per_s only)")
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    wandb_project: str = Field("treadle", description="wandb sink: the W&B project")
+    wandb_name: str | None = Field(None, description="wandb sink: the run's name; unset = the run directory's name")
+    wandb_group: str | None = Field(None, description="wandb sink: the W&B group (e.g. one sweep)")
+    wandb_tags: list[str] = Field(default_factory=list, description="wandb sink: the run's tags")
+    wandb_mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="wandb sink: offline = written under <output_dir>/wandb for `wandb sync` later (no network)")
 
     @field_validator("sinks")
     @classmethod

@@ -202,8 +202,9 @@ def open_optional_sinks(sinks: Sinks, cfg, out: Path, resumed_step: int | None) 
     def wandb():
         from treadle.metrics.wandb_sink import WandbSink
 
-        w = cfg.metrics.wandb
-        return WandbSink(out, tree, w.project, w.name or out.resolve().name, w.group, w.tags, w.mode)
+        m = cfg.metrics
+        return WandbSink(out, tree, m.wandb_project, m.wandb_name or out.resolve().name, m.wandb_group, m.wandb_tags,
+                         m.wandb_mode)
 
     for name, opener in (("tensorboard", tensorboard), ("wandb", wandb)):
         if name in names:
