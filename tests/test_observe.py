@@ -177,3 +177,25 @@ def test_report_has_the_panels_and_lines_and_replaces_only_its_own_png(tmp_path,
     assert main(["report", str(plain), "--out", str(foreign)]) == 2 and foreign.read_bytes() == b"\x89PNG not ours"
     assert main(["report", str(tmp_path / "nothing"), "--out", str(out)]) == 2
     assert "holds no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_draft_flops_formula_within_10_percent_of_flop_counter():
+    """A GLIDE draft step: the draft trained, the shared head scored through, the frozen target's forward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from treadle.models.glide import GlideDraft, GlideModel
+    from treadle.train.run import model_flops_per_token
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, use_cache=False, attn_implementation="eager")
+    model = GlideModel(AutoModelForCausalLM.from_config(config), GlideDraft(config))
+    batch, seq = 2, 128
+    ids = torch.randint(0, 8192, (batch, seq))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:  # the draft's sdpa as bmm
+        out = model(ids, torch.arange(seq).expand(batch, seq), lag=1)
+        torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), ids.flatten()).backward()
+    formula = model_flops_per_token(model, seq, draft=True) * batch * seq
+    assert abs(formula / counter.get_total_flops() - 1) < 0.02  # 0.5% here
