@@ -144,7 +144,8 @@ def _plot(ax, name: str, run: Run, color: str, sources: list[str]) -> None:
                     label=f"{label} at step {max(run.acceptance)}")
     elif name == "tflops_per_s":
         xs, ys = run.series("tflops_per_s")
-        ax.plot(xs, ys, color=color, lw=1, label=label)
+        if xs:
+            ax.plot(xs, ys, color=color, lw=1, label=label)
         mx, my = run.series("mfu")
         if mx:
             twin = ax.twinx()
@@ -152,7 +153,8 @@ def _plot(ax, name: str, run: Run, color: str, sources: list[str]) -> None:
             twin.set_ylabel("mfu")
     else:
         xs, ys = run.series(name)
-        ax.plot(xs, ys, color=color, lw=1, label=label)
+        if xs:
+            ax.plot(xs, ys, color=color, lw=1, label=label)
         if name == "grad_norm" and ys and min(ys) > 0:
             ax.set_yscale("log")
 
