@@ -1,6 +1,7 @@
 """Read back what the optional sinks wrote, with the packages' own readers (no network)."""
 
 import struct
+import time
 from pathlib import Path
 
 
@@ -23,34 +24,45 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def wandb_history(run_dir: Path) -> list[dict]:
-    """Every history row of every offline W&B run directory under ``run_dir/wandb``, in the order written.
-
-    A ``.wandb`` file is W&B's record log: a 7-byte header, then 32 KiB blocks of (crc32, length, type) framed
-    chunks (leveldb's log format) whose joined payloads are ``wandb_internal_pb2.Record`` messages.
-    """
-    import json
-
+def _wandb_records(path: Path) -> list:
+    """The records of one ``.wandb`` file: W&B's record log, a 7-byte header, then 32 KiB blocks of (crc32,
+    length, type) framed chunks (leveldb's log format) whose joined payloads are ``wandb_internal_pb2.Record``s."""
     from wandb.proto import wandb_internal_pb2 as pb
 
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    records, pos, block, buf = [], 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            break
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = pb.Record()
+            record.ParseFromString(buf)
+            records.append(record)
+            buf = b""
+    return records
+
+
+def wandb_history(run_dir: Path, run_id: str = "*", timeout: float = 30.0) -> list[dict]:
+    """Every history row of the offline W&B runs (``run_id``: of that W&B run) under ``run_dir/wandb``, in order.
+
+    ``Run.finish`` returns before W&B's service has written everything: each file is read once it holds its
+    exit record (written last)."""
+    import json
+
     rows = []
-    for f in sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")):
-        data = f.read_bytes()
-        assert data[:4] == b":W&B"
-        pos, block, buf = 7, 32768, b""
-        while pos + 7 <= len(data):
-            if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
-                pos += block - pos % block
-                continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            if length == 0 and kind == 0:
-                break
-            buf += data[pos + 7:pos + 7 + length]
-            pos += 7 + length
-            if kind in (1, 4):  # a full record, or the last chunk of one
-                record = pb.Record()
-                record.ParseFromString(buf)
-                buf = b""
-                if record.WhichOneof("record_type") == "history":
-                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    for f in sorted(Path(run_dir).glob(f"wandb/offline-run-*-{run_id}/run-*.wandb")):
+        deadline = time.monotonic() + timeout
+        records = _wandb_records(f)
+        while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            records = _wandb_records(f)
+        rows += [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+                 for r in records if r.WhichOneof("record_type") == "history"]
     return rows

@@ -28,7 +28,7 @@ def test_sinks_profile_and_a_config_callback_through_a_resume(shards, tmp_path, 
     argv.insert(1, str(config))
     assert main(argv) == 0
     first = capsys.readouterr().out
-    assert "profile of steps 2-3: aten::" in first
+    assert "warning" not in first and "profile of steps 2-3: aten::" in first, first
     traces = list((run / "profile").glob("rank0.*.pt.trace.json"))
     assert len(traces) == 1 and json.loads(traces[0].read_text())["traceEvents"]
     first_wandb_id = json.loads((run / "wandb.json").read_text())["run_id"]
@@ -199,3 +199,21 @@ def test_draft_flops_formula_within_10_percent_of_flop_counter():
         torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), ids.flatten()).backward()
     formula = model_flops_per_token(model, seq, draft=True) * batch * seq
     assert abs(formula / counter.get_total_flops() - 1) < 0.02  # 0.5% here
+
+
+def test_wandb_continues_its_run_on_a_resume_and_starts_a_new_one_on_a_fresh_start(tmp_path):
+    from treadle.metrics.wandb_sink import WandbSink
+
+    def session(resumed, steps):
+        sink = WandbSink(tmp_path, {}, "p", "n", None, [], "offline", resumed=resumed)
+        for step in steps:
+            sink.write({"step": step, "loss": float(step)})
+        sink.close()
+        return sink.run_id
+
+    first = session(False, [1, 2, 3])
+    assert session(True, [2, 3, 4]) == first  # resumed from step 1: 2 and 3 were sent already
+    fresh = session(False, [1])  # checkpoint.resume = none: the metrics start over, so does the W&B run
+    assert fresh != first
+    assert [r["_step"] for r in wandb_history(tmp_path, first)] == [1, 2, 3, 4]
+    assert [r["_step"] for r in wandb_history(tmp_path, fresh)] == [1]

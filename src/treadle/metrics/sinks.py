@@ -151,7 +151,7 @@ class Sinks:
         self.jsonl = jsonl
         self.optional: list = []
         self.seconds: dict[str, float] = {}
-        self._warn = warn
+        self.warn = warn
 
     def add(self, sink) -> None:
         self.optional.append(sink)
@@ -169,7 +169,7 @@ class Sinks:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - a sink is a side channel: whatever it raises, training goes on
             self.optional.remove(sink)
-            self._warn(f"treadle: warning: the {sink.name} sink failed ({type(exc).__name__}: "
+            self.warn(f"treadle: warning: the {sink.name} sink failed ({type(exc).__name__}: "
                        f"{str(exc).splitlines()[0] if str(exc) else ''}); it is dropped, training goes on")
             if fn != sink.close:
                 with contextlib.suppress(Exception):
@@ -204,12 +204,12 @@ def open_optional_sinks(sinks: Sinks, cfg, out: Path, resumed_step: int | None) 
 
         m = cfg.metrics
         return WandbSink(out, tree, m.wandb_project, m.wandb_name or out.resolve().name, m.wandb_group, m.wandb_tags,
-                         m.wandb_mode)
+                         m.wandb_mode, resumed=resumed_step is not None)
 
     for name, opener in (("tensorboard", tensorboard), ("wandb", wandb)):
         if name in names:
             try:
                 sinks.add(opener())
             except Exception as exc:  # noqa: BLE001 - see Sinks: a sink never stops training
-                sinks._warn(f"treadle: warning: the {name} sink could not start ({type(exc).__name__}: "
+                sinks.warn(f"treadle: warning: the {name} sink could not start ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0] if str(exc) else ''}); training goes on without it")

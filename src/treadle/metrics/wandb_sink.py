@@ -21,11 +21,12 @@ class WandbSink:
     name = "wandb"
 
     def __init__(self, run_dir: Path, config: dict, project: str, name: str, group: str | None, tags: list[str],
-                 mode: str):
+                 mode: str, resumed: bool):
         import wandb
 
         self.state_path = Path(run_dir) / STATE_FILE
-        state = json.loads(self.state_path.read_text()) if self.state_path.is_file() else {}
+        # A run that starts afresh (no checkpoint: its metrics start over too) is a new W&B run.
+        state = json.loads(self.state_path.read_text()) if resumed and self.state_path.is_file() else {}
         self.run_id = state.get("run_id") or secrets.token_hex(4)  # W&B ids: lowercase letters and digits
         self.sent_before = state.get("sent_through", -1)  # steps up to this one were sent by an earlier process
         self.sent_through = self.sent_before
