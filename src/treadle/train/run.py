@@ -376,7 +376,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         callbacks.append(HealthCheckCallback(d.health_check_every, d.health_check_timeout_s))
     if r.inject_nan_steps and (not r.inject_nan_ranks or info.rank in r.inject_nan_ranks):
         callbacks.append(FaultInjectionCallback(r.inject_nan_steps))
-    if cfg.profile.start_step is not None:  # first: its window takes in the other callbacks' work at those steps
+    if cfg.profile.start_step is not None:  # first: the window closes right after its last step, before eval or a save
         p = cfg.profile
         callbacks.insert(0, ProfilerCallback(p.start_step, p.steps, Path(p.dir) if p.dir else out / "profile",
                                              p.record_shapes, p.memory, p.with_stack))
