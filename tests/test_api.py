@@ -202,7 +202,7 @@ def test_resources_are_closed_when_a_run_fails(shards, tmp_path, monkeypatch):
         fit(_small(Config(), shards, tmp_path / "b"), callbacks=[boom], live=False)
     assert not torch.distributed.is_initialized()
     assert not [t for t in threading.enumerate() if t.name.startswith(("treadle-prefetch", "treadle-save"))]
-    assert boom.metrics._fh is None  # closed
+    assert boom.metrics.jsonl._fh is None  # closed
 
 
 def test_no_warnings_filter_and_no_dcp_warning_after_a_run(shards, tmp_path):

@@ -116,6 +116,8 @@ def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_pat
         assert a.keys() == b.keys() and a
         assert all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in a), (key, a, b)
     assert records(one, "tokens") == records(two, "tokens")  # tokens count both ranks
+    # FLOPs per device and the peak memory of the window (the max over ranks: a collective at every record).
+    assert all(v > 0 for v in records(two, "tflops_per_s").values()) and len(records(two, "peak_rss_gib")) == 4
     assert sorted(p.name for p in (two / "checkpoints" / "step_2" / "rng").iterdir()) == ["rank_0.json", "rank_1.json"]
     assert (two / "hf" / "model.safetensors").is_file()
 

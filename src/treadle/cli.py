@@ -146,6 +146,7 @@ _MODULE_COMMANDS = {
     "samples": "write small chat / prompt-completion / text / prompt JSONL files from the built-in corpus",
     "spec-eval": "speculative decoding of a target with a draft: tau, acceptance, speed, lossless check",
     "generate": "answer every prompt of a JSONL file with a model: an SFT file (draft training data)",
+    "report": "plot runs' metrics (loss, lr, grad norm, tokens/s, tau_sim ...) into one PNG, runs overlaid",
 }
 
 
@@ -157,6 +158,8 @@ def _command_module(name: str):
         from treadle.data import samples as module
     elif name == "spec-eval":
         from treadle.speculative import evaluate as module
+    elif name == "report":
+        from treadle.metrics import report as module
     else:
         from treadle.data import generate as module
     return module

@@ -305,6 +305,58 @@ class DistributedConfig(Section):
         "the stages; interleaved_1f1b puts two stages on each rank")
 
 
+class MetricsConfig(Section):
+    """Where the metrics of a run go, and what the MFU is measured against."""
+
+    sinks: list[Literal["jsonl", "console", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl", "console"],
+        description="jsonl: <output_dir>/metrics.jsonl; console: a line per record; tensorboard: <output_dir>/tensorboard "
+                    "(pip install treadle[tensorboard]); wandb: W&B, the wandb_* keys (pip install treadle[wandb])")
+    peak_tflops: float | None = Field(None, gt=0.0, description="one device's peak TFLOP/s for mfu; unset = a known "
+                                      "GPU's bf16 / fp32 peak (none on CPU: tflops_per_s only)")
+    wandb_project: str = Field("treadle", description="wandb sink: the W&B project")
+    wandb_name: str | None = Field(None, description="wandb sink: the run's name; unset = the run directory's name")
+    wandb_group: str | None = Field(None, description="wandb sink: the W&B group (e.g. one sweep)")
+    wandb_tags: list[str] = Field(default_factory=list, description="wandb sink: the run's tags")
+    wandb_mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="wandb sink: offline = written under <output_dir>/wandb for `wandb sync` later (no network)")
+
+    @field_validator("sinks")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        dup = next((s for s in v if v.count(s) > 1), None)
+        if dup is not None:
+            raise ValueError(f"{dup!r} is listed twice; accepted: each sink once")
+        return v
+
+
+class ProfileConfig(Section):
+    """``[profile]``: a torch.profiler window over a few steps (off unless start_step is set)."""
+
+    start_step: int | None = Field(None, ge=1, description="first profiled step (as logged: 1 = the first); unset = off")
+    steps: int = Field(1, ge=1, description="steps profiled from start_step on")
+    dir: str | None = Field(None, description="trace directory (one Chrome/Perfetto JSON per rank, TensorBoard's "
+                            "profiler layout); unset = <output_dir>/profile")
+    record_shapes: bool = Field(False, description="record operator input shapes")
+    memory: bool = Field(False, description="record tensor allocations (profile_memory)")
+    with_stack: bool = Field(False, description="record Python stacks (costly)")
+
+
+class CallbackConfig(Section):
+    """One entry of ``[[callbacks]]``: a user's Callback class, constructed with ``args`` at the start of the run."""
+
+    path: str = Field(description="'package.module:ClassName', or 'path/to/file.py:ClassName'")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the class's constructor")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        module, _, name = v.rpartition(":")
+        if not module or not name.isidentifier():
+            raise ValueError("accepted: 'package.module:ClassName' or 'path/to/file.py:ClassName'")
+        return v
+
+
 class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -315,6 +367,9 @@ class Config(Section):
     resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     draft: DraftConfig = Field(default_factory=DraftConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    callbacks: list[CallbackConfig] = Field(default_factory=list, description="user callbacks ([[callbacks]] path, args)")
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:
@@ -537,7 +592,10 @@ def explicit_tree(cfg: Config) -> dict[str, Any]:
     Validating this tree again gives the same config with every rule re-run, also the rules that ask what was set
     (data.train beside data.sources), which a full dump would trip.
     """
-    return {name: getattr(cfg, name).model_dump(exclude_unset=True) for name in type(cfg).model_fields}
+    def explicit(value: Any) -> Any:  # a section, or a list of tables ([[callbacks]])
+        return [explicit(v) for v in value] if isinstance(value, list) else value.model_dump(exclude_unset=True)
+
+    return {name: explicit(getattr(cfg, name)) for name in type(cfg).model_fields}
 
 
 def to_toml(cfg: Config, explain: bool = False) -> str:

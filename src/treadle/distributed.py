@@ -187,6 +187,13 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """The element-wise max over ranks (per-rank peaks: the largest rank's)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
     """``obj`` as rank ``src`` has it, on every rank of ``group`` (itself when there is no process group)."""
     if not dist.is_initialized():

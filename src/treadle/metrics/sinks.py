@@ -7,9 +7,11 @@ Only rank 0 writes (``enabled=False`` elsewhere).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console as RichConsole
@@ -70,8 +72,9 @@ def _fmt(record: dict) -> str:
 class Console:
     """Progress bar on a TTY, plain lines otherwise."""
 
-    def __init__(self, total_steps: int, enabled: bool = True, live: bool | None = None):
+    def __init__(self, total_steps: int, enabled: bool = True, live: bool | None = None, records: bool = True):
         self.enabled = enabled
+        self.records = records  # False: metrics.sinks leaves "console" out (no record lines; the bar and notices stay)
         self.console = RichConsole(file=sys.stdout)
         self.live = self.console.is_terminal if live is None else live
         self.total = total_steps
@@ -101,7 +104,7 @@ class Console:
 
     def log(self, record: dict, kind: str = "step") -> None:
         """A logged record: a line above the bar on a TTY, a plain line otherwise."""
-        if not self.enabled:
+        if not (self.enabled and self.records):
             return
         line = f"{kind} {record.get('step', '')}: {_fmt(record)}"
         if self._progress is not None and kind == "step":
@@ -117,3 +120,96 @@ class Console:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+# ---------------------------------------------------------------------------- optional sinks
+
+_EXTRAS = {"tensorboard": ("tensorboard", "treadle[tensorboard]"), "wandb": ("wandb", "treadle[wandb]")}
+
+
+def check_sinks_installed(sinks: list[str]) -> None:
+    """An optional sink whose package is missing: one line naming the extra, before the run writes anything."""
+    import importlib.util
+
+    from treadle.errors import UserError
+
+    for name in sinks:
+        if name in _EXTRAS and importlib.util.find_spec(_EXTRAS[name][0]) is None:
+            module, extra = _EXTRAS[name]
+            raise UserError(f"metrics.sinks lists {name!r} but the {module} package is not installed; accepted: "
+                            f"pip install '{extra}', or leave {name!r} out of metrics.sinks")
+
+
+class Sinks:
+    """metrics.jsonl and the optional sinks (TensorBoard, W&B); rank 0's.
+
+    An optional sink that raises (a full disk under its directory, a lost network) is reported once and dropped:
+    it never stops training. ``seconds`` sums the time each optional sink took (what it costs a step).
+    """
+
+    def __init__(self, jsonl: JsonlSink, warn=print):
+        self.jsonl = jsonl
+        self.optional: list = []
+        self.seconds: dict[str, float] = {}
+        self.warn = warn
+
+    def add(self, sink) -> None:
+        self.optional.append(sink)
+        self.seconds.setdefault(sink.name, 0.0)
+
+    def write(self, record: dict, kind: str = "step") -> None:
+        self.jsonl.write(record)
+        for sink in list(self.optional):
+            t0 = time.perf_counter()
+            self._guard(sink, sink.write, record, kind)
+            self.seconds[sink.name] += time.perf_counter() - t0
+
+    def _guard(self, sink, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a sink is a side channel: whatever it raises, training goes on
+            self.optional.remove(sink)
+            self.warn(f"treadle: warning: the {sink.name} sink failed ({type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0] if str(exc) else ''}); it is dropped, training goes on")
+            if fn != sink.close:
+                with contextlib.suppress(Exception):
+                    sink.close()
+
+    def truncate_after(self, step: int) -> None:
+        self.jsonl.truncate_after(step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        for sink in list(self.optional):
+            self._guard(sink, sink.close)
+        self.optional = []
+
+
+def open_optional_sinks(sinks: Sinks, cfg, out: Path, resumed_step: int | None) -> None:
+    """The optional sinks ``metrics.sinks`` names, continuing this run's (a resume: up to ``resumed_step``).
+
+    One that cannot open (W&B online without a login) is reported and left out, like one that fails later."""
+    from treadle.config import flatten, to_toml
+
+    names, tree = cfg.metrics.sinks, cfg.model_dump(mode="json", exclude_none=True)
+
+    def tensorboard():
+        from treadle.metrics.tensorboard_sink import TensorBoardSink
+
+        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten(tree).items()}
+        return TensorBoardSink(out / "tensorboard", to_toml(cfg), hparams, -1 if resumed_step is None else resumed_step)
+
+    def wandb():
+        from treadle.metrics.wandb_sink import WandbSink
+
+        m = cfg.metrics
+        return WandbSink(out, tree, m.wandb_project, m.wandb_name or out.resolve().name, m.wandb_group, m.wandb_tags,
+                         m.wandb_mode, resumed=resumed_step is not None)
+
+    for name, opener in (("tensorboard", tensorboard), ("wandb", wandb)):
+        if name in names:
+            try:
+                sinks.add(opener())
+            except Exception as exc:  # noqa: BLE001 - see Sinks: a sink never stops training
+                sinks.warn(f"treadle: warning: the {name} sink could not start ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}); training goes on without it")

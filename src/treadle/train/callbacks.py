@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from treadle import distributed
+from treadle.metrics.flops import memory_window
 from treadle.train.step import StepResult, label_tokens, split_loss
 
 if TYPE_CHECKING:
@@ -45,10 +47,16 @@ def is_log_step(step: int, log_every: int, max_steps: int) -> bool:
 
 
 class MetricsCallback(Callback):
-    """Every ``log_every`` steps: one metrics.jsonl record and a console update."""
+    """Every ``log_every`` steps: one metrics.jsonl record and a console update.
 
-    def __init__(self, log_every: int):
+    With the model's FLOPs per token: ``tflops_per_s`` (per device) and, with the device's peak, ``mfu``; and the
+    window's peak memory (``metrics/flops.py``), the max over ranks.
+    """
+
+    def __init__(self, log_every: int, flops_per_token: float = 0.0, peak_tflops: float | None = None):
         self.log_every = log_every
+        self.flops_per_token = flops_per_token
+        self.peak_tflops = peak_tflops
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self._window_steps = 0
@@ -84,6 +92,7 @@ class MetricsCallback(Callback):
             "data_wait_s": self._window_data_seconds / self._window_steps,  # per step: what prefetch did not hide
             "elapsed_s": round(st.elapsed_s, 3),
         }
+        record |= self._utilization(trainer)
         if trainer.sources:  # each source's token-weighted loss over the window, and its tokens so far
             record |= {f"loss/{n}": total / count for n, (total, count) in self._window_sources.items() if count}
             record |= {f"tokens/{n}": t for n, t in trainer.loader.tokens_by_source(trainer.cfg.data.seq_len).items()}
@@ -94,6 +103,19 @@ class MetricsCallback(Callback):
         trainer.log(record)
         self._window_steps, self._window_tokens, self._window_seconds, self._window_data_seconds = 0, 0, 0.0, 0.0
         self._window_sources = {}
+
+    def _utilization(self, trainer: Trainer) -> dict:
+        engine, out = trainer.engine, {}
+        if self.flops_per_token:
+            world = max(engine.world_size, 1)
+            tflops = self.flops_per_token * self._window_tokens / max(self._window_seconds, 1e-9) / world / 1e12
+            out["tflops_per_s"] = tflops
+            if self.peak_tflops:
+                out["mfu"] = tflops / self.peak_tflops
+        memory = memory_window(engine.device)  # every rank, at every log step: the max is one collective
+        if engine.world_size > 1:
+            memory = dict(zip(memory, distributed.all_reduce_max(list(memory.values()), engine.device)))
+        return out | {k: round(v, 4) for k, v in memory.items()}
 
     def state_dict(self) -> dict:
         return {"first_loss": self.first_loss, "last_loss": self.last_loss}

@@ -32,7 +32,9 @@ from treadle.engine import build_engine, builds_empty, read_deepspeed_config, re
 from treadle.engine.context_parallel import apply_context_parallel, check_model
 from treadle.engine.pipeline import plan_stages
 from treadle.errors import UserError
-from treadle.metrics.sinks import Console, JsonlSink
+from treadle.metrics.flops import (attention_dims, forward_flops_per_token, matmul_parameters, peak_tflops,
+                                   train_flops_per_token)
+from treadle.metrics.sinks import Console, JsonlSink, Sinks, check_sinks_installed, open_optional_sinks
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
 from treadle.models.hf import build_model, compile_layers, count_parameters, trainable_parameters
@@ -42,9 +44,11 @@ from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideOb
 from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
+from treadle.train.profiling import ProfilerCallback
 from treadle.train.rundir import check_output_dir, check_resume, prepare_output_dir, save_run_config
 from treadle.train.step import loss_sum
 from treadle.train.trainer import Trainer
+from treadle.train.user_callbacks import load_callbacks
 from treadle.tokenizer import tokenizer_fingerprint
 
 
@@ -206,6 +210,20 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
                       DraftExportCallback(out, target_dir, identity, cfg.draft))
 
 
+def model_flops_per_token(model: torch.nn.Module, seq_len: int, draft: bool) -> float:
+    """FLOPs one trained token costs (metrics/flops.py). A draft run: the draft block trained (two attentions: its
+    own and the cross-attention into the target's K/V), the target's head it scores through (frozen: no weight
+    gradient, 4 per parameter, not 6), and the frozen target's forward."""
+    if not draft:
+        return train_flops_per_token(matmul_parameters(model), *attention_dims(model.config), seq_len)
+    target = model.target
+    _, heads, head_dim = attention_dims(target.config)
+    head = target.get_output_embeddings().weight
+    return (train_flops_per_token(matmul_parameters(model.draft_model), 2, heads, head_dim, seq_len)
+            + 4.0 * float(getattr(head, "ds_numel", 0) or head.numel())
+            + forward_flops_per_token(matmul_parameters(target), *attention_dims(target.config), seq_len))
+
+
 def refuse_sliced_load_balancing(loss_fn, cp: int) -> None:
     """An MoE's load-balancing loss is a product of two means over a micro-batch, not a token sum: on a slice of
     every sequence it would be another loss than one process's (the z-loss is a token sum and stays exact)."""
@@ -267,7 +285,8 @@ def build_trainer(cfg: Config, live: bool | None = None, callbacks: Sequence[Cal
     ``fit`` closes the loader and the checkpoint writer, ``close_trainer`` the rest.
     """
     cfg = checked_config(cfg)  # before anything is opened or written
-    callbacks = _check_user_callbacks(callbacks)
+    check_sinks_installed(cfg.metrics.sinks)
+    callbacks = _check_user_callbacks([*load_callbacks(cfg.callbacks), *callbacks])
     with contextlib.ExitStack() as opened:
         if not torch.distributed.is_initialized():
             opened.callback(distributed.destroy)
@@ -334,6 +353,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     model = setup.model.train()
     if layout.cp_size > 1:  # a model transform, where parallelism is applied: before compile and the engine's wrap
         apply_context_parallel(model, layout.cp_group)
+    flops_per_token = model_flops_per_token(model, seq_len, bool(cfg.draft.kind))  # before a pipeline prunes it
     if cfg.model.compile:  # a draft is one block: compile it whole; the frozen target stays eager
         model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
     engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
@@ -349,11 +369,16 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # Order matters: the guard may roll back before eval and checkpoint see the step,
     # and eval (which may set the "best" metric) runs before the checkpoint; user callbacks come
     # after eval (they see its result) and before the checkpoint (which saves their state).
-    callbacks = [*setup.step_callbacks, MetricsCallback(t.log_every), NanGuardCallback(r)]
+    peak = peak_tflops(device, cfg.model.dtype == "bf16", cfg.metrics.peak_tflops)
+    callbacks = [*setup.step_callbacks, MetricsCallback(t.log_every, flops_per_token, peak), NanGuardCallback(r)]
     if info.world_size > 1 and d.health_check_every:
         callbacks.append(HealthCheckCallback(d.health_check_every, d.health_check_timeout_s))
     if r.inject_nan_steps and (not r.inject_nan_ranks or info.rank in r.inject_nan_ranks):
         callbacks.append(FaultInjectionCallback(r.inject_nan_steps))
+    if cfg.profile.start_step is not None:  # first: the window closes right after its last step, before eval or a save
+        p = cfg.profile
+        callbacks.insert(0, ProfilerCallback(p.start_step, p.steps, Path(p.dir) if p.dir else out / "profile",
+                                             p.record_shapes, p.memory, p.with_stack))
     if val_ds is not None:
         callbacks.append(EvalCallback(t.eval_every, t.eval_at_start))
     callbacks += setup.eval_callbacks
@@ -362,7 +387,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if cfg.checkpoint.export_hf:
         callbacks.append(setup.export)
     bf16 = cfg.model.dtype == "bf16"
-    metrics = JsonlSink(out / "metrics.jsonl", enabled=main)
+    console = Console(t.max_steps, enabled=main, live=live, records="console" in cfg.metrics.sinks)
+    metrics = Sinks(JsonlSink(out / "metrics.jsonl", enabled=main and "jsonl" in cfg.metrics.sinks), warn=console.print)
     opened.callback(metrics.close)
     trainer = Trainer(
         cfg, engine, build_schedule(engine.optimizer, cfg), loader,
@@ -371,7 +397,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         callbacks=callbacks,
         checkpoints=checkpoints,
         metrics=metrics,
-        console=Console(t.max_steps, enabled=main, live=live),
+        console=console,
         autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
         meta=meta,
         shutdown=ShutdownWatcher(parse_duration(t.time_limit) if t.time_limit else None, cfg.resilience.shutdown_timeout_s),
@@ -382,6 +408,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         trainer.resume(resume_from)
     # Records after the checkpoint (or all, on a fresh start) came from a run that died: they are logged again.
     trainer.metrics.truncate_after(trainer.state.step if resume_from is not None else -1)
+    if main:  # TensorBoard's event files likewise; W&B continues its run
+        open_optional_sinks(metrics, cfg, out, trainer.state.step if resume_from is not None else None)
     kept = distributed.on_main(save_run_config, cfg, out, resume)
     if resume is not None and resume.describe(kept):
         trainer.console.print(resume.describe(kept))

@@ -16,7 +16,7 @@ from typing import Callable, ContextManager, Iterable
 from treadle.checkpoint.manager import CheckpointManager
 from treadle.config import Config, to_toml
 from treadle.errors import UserError, first_line
-from treadle.metrics.sinks import Console, JsonlSink
+from treadle.metrics.sinks import Console, Sinks
 from treadle.train.callbacks import Callback
 from treadle.train.resilience import ShutdownWatcher, TrainingFailed
 from treadle.train.step import StepResult, loss_sum, optimizer_step
@@ -52,7 +52,7 @@ class Trainer:
         val_batches: Callable[[], Iterable[dict]],
         callbacks: list[Callback],
         checkpoints: CheckpointManager,
-        metrics: JsonlSink,
+        metrics: Sinks,
         console: Console,
         autocast: Callable[[], ContextManager] = contextlib.nullcontext,
         meta: dict | None = None,
@@ -72,6 +72,7 @@ class Trainer:
         self.autocast = autocast
         self.meta = meta or {}  # facts about the run's inputs (vocab, tokenizer) that export needs
         self.latest_metrics: dict = {}  # last value of every logged key (checkpoint "best" uses it)
+        self.last_records: dict[str, dict] = {}  # kind ("step", "eval") -> the last record logged of that kind
         self.max_steps = cfg.train.max_steps
         self.tokens_per_step = loader.global_batch * cfg.data.seq_len
         self.shutdown = shutdown or ShutdownWatcher(None, cfg.resilience.shutdown_timeout_s)
@@ -80,6 +81,7 @@ class Trainer:
         self.eval_loss_fn = eval_loss_fn or loss_fn  # what evaluation reports as eval_loss
         self.resumed_from: Path | None = None
         self.stop_reason: str | None = None
+        self.stop_asked: str | None = None  # a callback's request_stop, seen after the step's callbacks
         self.last_step_seconds = 0.0
         self.last_data_seconds = 0.0  # of the last step, waiting for its batches
         self.last_save_seconds = 0.0
@@ -138,7 +140,7 @@ class Trainer:
             getattr(cb, hook)(self)
 
     def _stop_requested(self) -> str | None:
-        local = self.shutdown.requested(self.last_step_seconds, self.last_save_seconds)
+        local = self.stop_asked or self.shutdown.requested(self.last_step_seconds, self.last_save_seconds)
         # One collective: every rank stops after the same step, or one would wait forever in the next.
         if self.engine.any_rank(local is not None):
             return local or "stop requested by another rank"
@@ -146,12 +148,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers for callbacks
 
+    def request_stop(self, reason: str) -> None:
+        """Stop after this step as a signal would (on_stop: a checkpoint; the run resumes later, exit code 75)."""
+        self.stop_asked = reason
+
     def current_lr(self) -> float:
         return self.engine.optimizer.param_groups[0]["lr"]
 
     def log(self, record: dict, kind: str = "step") -> None:
         self.latest_metrics = {**self.latest_metrics, **record}
-        self.metrics.write(record)
+        self.last_records[kind] = record
+        self.metrics.write(record, kind)
         self.console.log(record, kind)
 
     def save_checkpoint(self) -> Path:

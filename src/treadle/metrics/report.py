@@ -1,0 +1,218 @@
+"""``treadle report RUN [RUN ...] --out report.png``: a run's curves from its metrics.jsonl, several runs overlaid.
+
+Panels (each only where some run has the data): train and eval loss against steps and against tokens, lr, grad
+norm, tokens/s, per-source losses (``loss/<name>``), a draft's tau_sim and per-position acceptance, and
+tflops_per_s / mfu. Skipped (non-finite) steps are marked with an x on the loss panels, rollbacks with a dotted
+vertical line. matplotlib is an optional extra (``pip install treadle[report]``), imported only here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from treadle.errors import UserError
+from treadle.fsutil import claim_output
+
+SOFTWARE = "treadle report"  # written into the PNG's metadata: an earlier report is recognized and may be replaced
+
+
+@dataclass
+class Run:
+    label: str
+    steps: dict[int, dict] = field(default_factory=dict)  # step -> its step record (the last one: a rollback replays)
+    evals: dict[int, dict] = field(default_factory=dict)
+    acceptance: dict[int, dict] = field(default_factory=dict)
+    skipped: list[int] = field(default_factory=list)
+    rollbacks: list[int] = field(default_factory=list)
+
+    def series(self, key: str, records: str = "steps") -> tuple[list[int], list[float]]:
+        rows = getattr(self, records)
+        xs = [s for s in sorted(rows) if rows[s].get(key) is not None]
+        return xs, [rows[s][key] for s in xs]
+
+    def tokens_at(self, steps: list[int]) -> list[float]:
+        """Tokens seen by each step (an eval's step included: tokens grow linearly between step records)."""
+        known = {s: r["tokens"] for s, r in self.steps.items() if "tokens" in r}
+        per_step = max((t / s for s, t in known.items() if s), default=0.0)
+        return [known.get(s, s * per_step) for s in steps]
+
+
+def read_run(path: Path, label: str) -> Run:
+    metrics = Path(path) / "metrics.jsonl" if Path(path).is_dir() else Path(path)
+    if not metrics.is_file():
+        raise UserError(f"report: {path} holds no metrics.jsonl; accepted: a treadle run directory or a metrics.jsonl")
+    run = Run(label)
+    for n, line in enumerate(metrics.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if not isinstance(record, dict) or "step" not in record:
+            raise UserError(f"report: {metrics} line {n} is not a treadle metrics record; accepted: metrics.jsonl "
+                            "as treadle train writes it")
+        step, event = record["step"], record.get("event")
+        if event == "nonfinite_step_skipped":
+            run.skipped.append(step)
+        elif event == "rollback":
+            run.rollbacks.append(step)
+        elif "tau_sim" in record:
+            run.acceptance[step] = record
+        elif "eval_loss" in record:
+            run.evals[step] = record
+        elif "loss" in record:
+            run.steps[step] = record
+    return run
+
+
+def _labels(paths: list[Path]) -> list[str]:
+    names = [Path(p).resolve().name for p in paths]
+    return names if len(set(names)) == len(names) else [str(p) for p in paths]
+
+
+def build_figure(runs: list[Run]):
+    """The report as a matplotlib Figure (one axes per panel that some run has data for)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed, none opened
+    import matplotlib.pyplot as plt
+
+    panels = [("loss", "loss vs step"), ("loss_tokens", "loss vs tokens"), ("lr", "learning rate"),
+              ("grad_norm", "grad norm (before clipping)"), ("tokens_per_s", "tokens/s")]
+    sources = sorted({k for r in runs for rec in r.steps.values() for k in rec if k.startswith("loss/")})
+    if sources:
+        panels.append(("sources", "loss per source"))
+    if any(r.acceptance for r in runs):
+        panels += [("tau_sim", "tau_sim (simulated tokens per verification)"), ("accept", "acceptance per position")]
+    if any("tflops_per_s" in rec for r in runs for rec in r.steps.values()):
+        panels.append(("tflops_per_s", "TFLOP/s per device (mfu: right axis)"))
+    cols = 3
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (name, title) in zip(axes.flat, panels):
+        ax.set_title(title)
+        ax.set_xlabel("tokens" if name == "loss_tokens" else "step")
+        ax.grid(alpha=0.3)
+        for i, run in enumerate(runs):
+            _plot(ax, name, run, colors[i % len(colors)], sources)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.remove()
+    fig.suptitle(" vs ".join(r.label for r in runs))
+    fig.tight_layout()
+    return fig
+
+
+def _plot(ax, name: str, run: Run, color: str, sources: list[str]) -> None:
+    label = run.label
+    if name in ("loss", "loss_tokens"):
+        xs, ys = run.series("loss")
+        ex, ey = run.series("eval_loss", "evals")
+        if name == "loss_tokens":
+            xs, ex = run.tokens_at(xs), run.tokens_at(ex)
+        ax.plot(xs, ys, color=color, lw=1, label=f"{label} train")
+        ax.plot(ex, ey, color=color, ls="--", marker="o", ms=3, label=f"{label} eval")
+        if name == "loss":
+            marks = [s for s in run.skipped if s in run.steps]
+            if marks:
+                ax.plot(marks, [run.steps[s]["loss"] for s in marks], "x", color="red", ms=8, label=f"{label} skipped step")
+            for s in run.rollbacks:
+                ax.axvline(s, color=color, ls=":", lw=1)
+    elif name == "sources":
+        for j, key in enumerate(sources):
+            xs, ys = run.series(key)
+            if xs:
+                ax.plot(xs, ys, color=color, lw=1, ls=("-", "--", ":", "-.")[j % 4], label=f"{label} {key[5:]}")
+    elif name == "tau_sim":
+        xs, ys = run.series("tau_sim", "acceptance")
+        if xs:
+            ax.plot(xs, ys, color=color, marker="o", ms=3, label=label)
+    elif name == "accept":
+        last = run.acceptance[max(run.acceptance)] if run.acceptance else {}
+        keys = sorted((k for k in last if k.startswith("accept_")), key=lambda k: int(k.split("_")[1]))
+        if keys:
+            ax.set_xlabel("draft position")
+            ax.set_ylim(0, 1.02)
+            ax.set_xticks(range(1, len(keys) + 1))
+            ax.plot([int(k.split("_")[1]) for k in keys], [last[k] for k in keys], color=color, marker="o", ms=3,
+                    label=f"{label} at step {max(run.acceptance)}")
+    elif name == "tflops_per_s":
+        xs, ys = run.series("tflops_per_s")
+        if xs:
+            ax.plot(xs, ys, color=color, lw=1, label=label)
+        mx, my = run.series("mfu")
+        if mx:
+            twin = ax.twinx()
+            twin.plot(mx, my, color=color, lw=1, ls=":")
+            twin.set_ylabel("mfu")
+    else:
+        xs, ys = run.series(name)
+        if xs:
+            ax.plot(xs, ys, color=color, lw=1, label=label)
+        if name == "grad_norm" and ys and min(ys) > 0:
+            ax.set_yscale("log")
+
+
+def is_report_png(path: Path) -> bool:
+    """A PNG an earlier ``treadle report`` wrote (its tEXt Software field)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and SOFTWARE.encode() in head
+
+
+def write_report(paths: list[Path], out: Path, html_out: Path | None = None) -> None:
+    out = Path(out)
+    if out.suffix.lower() != ".png":
+        raise UserError(f"--out {out}: accepted: a .png file name")
+    claim_output(out, "--out", "report", ours=is_report_png, file=True)
+    if html_out is not None:
+        claim_output(html_out, "--html", "report", ours=lambda p: SOFTWARE in p.read_text(errors="replace")[:2000],
+                     file=True)
+    runs = [read_run(p, label) for p, label in zip(paths, _labels(paths))]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("treadle report draws with matplotlib, which is not installed; accepted: "
+                        "pip install 'treadle[report]'") from None
+    fig = build_figure(runs)
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    fig.savefig(tmp, format="png", dpi=100, metadata={"Software": SOFTWARE})
+    os.replace(tmp, out)
+    if html_out is not None:
+        Path(html_out).write_text(_html(runs, out))
+
+
+def _html(runs: list[Run], png: Path) -> str:
+    """A page with the PNG and each run's last step and eval record."""
+    rows = []
+    for run in runs:
+        for kind, records in (("step", run.steps), ("eval", run.evals), ("acceptance", run.acceptance)):
+            if records:
+                last = records[max(records)]
+                cells = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items())
+                rows.append(f"<tr><td>{html.escape(run.label)}</td><td>{kind}</td><td>{html.escape(cells)}</td></tr>")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><meta name='generator' content='{SOFTWARE}'>"
+            f"<title>{SOFTWARE}</title></head><body><img src='{html.escape(png.name)}' style='max-width:100%'>"
+            f"<table border='1'><tr><th>run</th><th>last</th><th>values</th></tr>{''.join(rows)}</table></body></html>\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files), overlaid")
+    parser.add_argument("--out", default="report.png", help="PNG to write (default: report.png)")
+    parser.add_argument("--html", default=None, help="also an HTML page showing the PNG and each run's last values "
+                        "(put it beside the PNG)")
+
+
+def run(args: argparse.Namespace) -> int:
+    write_report([Path(p) for p in args.runs], Path(args.out), Path(args.html) if args.html else None)
+    print(f"report of {len(args.runs)} run(s) -> {args.out}" + (f" and {args.html}" if args.html else ""))
+    return 0

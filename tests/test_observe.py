@@ -1,0 +1,219 @@
+"""Seeing inside a run: TensorBoard and W&B sinks, FLOPs / MFU / memory, the profiler window, callbacks from the
+config, `treadle report`. The sinks are the real packages, read back with their own readers (W&B offline)."""
+
+import errno
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from treadle.cli import main
+from tests.helpers import args, records
+from tests.sink_readers import tensorboard_scalars, wandb_history
+
+ROOT = Path(__file__).resolve().parents[1]
+SINKS = '--metrics.sinks=["jsonl","console","tensorboard","wandb"]'
+
+
+def test_sinks_profile_and_a_config_callback_through_a_resume(shards, tmp_path, capsys):
+    run = tmp_path / "run"
+    config = tmp_path / "callbacks.toml"  # the example file, registered as a user would
+    config.write_text(f'[[callbacks]]\npath = "{ROOT / "examples" / "plateau_stop.py"}:StopOnPlateau"\n'
+                      'args = { patience = 100 }\n')
+    argv = args(shards, run, "--train.max_steps=6", "--checkpoint.every=3", "--checkpoint.keep_last=5",
+                "--train.eval_every=3", SINKS, "--metrics.wandb_mode=offline", "--metrics.peak_tflops=2.0",
+                "--profile.start_step=2", "--profile.steps=2")
+    argv.insert(1, str(config))
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert "warning" not in first and "profile of steps 2-3: aten::" in first, first
+    traces = list((run / "profile").glob("rank0.*.pt.trace.json"))
+    assert len(traces) == 1 and json.loads(traces[0].read_text())["traceEvents"]
+    first_wandb_id = json.loads((run / "wandb.json").read_text())["run_id"]
+    # Back to step 3 as after a crash there: steps 4-6 run again, and every sink must still hold each step once.
+    assert main(["train", str(run / "config.toml"), f"--checkpoint.resume={run / 'checkpoints' / 'step_3'}",
+                 "--checkpoint.allow_rollback=true"]) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for r in steps:  # FLOPs and memory in every step record; mfu against the configured peak
+        assert r["tflops_per_s"] > 0 and r["mfu"] == pytest.approx(r["tflops_per_s"] / 2.0) and r["peak_rss_gib"] > 0.1
+    loss, evals = records(run), records(run, "eval_loss")
+    # The config-registered callback ran at every eval, logged through trainer.log, and kept its state.
+    assert records(run, "plateau_best_eval_loss") == {3: min(evals[0], evals[3]), 6: min(evals.values())}
+    state = json.loads((run / "checkpoints" / "step_6" / "train_state.json").read_text())
+    assert state["callbacks"]["StopOnPlateau"] == {"best": min(evals.values()), "flat": 0 if evals[6] < evals[0] else 1}
+
+    tb = tensorboard_scalars(run / "tensorboard")
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert [s for s, _ in tb["loss"]] == [1, 2, 3, 4, 5, 6] and [s for s, _ in tb["eval_loss"]] == [0, 3, 6]
+    assert [v for _, v in tb["loss"]] == pytest.approx([loss[s] for s in range(1, 7)], rel=1e-6)
+    assert [s for s, _ in tb["mfu"]] == [1, 2, 3, 4, 5, 6]
+
+    rows = wandb_history(run)
+    assert len(list((run / "wandb").glob(f"offline-run-*-{first_wandb_id}"))) == 2  # one W&B run, continued
+    assert [r["_step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]  # an eval shares its step's row
+    assert {r["_step"]: r["loss"] for r in rows if "loss" in r} == pytest.approx(loss, rel=1e-12)
+    assert {r["_step"]: r["eval_loss"] for r in rows if "eval_loss" in r} == pytest.approx(evals, rel=1e-12)
+
+
+def test_flops_formula_within_10_percent_of_flop_counter():
+    """6·N + 12·L·H·Q·T per token against torch's FlopCounterMode on one training step of the tiny preset.
+
+    Eager attention: FlopCounterMode has no formula for CPU sdpa's flash kernel (it would count the matmuls only)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from treadle.config import ModelConfig
+    from treadle.metrics.flops import attention_dims, matmul_parameters, train_flops_per_token
+    from treadle.models.hf import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(preset="tiny"), 8192)
+    model.config._attn_implementation = "eager"
+    batch, seq = 2, 128
+    ids = torch.randint(0, 8192, (batch, seq))
+    with FlopCounterMode(display=False) as counter:
+        logits = model(input_ids=ids, use_cache=False).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    formula = train_flops_per_token(matmul_parameters(model), *attention_dims(model.config), seq) * batch * seq
+    # The issue asks for 10%; here it is exact, and 2% would catch a lost attention term (3.5% at T = 128).
+    assert abs(formula / counter.get_total_flops() - 1) < 0.02
+
+
+def test_a_failing_sink_is_reported_once_and_dropped(tmp_path):
+    from treadle.metrics.sinks import JsonlSink, Sinks
+
+    class DiskFull:  # a sink whose disk filled up at its second record
+        name = "tensorboard"
+
+        def __init__(self):
+            self.written = []
+
+        def write(self, record, kind):
+            if self.written:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written.append(record)
+
+        def close(self):
+            pass
+
+    warnings, broken = [], DiskFull()
+    sinks = Sinks(JsonlSink(tmp_path / "metrics.jsonl"), warn=warnings.append)
+    sinks.add(broken)
+    for step in (1, 2, 3):
+        sinks.write({"step": step, "loss": 1.0})
+    sinks.close()
+    assert broken.written == [{"step": 1, "loss": 1.0}] and sinks.optional == []
+    assert warnings == ["treadle: warning: the tensorboard sink failed (OSError: [Errno 28] No space left on device); "
+                        "it is dropped, training goes on"]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_missing_extra_and_bad_callbacks_are_one_line_before_anything_is_written(shards, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: importing it raises ImportError
+    assert main(args(shards, run, '--metrics.sinks=["jsonl","wandb"]')) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'treadle[wandb]'" in err and "'wandb'" in err
+    entries = {
+        'path = "examples/nope.py:X"': "callbacks[0].path = 'examples/nope.py:X' cannot be loaded (FileNotFoundError",
+        'path = "json:JSONDecoder"': "callbacks[0].path = 'json:JSONDecoder' is not a treadle.Callback subclass",
+        f'path = "{ROOT / "examples" / "plateau_stop.py"}:StopOnPlateau"\nargs = {{ patience = 0 }}':
+            "callbacks[0]: StopOnPlateau(**{'patience': 0}) raised ValueError: patience = 0; accepted: 1 or more",
+        'path = "no_colon"': "callbacks[0].path = 'no_colon' is invalid",
+    }
+    for entry, message in entries.items():
+        config = tmp_path / "c.toml"
+        config.write_text(f"[[callbacks]]\n{entry}\n")
+        argv = args(shards, run)
+        argv.insert(1, str(config))
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not run.exists()
+
+
+def _metrics(path: Path, rows: list[dict]) -> Path:
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_report_has_the_panels_and_lines_and_replaces_only_its_own_png(tmp_path, capsys):
+    from treadle.metrics.report import build_figure, read_run
+
+    plain = _metrics(tmp_path / "plain", [{"step": 0, "eval_loss": 9.0}] + [
+        {"step": s, "loss": 9.0 - s, "lr": 1e-3, "grad_norm": 1.0, "tokens": 64 * s, "tokens_per_s": 100.0,
+         "tflops_per_s": 0.5, "mfu": 0.25} for s in (1, 2, 3)] + [{"step": 3, "eval_loss": 6.5}])
+    draft = _metrics(tmp_path / "draft", [
+        {"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 64, "tokens_per_s": 90.0, "loss/a": 2.1},
+        {"step": 2, "event": "nonfinite_step_skipped", "loss": None},
+        {"step": 2, "loss": 1.5, "lr": 1e-3, "grad_norm": 1.0, "tokens": 128, "tokens_per_s": 90.0, "loss/a": 1.6},
+        {"step": 1, "event": "rollback", "checkpoint": "x"},
+        {"step": 2, "tau_sim": 2.5, "accept_1": 0.8, "accept_2": 0.6}])
+    fig = build_figure([read_run(plain, "plain"), read_run(draft, "draft")])
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert list(axes) == ["loss vs step", "loss vs tokens", "learning rate", "grad norm (before clipping)", "tokens/s",
+                          "loss per source", "tau_sim (simulated tokens per verification)", "acceptance per position",
+                          "TFLOP/s per device (mfu: right axis)"]
+    labels = [line.get_label() for line in axes["loss vs step"].get_lines()]
+    assert labels == ["plain train", "plain eval", "draft train", "draft eval", "draft skipped step",
+                      "_child5"] or labels[:5] == ["plain train", "plain eval", "draft train", "draft eval",
+                                                   "draft skipped step"]
+    assert list(axes["loss vs step"].get_lines()[0].get_xdata()) == [1, 2, 3]
+    assert list(axes["loss vs tokens"].get_lines()[1].get_xdata()) == [0, 192]  # evals placed by their tokens
+    assert [line.get_label() for line in axes["loss per source"].get_lines()] == ["draft a"]
+    assert list(axes["acceptance per position"].get_lines()[0].get_ydata()) == [0.8, 0.6]
+
+    out = tmp_path / "report.png"
+    assert main(["report", str(plain), str(draft), "--out", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG")
+    assert main(["report", str(plain), "--out", str(out)]) == 0  # its own earlier report: replaced
+    foreign = tmp_path / "photo.png"
+    foreign.write_bytes(b"\x89PNG not ours")
+    capsys.readouterr()
+    assert main(["report", str(plain), "--out", str(foreign)]) == 2 and foreign.read_bytes() == b"\x89PNG not ours"
+    assert main(["report", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    assert "holds no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_draft_flops_formula_within_10_percent_of_flop_counter():
+    """A GLIDE draft step: the draft trained, the shared head scored through, the frozen target's forward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from treadle.models.glide import GlideDraft, GlideModel
+    from treadle.train.run import model_flops_per_token
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, use_cache=False, attn_implementation="eager")
+    model = GlideModel(AutoModelForCausalLM.from_config(config), GlideDraft(config))
+    batch, seq = 2, 128
+    ids = torch.randint(0, 8192, (batch, seq))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:  # the draft's sdpa as bmm
+        out = model(ids, torch.arange(seq).expand(batch, seq), lag=1)
+        torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), ids.flatten()).backward()
+    formula = model_flops_per_token(model, seq, draft=True) * batch * seq
+    assert abs(formula / counter.get_total_flops() - 1) < 0.02  # 0.5% here
+
+
+def test_wandb_continues_its_run_on_a_resume_and_starts_a_new_one_on_a_fresh_start(tmp_path):
+    from treadle.metrics.wandb_sink import WandbSink
+
+    def session(resumed, steps):
+        sink = WandbSink(tmp_path, {}, "p", "n", None, [], "offline", resumed=resumed)
+        for step in steps:
+            sink.write({"step": step, "loss": float(step)})
+        sink.close()
+        return sink.run_id
+
+    first = session(False, [1, 2, 3])
+    assert session(True, [2, 3, 4]) == first  # resumed from step 1: 2 and 3 were sent already
+    fresh = session(False, [1])  # checkpoint.resume = none: the metrics start over, so does the W&B run
+    assert fresh != first
+    assert [r["_step"] for r in wandb_history(tmp_path, first)] == [1, 2, 3, 4]
+    assert [r["_step"] for r in wandb_history(tmp_path, fresh)] == [1]
