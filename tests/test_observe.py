@@ -4,6 +4,7 @@ config, `treadle report`. The sinks are the real packages, read back with their 
 import errno
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,7 @@ def test_wandb_continues_its_run_on_a_resume_and_starts_a_new_one_on_a_fresh_sta
         for step in steps:
             sink.write({"step": step, "loss": float(step)})
         sink.close()
+        time.sleep(1.05)  # W&B names an offline run's directory by the second: two sessions in one second share it
         return sink.run_id
 
     first = session(False, [1, 2, 3])
