@@ -213,3 +213,42 @@ def test_bad_eagle3_settings_are_one_line(shards, target_dir, tmp_path, capsys, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and key in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl"])
+def test_ttt_loss_equals_a_naive_sum_over_steps_and_rows(loss):
+    """Step k's row t is scored against index t + 1 + k (label or target distribution, within the draft vocabulary),
+    weighted decay**k, summed: the objective equals this written as plain loops."""
+    from treadle.config import DraftConfig
+    from treadle.train.eagle3 import Eagle3Objective
+
+    model = eagle3(vocab=64)
+    cfg = DraftConfig(kind="eagle3", target="x", loss=loss, ttt_steps=3, ttt_decay=0.5)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])
+    ids = torch.randint(0, 512, (1, 12))
+    ids[0, 1:4] = model.draft_model.draft_to_target()[:3]  # some labels inside the draft vocabulary
+    labels = torch.cat((ids[:, 1:], torch.tensor([[7]])), 1)
+    labels[0, 5] = -100
+    batch = {"input_ids": ids, "labels": labels, "position_ids": pos}
+    with torch.no_grad():
+        got, side = Eagle3Objective(cfg, 512, 12)(model, batch)
+        out = model(ids, pos, steps=3)
+    doc = document_ids(pos)[0]
+    to_draft = model.draft_model.target_to_draft()
+    in_vocab = model.draft_model.t2d
+    d2t = model.draft_model.draft_to_target()
+    want = 0.0
+    for k in range(3):
+        for t in range(12):
+            i = t + 1 + k
+            if i >= 12 or doc[i] != doc[t] or labels[0, i] == -100:
+                continue
+            log_q = torch.log_softmax(out.logits[k][0, t], -1)
+            teacher = out.target_logits[0, i]
+            if loss == "ce" and to_draft[labels[0, i]] >= 0:
+                want += 0.5 ** k * float(-log_q[to_draft[labels[0, i]]])
+            if loss == "kl" and in_vocab[teacher.argmax()]:
+                p = torch.softmax(teacher[d2t], -1)
+                want += 0.5 ** k * float((p * (p.log() - log_q)).sum())
+    assert float(got.sum()) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert float(side["ttt_rows_1"]) == 9 and float(side["ttt_rows_3"]) == 5
