@@ -82,9 +82,10 @@ def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
         return PromptLookupDrafter()
     path = Path(spec)
     for candidate in (path, path / "draft"):  # a draft run directory holds its export in draft/
-        if read_draft_config(candidate) is not None:
+        config = read_draft_config(candidate)
+        if config is not None:
             model = load_draft(candidate, target)
-            if read_draft_config(candidate)["treadle_draft_kind"] == "eagle3":
+            if config["treadle_draft_kind"] == "eagle3":
                 from treadle.speculative.eagle3_drafter import Eagle3Drafter
 
                 return Eagle3Drafter(model)
