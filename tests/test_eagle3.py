@@ -36,8 +36,8 @@ def eagle3(seed=1, vocab=None):
 
 
 def test_default_feature_layers_are_eagle3s_and_fit_shallow_targets():
-    assert default_feature_layers(32) == (1, 15, 28)  # SpecForge's picks for Llama-3-8B
-    assert default_feature_layers(4) == (0, 1, 3) and default_feature_layers(2) == (0, 0, 1)
+    assert default_feature_layers(32) == (2, 16, 29)  # EAGLE-3's picks for Llama-3-8B
+    assert default_feature_layers(4) == (1, 2, 3) and default_feature_layers(2) == (1, 1, 1)
 
 
 def test_ttt_mask_and_scored_rows_match_a_naive_reference():
@@ -59,16 +59,15 @@ def test_ttt_mask_and_scored_rows_match_a_naive_reference():
                 assert bool(rows[t]) == bool(doc[0, t] == doc[0, ahead] and labels[0, ahead] != -100), (step, t)
 
 
-def test_captured_features_are_the_decoder_layers_outputs():
+def test_captured_features_are_the_output_hidden_states_entries():
     model = eagle3()
     ids = torch.randint(0, 512, (1, 10))
     with torch.no_grad():
-        hidden = model.target(input_ids=ids, output_hidden_states=True).hidden_states  # [embeddings, layer 0 out, ...]
-        with capture_features(model.target, (0, 1, 2)) as tap:
+        hidden = model.target(input_ids=ids, output_hidden_states=True).hidden_states  # [embeddings, layer 1 out, ...]
+        with capture_features(model.target, (2, 0, 1)) as tap:
             model.target(input_ids=ids)
             got = tap.take()
-    d = TARGET["hidden_size"]
-    assert torch.equal(got[..., :d], hidden[1]) and torch.equal(got[..., d:2 * d], hidden[2])
+    assert torch.equal(got, torch.cat((hidden[2], hidden[0], hidden[1]), dim=-1))
 
 
 @pytest.mark.parametrize("vocab", [None, 64])
@@ -86,7 +85,7 @@ def test_decode_drafter_reproduces_the_training_unroll(vocab):
     drafter.reset(text[:, :prompt_len])
     given = 0
     for s in range(prompt_len, text.shape[1]):  # the bonus at s: the target has processed tokens < s
-        state = TargetState(None, features[:, given:s])
+        state = TargetState(None, features[:, given:s])  # the rows the target added since the last round
         given = s
         proposals = drafter.propose(text[:, : s + 1], state, gamma)
         if vocab:
@@ -142,7 +141,7 @@ def test_eagle3_run_trains_exports_and_decodes(shards, target_dir, tmp_path, cap
     st = load_file(export / "model.safetensors")
     config = json.loads((export / "config.json").read_text())
     assert config["treadle_draft_kind"] == "eagle3" and config["vocab_size"] == 200
-    assert config["feature_layers"] == [0, 0, 1] and not (export / "draft_model_weights.pth").exists()
+    assert config["feature_layers"] == [1, 1, 1] and not (export / "draft_model_weights.pth").exists()
     assert st["lm_head.weight"].shape == (200, TARGET["hidden_size"]) and st["t2d"].dtype == torch.bool
     # The map is the 200 most frequent training tokens.
     from treadle.data.packed import PackedDataset
@@ -203,7 +202,7 @@ def test_eagle3_run_resumes_bit_for_bit(shards, target_dir, tmp_path):
 
 @pytest.mark.parametrize("bad, key", [
     (("--draft.kind=glide", "--draft.ttt_steps=3"), "draft.ttt_steps"),
-    (("--draft.kind=eagle3", "--draft.feature_layers=[0,5]"), "draft.feature_layers"),
+    (("--draft.kind=eagle3", "--draft.feature_layers=[0,2]"), "draft.feature_layers"),  # the target has 2 layers
     (("--draft.kind=eagle3", "--draft.vocab_size=9999"), "draft.vocab_size"),
     (("--draft.kind=eagle3", "--draft.window=8"), "draft.window"),
     (("--draft.kind=eagle3", "--model.loss_chunk_tokens=16"), "model.loss_chunk_tokens"),

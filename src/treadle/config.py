@@ -281,8 +281,9 @@ class DraftConfig(Section):
     eval_prompts: int = Field(8, ge=1, description="held-out prompts whose target-greedy continuations measure acceptance")
     eval_prompt_len: int = Field(32, ge=1)
     eval_new_tokens: int = Field(64, ge=2)
-    feature_layers: list[int] | None = Field(None, description="eagle3: 0-based target decoder layers whose outputs are "
-                                             "fused (low, mid, high); unset = EAGLE-3's (1, N/2 - 1, N - 4)")
+    feature_layers: list[int] | None = Field(None, description="eagle3: target hidden states fused (low, mid, high), "
+                                             "as output_hidden_states indices (0 = embeddings, i = decoder layer i's "
+                                             "output, < N); unset = EAGLE-3's (2, N/2, N - 3)")
     vocab_size: int | None = Field(None, ge=1, description="eagle3: the draft head's vocabulary, the most frequent "
                                    "training tokens; unset = the target's whole vocabulary")
     ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3: training-time-test unroll steps (the draft "

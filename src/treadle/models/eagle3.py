@@ -2,7 +2,8 @@
 
 Written from the EAGLE-3 paper and SpecForge's ``llama3_eagle.py`` description:
 
-    f_t = fc([h_low ; h_mid ; h_high]_t)            target features at token t (3d -> d)
+    f_t = fc([h_low ; h_mid ; h_high]_t)            target features at token t (3d -> d); the layers are
+                                                    indices of HF's output_hidden_states (``feature_layers``)
     x   = f_t + Attn(q/k/v over [norm(embed(tok_{t+1})) ; norm(f_t)])     (2d in, d out)
     x   = x + MLP(norm(x))
     logits = lm_head(norm(x))                       its own head, optionally over a reduced vocabulary
@@ -49,12 +50,13 @@ KIND = "eagle3"
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low / middle / high picks: the outputs of decoder layers 1, N/2 - 1 and N - 4 (0-based, SpecForge's
-    choice for Llama). A target too shallow for three distinct such picks gets its first, middle and last layer."""
-    picks = (1, num_layers // 2 - 1, num_layers - 4)
+    """EAGLE-3's low / middle / high picks 2, N/2 and N - 3, as indices of Hugging Face's ``output_hidden_states``
+    (0 = the embedding output, i = decoder layer i's output). A target too shallow for three increasing such picks
+    gets 1, N/2 and N - 1. Index N is never a default: Hugging Face normalizes that entry, a hook does not."""
+    picks = (2, num_layers // 2, num_layers - 3)
     if picks[0] < picks[1] < picks[2]:
         return picks
-    return (0, (num_layers - 1) // 2, num_layers - 1)
+    return (1, max(1, num_layers // 2), max(1, num_layers - 1))
 
 
 @contextlib.contextmanager
@@ -68,10 +70,11 @@ def capture_features(target, layers: tuple[int, ...]) -> Iterator["FeatureTap"]:
 
 
 class FeatureTap:
-    """Forward hooks on the chosen decoder layers; ``take()`` is the latest forward's features, [B, T, len * d]."""
+    """Forward hooks where the chosen ``output_hidden_states`` entries are made (the embedding for 0, decoder layer
+    i - 1 for i); ``take()`` is the latest forward's features, [B, T, len * d], without asking the model for all."""
 
     def __init__(self, target, layers: tuple[int, ...]):
-        stack = decoder_layers(target)
+        stack = [target.get_input_embeddings(), *decoder_layers(target)]
         self._got: dict[int, torch.Tensor] = {}
 
         def hook(index):
@@ -303,8 +306,9 @@ def frequent_tokens(counts: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def check_feature_layers(layers: tuple[int, ...], num_layers: int, key: str) -> None:
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad or not layers:
-        raise UserError(f"{key} = {list(layers)}: the target has {num_layers} decoder layers; accepted: indices "
-                        f"0..{num_layers - 1} (default EAGLE-3's {list(default_feature_layers(num_layers))})")
+        raise UserError(f"{key} = {list(layers)}: the target has {num_layers} decoder layers; accepted: "
+                        f"output_hidden_states indices 0..{num_layers - 1} (0 = embeddings, i = decoder layer i's "
+                        f"output; default {list(default_feature_layers(num_layers))})")
 
 
 def build_eagle3(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):

@@ -49,9 +49,9 @@ class TargetState:
     """What a drafter that declares ``feature_layers`` (EAGLE-3) gets in place of the bare ``target_kv``."""
 
     kv: tuple[torch.Tensor, torch.Tensor]
-    # [1, n, len(feature_layers) * d]: those decoder layers' outputs for the n tokens the target processed in its
-    # latest forward (prefill: the prompt; a verification: the bonus and the accepted drafts).
-    features: torch.Tensor
+    # [1, n, len(feature_layers) * d]: those output_hidden_states entries for the n tokens the target processed in
+    # its latest forward (prefill: the prompt; a verification: the bonus and the accepted drafts).
+    hidden: torch.Tensor
 
 
 @dataclass

@@ -41,9 +41,9 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def propose(self, context_ids: torch.Tensor, state, gamma: int) -> list[int]:
-        features = getattr(state, "features", None)
+        features = getattr(state, "hidden", None)
         if features is None:
-            raise ValueError("an EAGLE-3 draft needs the target's hidden states (state.features)")
+            raise ValueError("an EAGLE-3 draft needs the target's hidden states (state.hidden)")
         self.pending.append(features)
         draft = self.model.draft_model
         new = torch.cat(self.pending, dim=1)
