@@ -269,7 +269,7 @@ class DataConfig(Section):
 class DraftConfig(Section):
     """A draft model for speculative decoding, trained against a frozen target (``kind`` unset: an ordinary run)."""
 
-    kind: Literal["glide"] | None = Field(None, description="draft architecture; unset = train the [model] itself")
+    kind: Literal["glide", "eagle3"] | None = Field(None, description="draft architecture; unset = train the [model] itself")
     target: str | None = Field(None, description="frozen target: a Hugging Face model directory or a treadle run directory")
     loss: Literal["ce", "kl", "mix"] = Field("kl", description="ce: next data token; kl: the target's own distribution; mix: both")
     kl_weight: float = Field(0.5, ge=0.0, le=1.0, description="mix: weight of kl (ce gets 1 - kl_weight)")
@@ -281,6 +281,14 @@ class DraftConfig(Section):
     eval_prompts: int = Field(8, ge=1, description="held-out prompts whose target-greedy continuations measure acceptance")
     eval_prompt_len: int = Field(32, ge=1)
     eval_new_tokens: int = Field(64, ge=2)
+    feature_layers: list[int] | None = Field(None, description="eagle3: target hidden states fused (low, mid, high), "
+                                             "as output_hidden_states indices (0 = embeddings, i = decoder layer i's "
+                                             "output, < N); unset = EAGLE-3's (2, N/2, N - 3)")
+    vocab_size: int | None = Field(None, ge=1, description="eagle3: the draft head's vocabulary, the most frequent "
+                                   "training tokens; unset = the target's whole vocabulary")
+    ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3: training-time-test unroll steps (the draft "
+                                  "fed its own outputs); unset = 7")
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: weight of unroll step k's loss is ttt_decay**k")
 
 
 class DistributedConfig(Section):
@@ -382,6 +390,14 @@ class Config(Section):
             )
         if self.draft.kind is not None and self.draft.target is None:
             raise ValueError("draft.kind is set but draft.target is not; accepted: a Hugging Face model directory or a treadle run directory")
+        if self.draft.kind != "eagle3":
+            for key in ("feature_layers", "vocab_size", "ttt_steps"):
+                if getattr(self.draft, key) is not None:
+                    raise ValueError(f"draft.{key} is set but draft.kind = {self.draft.kind!r}; accepted: draft.kind = "
+                                     "'eagle3', or leave it unset")
+        elif self.draft.window:
+            raise ValueError(f"draft.window = {self.draft.window} with draft.kind = 'eagle3' (it has no windowed "
+                             "self-attention); accepted: draft.window = 0")
         if self.draft.eval_new_tokens <= self.draft.gamma:
             raise ValueError(f"draft.eval_new_tokens={self.draft.eval_new_tokens} must exceed draft.gamma={self.draft.gamma}")
         if not self.data.train:

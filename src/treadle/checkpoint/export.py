@@ -100,25 +100,22 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
     """The draft alone, in two forms, with what it needs to find its target again.
 
     ``model.safetensors`` + ``config.json`` (draft kind, hyper-parameters, the target's
-    path and fingerprints) load with ``treadle.models.glide.load_glide``;
+    path and fingerprints) load with ``treadle.models.drafts.load_draft``; for GLIDE,
     ``draft_model_weights.pth`` is the same state dict with the ``draft_model.`` prefix
     stripped, LongSpec's format, for tooling that expects it. ``dtype``: the weights' dtype on disk
-    (``load_glide`` casts them to the model's own).
+    (loading casts them to the model's own); integer and boolean tensors (an eagle3 draft's vocabulary
+    map ``d2t`` / ``t2d``) keep theirs.
     """
-    from dataclasses import asdict
-
     from safetensors.torch import save_file
 
     draft = model.draft_model
-    prefix = "draft_model."  # ``state_dict``: the whole GlideModel's full weights, as an engine exports them
+    prefix = "draft_model."  # ``state_dict``: the whole draft model's full weights, as an engine exports them
     torch_dtype = _torch_dtype(dtype)
-    weights = {k[len(prefix):]: v.detach().to("cpu", torch_dtype).contiguous()
+    weights = {k[len(prefix):]: v.detach().to("cpu", torch_dtype if v.is_floating_point() else v.dtype).contiguous()
                for k, v in state_dict.items() if k.startswith(prefix)}
     config = {
-        "treadle_draft_kind": "glide",
+        **draft.export_config(),
         "dtype": dtype,
-        "window": draft.window,
-        "shape": asdict(draft.shape),
         "target": identity,
         "target_config": model.target.config.to_dict(),
         "training": {**cfg.model_dump(mode="json"), "step": step},
@@ -127,7 +124,8 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
     with atomic_directory(out, command) as tmp:
         tmp.mkdir()
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        torch.save(weights, tmp / "draft_model_weights.pth")
+        if config["treadle_draft_kind"] == "glide":
+            torch.save(weights, tmp / "draft_model_weights.pth")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         if (Path(target_dir) / "tokenizer.json").is_file():  # the draft decodes with its target's tokenizer
             AutoTokenizer.from_pretrained(target_dir).save_pretrained(tmp)
@@ -158,9 +156,9 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     train_state = run_state(ckpt)
     meta = train_state["meta"]
     if cfg.draft.kind:
-        from treadle.models.glide import build_glide
+        from treadle.models.drafts import build_draft
 
-        model, target_dir, identity = build_glide(cfg.draft, meta["vocab_size"], meta["tokenizer_fingerprint"])
+        model, target_dir, identity = build_draft(cfg.draft, meta["vocab_size"], meta["tokenizer_fingerprint"])
         module, prefix = model.draft_model, "draft_model."
     else:
         model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])

@@ -102,6 +102,16 @@ class _ShardSet(torch.utils.data.Dataset):
         dirs = f"shard director{'y' if len(self.shards) == 1 else 'ies'} {', '.join(str(s.path) for s in self.shards)}"
         return f"{dirs} ({self.part})" if self.part else dirs
 
+    def token_counts(self, vocab_size: int, chunk: int = 1 << 22) -> np.ndarray:
+        """[vocab_size] occurrences of each token id among the tokens that take loss (all, without a loss mask)."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for start in range(0, self.num_tokens, chunk):
+            stop = min(start + chunk, self.num_tokens)
+            tokens = self._read(start, stop)
+            weights = self._read(start, stop, mask=True) if self._has_mask else None
+            counts += np.bincount(tokens, weights=weights, minlength=vocab_size)[:vocab_size].astype(np.int64)
+        return counts
+
     def _read(self, start: int, stop: int, mask: bool = False) -> np.ndarray:
         """Tokens [start, stop) of the dataset's stream as int64 (with ``mask``: their loss mask)."""
         if self._pieces is None:

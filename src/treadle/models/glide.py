@@ -158,6 +158,12 @@ class GlideDraft(nn.Module):
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
 
+    def export_config(self) -> dict:
+        """What ``load_glide`` needs besides the weights (export.py writes it to config.json)."""
+        from dataclasses import asdict
+
+        return {"treadle_draft_kind": KIND, "window": self.window, "shape": asdict(self.shape)}
+
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(*x.shape[:2], -1, self.shape.head_dim).transpose(1, 2)  # [B, H, T, D]
 
@@ -295,7 +301,7 @@ class GlideModel(nn.Module):
 
     # Evaluations call these methods directly (not through forward); a sharding engine (FSDP2)
     # must gather the parameters around them as around forward, so they are declared here.
-    fsdp_forward_methods = ("target_forward", "draft_logits", "continue_greedily")
+    fsdp_forward_methods = ("target_forward", "draft_logits", "chain_guesses", "continue_greedily")
 
     def target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
         """Target logits and last-layer K/V for packed rows (no grad: the target is a fixed teacher)."""
@@ -310,6 +316,13 @@ class GlideModel(nn.Module):
         defaults to ``position_ids``.
         """
         return self._draft_logits(input_ids, position_ids, target_kv, lag, doc_position_ids)
+
+    def chain_guesses(self, texts: torch.Tensor, gamma: int) -> list[torch.Tensor]:
+        """Per chain step k = 1..gamma, [N, L]: entry i is the draft's argmax at index i with lag k, its guess for
+        token i + 1 at step k of a decode chain (``speculative.acceptance``)."""
+        positions = torch.arange(texts.shape[1], device=texts.device).expand_as(texts)
+        _, target_kv = self._target_forward(texts, positions)
+        return [self._draft_logits(texts, positions, target_kv, lag=k).argmax(-1) for k in range(1, gamma + 1)]
 
     def continue_greedily(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
         """[N, P] prompts -> [N, P + new_tokens], continued greedily by the target."""
@@ -419,12 +432,8 @@ def target_identity(target_dir: Path, target) -> dict:
     }
 
 
-def build_glide(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
-    """(GlideModel, target dir, target identity) for a ``DraftConfig``, checked against the data. Seed torch first.
-
-    ``empty``: the target is built on the meta device (see ``load_causal_lm``); the draft is built whole.
-    """
-    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
+def checked_target(target_dir: Path, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
+    """(target, identity) of a draft run's ``draft.target``, checked against the data's vocabulary and tokenizer."""
     target = load_target(target_dir, empty=empty)
     ident = target_identity(target_dir, target)
     if target.config.vocab_size < data_vocab:
@@ -434,4 +443,14 @@ def build_glide(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, em
     if theirs and data_tokenizer_fingerprint and theirs != data_tokenizer_fingerprint:
         raise UserError(f"data.train was tokenized with tokenizer {data_tokenizer_fingerprint}, draft.target "
                         f"{target_dir} uses {theirs}; accepted: shards made with the target's tokenizer")
+    return target, ident
+
+
+def build_glide(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
+    """(GlideModel, target dir, target identity) for a ``DraftConfig``, checked against the data. Seed torch first.
+
+    ``empty``: the target is built on the meta device (see ``load_causal_lm``); the draft is built whole.
+    """
+    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
+    target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
     return GlideModel(target, GlideDraft(target.config, window=cfg.window)), target_dir, ident

@@ -1,12 +1,13 @@
-"""Acceptance of a GLIDE draft measured without running the decode loop.
+"""Acceptance of a draft (GLIDE, EAGLE-3) measured without running the decode loop.
 
 On text the target itself generated greedily, the target's greedy token at every
 position is, by construction, the next token of the text. A greedy speculative step
 that starts with the bonus token at index s proposes, at chain step k, the draft's
 argmax at index s + k - 1 with lag k (the target has processed indices < s) and
 accepts it iff it equals token s + k. With one forward of the draft per lag over the
-whole text, every start s is scored at once; because the draft's one layer makes its
-self-attention state depend only on the tokens, this is what the decode loop would do
+whole text (``model.chain_guesses``: per lag for GLIDE, per training-time-test step for
+EAGLE-3), every start s is scored at once; because the draft's one layer makes its
+self-attention state depend only on the tokens and the target, this is what the decode loop would do
 from each start, not an approximation of it (up to ties in the argmax).
 
 tau_sim averages over every start, whereas a real decode visits only the starts its
@@ -20,7 +21,7 @@ import torch
 
 @torch.no_grad()
 def chain_acceptance(model, texts: torch.Tensor, prompt_len: int, gamma: int) -> dict:
-    """Per-position acceptance and tau_sim of a ``GlideModel``'s draft on target-greedy ``texts``.
+    """Per-position acceptance and tau_sim of a draft model's (``chain_guesses``) on target-greedy ``texts``.
 
     Starts are the generated indices s >= prompt_len that leave room for a full chain.
     Returns ``tau_sim`` (= 1 + sum of unconditional rates), ``acceptance_conditional``
@@ -30,11 +31,8 @@ def chain_acceptance(model, texts: torch.Tensor, prompt_len: int, gamma: int) ->
     starts = torch.arange(prompt_len, length - gamma, device=texts.device)
     if len(starts) == 0:
         raise ValueError(f"texts of length {length} leave no start after a {prompt_len}-token prompt for gamma {gamma}")
-    positions = torch.arange(length, device=texts.device).expand_as(texts)
-    _, target_kv = model.target_forward(texts, positions)
     chain = []
-    for k in range(1, gamma + 1):
-        guess = model.draft_logits(texts, positions, target_kv, lag=k).argmax(-1)  # [N, L]: guess for index i + 1
+    for k, guess in enumerate(model.chain_guesses(texts, gamma), start=1):  # [N, L]: guess for index i + 1
         hit = guess[:, :-1] == texts[:, 1:]
         chain.append(hit[:, starts + k - 1])  # chain step k from start s predicts token s + k
     accepted = torch.stack(chain).long().cumprod(0)  # [gamma, N, S]: 1 while every step so far was accepted

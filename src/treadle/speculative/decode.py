@@ -13,6 +13,7 @@ model has processed yet.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,6 +42,16 @@ class Drafter(Protocol):
 
     def accept(self, n_context: int) -> None:
         """The accepted sequence is now ``n_context`` tokens long; drop state beyond that prefix."""
+
+
+@dataclass
+class TargetState:
+    """What a drafter that declares ``feature_layers`` (EAGLE-3) gets in place of the bare ``target_kv``."""
+
+    kv: tuple[torch.Tensor, torch.Tensor]
+    # [1, n, len(feature_layers) * d]: those output_hidden_states entries for the n tokens the target processed in
+    # its latest forward (prefill: the prompt; a verification: the bonus and the accepted drafts).
+    hidden: torch.Tensor
 
 
 @dataclass
@@ -135,23 +146,29 @@ def speculative_generate(
     prompt = prompt_ids[0].tolist()
     accepted: list[int] = []
     start = time.perf_counter()
-    with torch.inference_mode():
+    layers = getattr(drafter, "feature_layers", None)
+    if layers:
+        from treadle.models.eagle3 import capture_features
+    with torch.inference_mode(), capture_features(target, layers) if layers else contextlib.nullcontext() as tap:
         # A bare DynamicCache holds full (croppable) layers even for models with
         # sliding-window layers, so layers[-1] always covers the whole prefix.
         cache = DynamicCache()
         drafter.reset(prompt_ids)
         # The prefill's token is the first bonus; it is not a verification call.
         tokens = [int(forward_logits(target, prompt_ids, cache)[-1].argmax())]
+        fresh = tap.take() if tap else None  # features of the tokens the last target forward processed
         while not _finished(tokens, max_new_tokens, eos_id):
             context = prompt + tokens
             target_kv = _last_layer_kv(cache, len(context) - 1)
-            draft = drafter.propose(torch.tensor([context]), target_kv, gamma)
+            state = TargetState(target_kv, fresh) if tap else target_kv
+            draft = drafter.propose(torch.tensor([context]), state, gamma)
             if len(draft) != gamma:
                 raise RuntimeError(f"drafter {drafter.name!r} proposed {len(draft)} tokens, expected {gamma}")
             verify = torch.tensor([[tokens[-1], *draft]])
             # choice[i] is the target's greedy token after verify[:i+1].
             choice = forward_logits(target, verify, cache).argmax(-1).tolist()
             n = leading_matches(draft, choice)
+            fresh = tap.take()[:, : n + 1] if tap else None  # the bonus and the accepted drafts
             tokens += draft[:n] + [choice[n]]
             accepted.append(n)
             # The target has now processed the accepted sequence minus the new bonus.

@@ -73,7 +73,8 @@ def _check_same_tokenizer(draft_dir: Path, tokenizer) -> None:
 # ---- Drafter registry: every accepted --draft value is resolved here. ----
 def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
     """``--draft`` value -> Drafter: 'prompt-lookup', a treadle draft directory, or any HF causal LM."""
-    from treadle.models.glide import load_glide, read_draft_config
+    from treadle.models.drafts import load_draft
+    from treadle.models.glide import read_draft_config
     from treadle.models.hf import load_causal_lm
     from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
 
@@ -81,10 +82,16 @@ def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
         return PromptLookupDrafter()
     path = Path(spec)
     for candidate in (path, path / "draft"):  # a draft run directory holds its export in draft/
-        if read_draft_config(candidate) is not None:
+        config = read_draft_config(candidate)
+        if config is not None:
+            model = load_draft(candidate, target)
+            if config["treadle_draft_kind"] == "eagle3":
+                from treadle.speculative.eagle3_drafter import Eagle3Drafter
+
+                return Eagle3Drafter(model)
             from treadle.speculative.glide_drafter import GlideDrafter
 
-            return GlideDrafter(load_glide(candidate, target))
+            return GlideDrafter(model)
     draft_dir = resolve_model_dir(path, "--draft")
     _check_same_tokenizer(draft_dir, tokenizer)
     return ModelDrafter(load_causal_lm(draft_dir, "--draft"), name=f"lm:{draft_dir}")

@@ -39,8 +39,9 @@ from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
 from treadle.models.hf import build_model, compile_layers, count_parameters, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
-from treadle.models.glide import build_glide
+from treadle.models.drafts import build_draft
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
+from treadle.train.eagle3 import TTTAccuracyCallback, eagle3_setup
 from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
@@ -197,17 +198,22 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     """A frozen target and a trainable draft; the rest of the run is unchanged."""
     train_ds, val_ds = data.train, data.val
     refuse_router_keys(cfg.model, f"a draft run trains a {cfg.draft.kind} draft, which has no experts")
-    model, target_dir, identity = build_glide(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint, empty)
+    model, target_dir, identity = build_draft(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint, empty)
     _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
-    # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward).
-    model.loss_chunk_tokens = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
     meta["target_fingerprint"] = identity["config_fingerprint"]
-    objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
+    step_callbacks = []
+    if cfg.draft.kind == "eagle3":
+        objective = eagle3_setup(cfg, model, [o.dataset for o in data.sources])
+        step_callbacks.append(TTTAccuracyCallback())
+    else:
+        # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward).
+        model.loss_chunk_tokens = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
+        objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
     check_token_ids(prompts, model.target.config.vocab_size, lambda: f"the draft's eval prompts ({(val_ds or train_ds).where})")
     out = Path(cfg.train.output_dir) / "draft"
     return ModelSetup(model, model.target.config.vocab_size, objective, objective.evaluate, [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every, cfg.train.eval_at_start)],
-                      DraftExportCallback(out, target_dir, identity, cfg.draft))
+                      DraftExportCallback(out, target_dir, identity, cfg.draft), step_callbacks=step_callbacks)
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int, draft: bool) -> float:

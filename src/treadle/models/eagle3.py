@@ -1,0 +1,347 @@
+"""EAGLE-3: a one-layer draft that reads fused low/mid/high hidden states of the frozen target.
+
+Written from the EAGLE-3 paper and SpecForge's ``llama3_eagle.py`` description:
+
+    f_t = fc([h_low ; h_mid ; h_high]_t)            target features at token t (3d -> d); the layers are
+                                                    indices of HF's output_hidden_states (``feature_layers``)
+    x   = f_t + Attn(q/k/v over [norm(embed(tok_{t+1})) ; norm(f_t)])     (2d in, d out)
+    x   = x + MLP(norm(x))
+    logits = lm_head(norm(x))                       its own head, optionally over a reduced vocabulary
+
+Row t of the draft holds the target's feature of token t and the embedding of the next
+token, and predicts the token after that (the target's distribution at t + 1).
+
+Training-time test (TTT): step k >= 1 feeds, as the feature of row t, the draft's own
+output ``x`` of step k - 1 at row t, with the embedding of the token k further on and the
+RoPE position t + k: exactly what the k-th link of a decode chain computes. Its attention
+sees step 0's rows <= t (the accepted context, with real target features) and its own
+chain (steps 1..k at row t) and nothing else: ``ttt_mask``. Because the draft has one
+layer, a decode cache of step-0 rows stays exact forever (it depends only on accepted
+tokens and target features), and chain rows are thrown away after each proposal.
+
+Reduced vocabulary (``draft.vocab_size``): the head scores the most frequent training
+tokens only. ``d2t[i]`` is the offset from draft id i to its target id (EAGLE-3's format)
+and ``t2d[j]`` says whether target id j is in the draft vocabulary; both are buffers of
+the draft, in its checkpoints and export, and a reduced draft without them is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers.activations import ACT2FN
+
+from treadle.errors import UserError
+from treadle.model_dirs import resolve_model_dir
+from treadle.models.glide import (
+    GlideShape, attention_mask, causal_document_mask, checked_target, document_ids, read_draft_config, rotate, sdpa,
+    target_config_fingerprint,
+)
+from treadle.models.hf import decoder_layers, greedy_continuations
+
+KIND = "eagle3"
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high picks 2, N/2 and N - 3, as indices of Hugging Face's ``output_hidden_states``
+    (0 = the embedding output, i = decoder layer i's output). A target too shallow for three increasing such picks
+    gets 1, N/2 and N - 1. Index N is never a default: Hugging Face normalizes that entry, a hook does not."""
+    picks = (2, num_layers // 2, num_layers - 3)
+    if picks[0] < picks[1] < picks[2]:
+        return picks
+    return (1, max(1, num_layers // 2), max(1, num_layers - 1))
+
+
+@contextlib.contextmanager
+def capture_features(target, layers: tuple[int, ...]) -> Iterator["FeatureTap"]:
+    """Record, during every target forward inside the block, the outputs of decoder ``layers`` (see ``FeatureTap``)."""
+    tap = FeatureTap(target, layers)
+    try:
+        yield tap
+    finally:
+        tap.close()
+
+
+class FeatureTap:
+    """Forward hooks where the chosen ``output_hidden_states`` entries are made (the embedding for 0, decoder layer
+    i - 1 for i); ``take()`` is the latest forward's features, [B, T, len * d], without asking the model for all."""
+
+    def __init__(self, target, layers: tuple[int, ...]):
+        stack = [target.get_input_embeddings(), *decoder_layers(target)]
+        self._got: dict[int, torch.Tensor] = {}
+
+        def hook(index):
+            def record(_module, _inputs, out):
+                self._got[index] = out[0] if isinstance(out, tuple) else out
+            return record
+
+        self.layers = tuple(layers)
+        self._handles = [stack[i].register_forward_hook(hook(i)) for i in sorted(set(layers))]
+
+    def take(self) -> torch.Tensor:
+        return torch.cat([self._got[i] for i in self.layers], dim=-1)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def ttt_mask(doc: torch.Tensor, step: int) -> torch.Tensor:
+    """[B, 1, T, T * (step + 1)]: what TTT step ``step``'s row t attends to among the keys of steps 0..step.
+
+    Step 0's rows s <= t of t's document (the context a decode has accepted), and row t of each later step
+    (the chain a decode proposes from t). Key blocks are in step order.
+    """
+    T = doc.shape[-1]
+    idx = torch.arange(T, device=doc.device).expand_as(doc)
+    blocks = [attention_mask(idx, idx, q_doc=doc, k_doc=doc)]
+    diagonal = torch.eye(T, dtype=torch.bool, device=doc.device).expand(doc.shape[0], 1, T, T)
+    blocks += [diagonal] * step
+    return torch.cat(blocks, dim=-1)
+
+
+# ----------------------------------------------------------------------------- the draft block
+
+
+class Eagle3Draft(nn.Module):
+    """The trainable draft: fc, one decoder layer on [embedding ; feature], its own norm and LM head.
+
+    It owns no embedding (the target's is shared, frozen).
+    """
+
+    def __init__(self, target_config, feature_layers: tuple[int, ...], vocab_size: int | None = None):
+        super().__init__()
+        s = self.shape = GlideShape.of(target_config)
+        d = s.hidden_size
+        self.feature_layers = tuple(feature_layers)
+        self.target_vocab_size = target_config.vocab_size
+        self.vocab_size = vocab_size or self.target_vocab_size
+        q_out, kv_out = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+        self.fc = nn.Linear(len(self.feature_layers) * d, d, bias=False)
+        self.embed_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
+        self.feature_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
+        self.q_proj = nn.Linear(2 * d, q_out, bias=s.attention_bias)
+        self.k_proj = nn.Linear(2 * d, kv_out, bias=s.attention_bias)
+        self.v_proj = nn.Linear(2 * d, kv_out, bias=s.attention_bias)
+        self.o_proj = nn.Linear(q_out, d, bias=False)
+        self.mlp_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
+        self.gate_proj = nn.Linear(d, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, d, bias=False)
+        self.act = ACT2FN[s.hidden_act]
+        self.final_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
+        self.lm_head = nn.Linear(d, self.vocab_size, bias=False)
+        std = getattr(target_config, "initializer_range", 0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        if self.reduced:  # filled by set_vocabulary (a run) or load_state_dict (a checkpoint, an export)
+            self.register_buffer("d2t", torch.zeros(self.vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(self.target_vocab_size, dtype=torch.bool))
+
+    @property
+    def reduced(self) -> bool:
+        return self.vocab_size < self.target_vocab_size
+
+    # torch.utils.checkpoint's keyword arguments when activation checkpointing is on (models/checkpointing.py).
+    checkpoint_kwargs: dict | None = None
+
+    def set_vocabulary(self, draft_to_target: torch.Tensor) -> None:
+        """The draft vocabulary: [vocab_size] target ids, in draft-id order."""
+        ids = draft_to_target.to(self.d2t.device, torch.long)
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_to_target(self) -> torch.Tensor | None:
+        """[vocab_size] target id of each draft id (None: the draft scores the target's whole vocabulary)."""
+        if not self.reduced:
+            return None
+        return self.d2t + torch.arange(self.vocab_size, device=self.d2t.device)
+
+    def target_to_draft(self) -> torch.Tensor | None:
+        """[target vocab] draft id of each target id, -1 outside the draft vocabulary (None: not reduced)."""
+        if not self.reduced:
+            return None
+        index = torch.full((self.target_vocab_size,), -1, dtype=torch.long, device=self.t2d.device)
+        index[self.draft_to_target()] = torch.arange(self.vocab_size, device=self.t2d.device)
+        return index
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if not self.reduced else draft_ids + self.d2t[draft_ids]
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(*x.shape[:2], -1, self.shape.head_dim).transpose(1, 2)  # [B, H, T, D]
+
+    def forward(self, embeds: torch.Tensor, feature: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                mask: torch.Tensor, past_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The layer's output (before the final norm: the next TTT step's feature) and this call's K/V.
+
+        ``feature`` is ``fc``'s output (step 0) or an earlier step's output; ``past_kv`` holds keys and values
+        the rows may also attend to, in ``mask``'s key order before this call's own.
+        """
+        if self.checkpoint_kwargs is not None and self.training and torch.is_grad_enabled():
+            return checkpoint(self._block, embeds, feature, rope, mask, past_kv, **self.checkpoint_kwargs)
+        return self._block(embeds, feature, rope, mask, past_kv)
+
+    def _block(self, embeds, feature, rope, mask, past_kv):
+        cos, sin = rope
+        h = torch.cat((self.embed_norm(embeds), self.feature_norm(feature)), dim=-1)
+        q = rotate(self._heads(self.q_proj(h)), cos, sin)
+        k = rotate(self._heads(self.k_proj(h)), cos, sin)
+        v = self._heads(self.v_proj(h))
+        new_kv = (k, v)
+        if past_kv is not None:
+            k, v = torch.cat((past_kv[0], k), dim=2), torch.cat((past_kv[1], v), dim=2)
+        x = feature + self.o_proj(sdpa(q, k, v, mask).transpose(1, 2).flatten(2))
+        h = self.mlp_norm(x)
+        return x + self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h)), new_kv
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary of a layer output."""
+        return self.lm_head(self.final_norm(x))
+
+    def export_config(self) -> dict:
+        """What ``load_eagle3`` needs besides the weights (export.py writes it to config.json)."""
+        return {"treadle_draft_kind": KIND, "feature_layers": list(self.feature_layers),
+                "vocab_size": self.vocab_size, "shape": asdict(self.shape)}
+
+
+# ----------------------------------------------------------------------------- draft and target together
+
+
+@dataclass
+class Eagle3Output:
+    logits: list[torch.Tensor]  # per TTT step, the draft's [B, T, draft vocab] (row t: step k's guess of token t+k+2)
+    target_logits: torch.Tensor  # the frozen target's [B, T, V] on the same input
+
+
+class Eagle3Model(nn.Module):
+    """What an eagle3 draft run trains: a frozen target and a trainable ``draft_model`` (as ``GlideModel``)."""
+
+    def __init__(self, target, draft_model: Eagle3Draft):
+        super().__init__()
+        self.target = target
+        self.draft_model = draft_model
+        target.requires_grad_(False)
+        target.eval()
+        self.rotary = type(target.model.rotary_emb)(config=target.config)  # buffers only, not saved
+        self.loss_chunk_tokens = 0  # the chunked loss is not built for eagle3 (run.py refuses it)
+
+    def train(self, mode: bool = True) -> Eagle3Model:
+        super().train(mode)
+        self.target.eval()
+        return self
+
+    # Methods evaluations call directly: a sharding engine gathers parameters around them (see GlideModel).
+    fsdp_forward_methods = ("chain_guesses", "continue_greedily")
+
+    def chain_guesses(self, texts: torch.Tensor, gamma: int) -> list[torch.Tensor]:
+        """Per chain step k = 1..gamma, [N, L] target ids: entry i is the draft's guess for token i + 1 when a
+        decode's chain that started after token i - k + 1 reaches step k with every earlier step accepted."""
+        positions = torch.arange(texts.shape[1], device=texts.device).expand_as(texts)
+        _, features = self._target_forward(texts, positions)
+        hidden = self._unroll(texts, positions, features, gamma)
+        draft = self.draft_model
+        guesses = []
+        for k, x in enumerate(hidden, start=1):  # step k - 1's row t guesses token t + k + 1: move it to index t + k
+            ids = draft.to_target_ids(draft.logits(x).argmax(-1))
+            guesses.append(torch.cat((ids.new_full((ids.shape[0], k), -1), ids[:, : ids.shape[1] - k]), dim=1))
+        return guesses
+
+    def continue_greedily(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        return greedy_continuations(self.target, prompts, new_tokens)
+
+    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        """The target's logits and its features ([B, T, len(feature_layers) * d]) for packed rows, without grad."""
+        with torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap:
+            out = self.target(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                              attention_mask=causal_document_mask(position_ids))
+            return out.logits, tap.take()
+
+    def _unroll(self, input_ids: torch.Tensor, position_ids: torch.Tensor, features: torch.Tensor, steps: int,
+                doc_position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The draft's layer outputs of TTT steps 0..steps-1, each [B, T, d] (see the module docstring)."""
+        B, T = input_ids.shape
+        doc = document_ids(position_ids if doc_position_ids is None else doc_position_ids)
+        embed = self.target.get_input_embeddings()
+        # Step k's row t reads token t + 1 + k; rows past the end read a filler token and are never scored.
+        padded = torch.cat((input_ids, input_ids[:, -1:].expand(B, steps)), dim=1)
+        feature = self.draft_model.fc(features.to(self.draft_model.fc.weight.dtype))
+        keys: tuple[torch.Tensor, torch.Tensor] | None = None
+        out = []
+        for k in range(steps):
+            embeds = embed(padded[:, 1 + k : 1 + k + T])
+            rope = self.rotary(embeds, position_ids + k)
+            feature, (nk, nv) = self.draft_model(embeds, feature, rope, ttt_mask(doc, k), past_kv=keys)
+            keys = (nk, nv) if keys is None else (torch.cat((keys[0], nk), 2), torch.cat((keys[1], nv), 2))
+            out.append(feature)
+        return out
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, steps: int = 1,
+                doc_position_ids: torch.Tensor | None = None) -> Eagle3Output:
+        target_logits, features = self._target_forward(input_ids, position_ids)
+        hidden = self._unroll(input_ids, position_ids, features, steps, doc_position_ids)
+        return Eagle3Output([self.draft_model.logits(x) for x in hidden], target_logits)
+
+
+# ----------------------------------------------------------------------------- building and loading
+
+
+def frequent_tokens(counts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The ``vocab_size`` most frequent token ids (ties: the lower id), in increasing id order."""
+    order = torch.argsort(-counts.double(), stable=True)[:vocab_size]
+    return order.sort().values
+
+
+def check_feature_layers(layers: tuple[int, ...], num_layers: int, key: str) -> None:
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad or not layers:
+        raise UserError(f"{key} = {list(layers)}: the target has {num_layers} decoder layers; accepted: "
+                        f"output_hidden_states indices 0..{num_layers - 1} (0 = embeddings, i = decoder layer i's "
+                        f"output; default {list(default_feature_layers(num_layers))})")
+
+
+def build_eagle3(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
+    """(Eagle3Model, target dir, target identity) for a ``DraftConfig``; a reduced vocabulary's maps are left to
+    the caller (``Eagle3Draft.set_vocabulary``: a run counts its data, a checkpoint or export holds them)."""
+    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
+    target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
+    num_layers = target.config.num_hidden_layers
+    layers = tuple(cfg.feature_layers) if cfg.feature_layers else default_feature_layers(num_layers)
+    check_feature_layers(layers, num_layers, "draft.feature_layers")
+    vocab = cfg.vocab_size
+    if vocab is not None and vocab > target.config.vocab_size:
+        raise UserError(f"draft.vocab_size = {vocab} exceeds the target's vocabulary ({target.config.vocab_size}); "
+                        "accepted: 1..the target's vocab_size, or unset for the whole vocabulary")
+    return Eagle3Model(target, Eagle3Draft(target.config, layers, vocab)), target_dir, ident
+
+
+def load_eagle3(draft_dir, target) -> Eagle3Model:
+    """An exported eagle3 draft attached to ``target``, which must be the architecture it was trained for."""
+    from safetensors.torch import load_file
+
+    config = read_draft_config(draft_dir)
+    if config is None or config["treadle_draft_kind"] != KIND:
+        raise UserError(f"{draft_dir} is not an eagle3 draft export (config.json with treadle_draft_kind = 'eagle3')")
+    want, have = config["target"]["config_fingerprint"], target_config_fingerprint(target.config)
+    if want != have:
+        raise UserError(f"draft {draft_dir} was trained for a target with config fingerprint {want} "
+                        f"({config['target']['path']}); this target has {have}")
+    draft = Eagle3Draft(target.config, tuple(config["feature_layers"]), config["vocab_size"])
+    weights = load_file(str(Path(draft_dir) / "model.safetensors"))
+    if draft.reduced and not {"d2t", "t2d"} <= weights.keys():
+        raise UserError(f"draft {draft_dir} scores a reduced vocabulary of {draft.vocab_size} tokens but its "
+                        "model.safetensors has no d2t / t2d vocabulary map; accepted: an export written by treadle "
+                        "(its proposals would be wrong token ids without it)")
+    draft.load_state_dict(weights)
+    return Eagle3Model(target, draft).eval()

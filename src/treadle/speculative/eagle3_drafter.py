@@ -1,0 +1,68 @@
+"""An EAGLE-3 draft as a ``Drafter`` for the speculative decoding loop (greedy chain).
+
+The draft keeps the K/V of its step-0 rows: row j holds the target's feature of token j
+and the embedding of token j + 1, for every j the target has processed. Those depend
+only on accepted tokens and the target's own features, so they never need cutting back.
+A proposal runs the new step-0 rows, then the chain: each link feeds the previous link's
+output as its feature, its own guess as its token, at the next position, attending to
+the step-0 rows and the links before it; the links are thrown away afterwards. This is
+the training-time-test unroll of models/eagle3.py, row by row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treadle.models.eagle3 import Eagle3Model
+
+
+class Eagle3Drafter:
+    name = "eagle3"
+
+    def __init__(self, model: Eagle3Model):
+        self.model = model.eval()
+        self.feature_layers = model.draft_model.feature_layers  # the decode loop hands over these layers' outputs
+        self.reset(None)
+
+    def reset(self, prompt_ids) -> None:
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rows = 0  # step-0 rows in self.kv
+        self.pending: list[torch.Tensor] = []  # target features not yet turned into rows
+
+    def _step(self, tokens: torch.Tensor, feature: torch.Tensor, first: int, past) -> tuple[torch.Tensor, tuple]:
+        """Rows at positions first.. with these tokens and features; each sees ``past`` and the rows before it."""
+        model = self.model
+        n, seen = tokens.shape[1], 0 if past is None else past[0].shape[2]
+        q = torch.arange(n, device=tokens.device)
+        mask = (torch.arange(seen + n, device=tokens.device)[None] <= seen + q[:, None])[None, None]
+        embeds = model.target.get_input_embeddings()(tokens)
+        rope = model.rotary(embeds, (first + q)[None])
+        return model.draft_model(embeds, feature, rope, mask, past_kv=past)
+
+    @torch.inference_mode()
+    def propose(self, context_ids: torch.Tensor, state, gamma: int) -> list[int]:
+        features = getattr(state, "hidden", None)
+        if features is None:
+            raise ValueError("an EAGLE-3 draft needs the target's hidden states (state.hidden)")
+        self.pending.append(features)
+        draft = self.model.draft_model
+        new = torch.cat(self.pending, dim=1)
+        self.pending = []
+        last = context_ids.shape[1] - 2  # the newest token the target processed
+        if self.rows + new.shape[1] != last + 1:
+            raise RuntimeError(f"eagle3 drafter: features for {self.rows + new.shape[1]} tokens, expected {last + 1}")
+        tokens = context_ids[:, self.rows + 1 : last + 2]  # row j reads token j + 1
+        x, (k, v) = self._step(tokens, draft.fc(new.to(draft.fc.weight.dtype)), self.rows, self.kv)
+        self.kv = (k, v) if self.kv is None else (torch.cat((self.kv[0], k), 2), torch.cat((self.kv[1], v), 2))
+        self.rows = last + 1
+        x = x[:, -1:]
+        past = self.kv
+        proposals = [int(draft.to_target_ids(draft.logits(x).argmax(-1)))]
+        for link in range(1, gamma):
+            x, (k, v) = self._step(context_ids.new_tensor([[proposals[-1]]]), x, last + link, past)
+            past = (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
+            proposals.append(int(draft.to_target_ids(draft.logits(x).argmax(-1))))
+        return proposals
+
+    def accept(self, n_context: int) -> None:
+        pass  # step-0 rows cover accepted tokens only; the next state brings the newly processed tokens' features

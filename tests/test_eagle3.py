@@ -1,0 +1,253 @@
+"""EAGLE-3 draft: the training-time-test unroll, the decode-time drafter, the vocabulary map, and runs end to end."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tests.helpers import TARGET, draft_args, records
+from treadle.cli import main
+from treadle.models.eagle3 import (
+    Eagle3Draft, Eagle3Model, capture_features, default_feature_layers, frequent_tokens, load_eagle3, ttt_mask,
+)
+from treadle.models.glide import document_ids
+from treadle.models.hf import greedy_continuations
+from treadle.speculative.acceptance import chain_acceptance
+from treadle.speculative.decode import TargetState
+from treadle.speculative.eagle3_drafter import Eagle3Drafter
+from treadle.train.eagle3 import scored_rows
+
+EAGLE = ("--draft.kind=eagle3", "--draft.vocab_size=200", "--draft.ttt_steps=3")
+
+
+def eagle3(seed=1, vocab=None):
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(LlamaConfig(**{**TARGET, "num_hidden_layers": 3}))
+    model = Eagle3Model(target, Eagle3Draft(target.config, default_feature_layers(3), vocab)).eval()
+    for p in model.draft_model.parameters():  # sharp attention and logits: a wrong position or mask changes argmaxes
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.3)
+    if vocab:
+        model.draft_model.set_vocabulary(torch.randperm(512)[:vocab])
+    return model
+
+
+def test_default_feature_layers_are_eagle3s_and_fit_shallow_targets():
+    assert default_feature_layers(32) == (2, 16, 29)  # EAGLE-3's picks for Llama-3-8B
+    assert default_feature_layers(4) == (1, 2, 3) and default_feature_layers(2) == (1, 1, 1)
+
+
+def test_ttt_mask_and_scored_rows_match_a_naive_reference():
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]])  # three documents
+    labels = torch.arange(9)[None].clone()
+    labels[0, 3] = labels[0, 6] = -100  # document ends
+    doc = document_ids(pos)
+    T = 9
+    for step in range(3):
+        got = ttt_mask(doc, step)[0, 0]
+        rows = scored_rows(pos, labels, step)[0]
+        for t in range(T):
+            for j in range(step + 1):
+                for s in range(T):
+                    want = (s <= t and doc[0, s] == doc[0, t]) if j == 0 else s == t
+                    assert bool(got[t, j * T + s]) == want, (step, t, j, s)
+            if t < T - 1 - step:  # index t + 1 + step exists: scored iff same document and labelled
+                ahead = t + 1 + step
+                assert bool(rows[t]) == bool(doc[0, t] == doc[0, ahead] and labels[0, ahead] != -100), (step, t)
+
+
+def test_captured_features_are_the_output_hidden_states_entries():
+    model = eagle3()
+    ids = torch.randint(0, 512, (1, 10))
+    with torch.no_grad():
+        hidden = model.target(input_ids=ids, output_hidden_states=True).hidden_states  # [embeddings, layer 1 out, ...]
+        with capture_features(model.target, (2, 0, 1)) as tap:
+            model.target(input_ids=ids)
+            got = tap.take()
+    assert torch.equal(got, torch.cat((hidden[2], hidden[0], hidden[1]), dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [None, 64])
+def test_decode_drafter_reproduces_the_training_unroll(vocab):
+    """Round after round (features handed over incrementally, the draft cache kept), every chain link the drafter
+    proposes equals the training-time-test unroll's guess at that link, fed the same tokens."""
+    model, gamma, prompt_len = eagle3(vocab=vocab), 4, 6
+    torch.manual_seed(2)
+    text = greedy_continuations(model.target, torch.randint(0, 512, (1, prompt_len)), 10)
+    positions = torch.arange(text.shape[1])[None]
+    with torch.no_grad(), capture_features(model.target, model.draft_model.feature_layers) as tap:
+        model.target(input_ids=text, position_ids=positions)
+        features = tap.take()
+    drafter = Eagle3Drafter(model)
+    drafter.reset(text[:, :prompt_len])
+    given = 0
+    for s in range(prompt_len, text.shape[1]):  # the bonus at s: the target has processed tokens < s
+        state = TargetState(None, features[:, given:s])  # the rows the target added since the last round
+        given = s
+        proposals = drafter.propose(text[:, : s + 1], state, gamma)
+        if vocab:
+            assert all(model.draft_model.t2d[p] for p in proposals)
+        fed = torch.cat((text[:, : s + 1], torch.tensor([proposals])), dim=1)
+        with torch.no_grad():
+            guesses = model.chain_guesses(fed, gamma)
+        assert proposals == [int(guesses[k][0, s + k]) for k in range(gamma)], s
+        drafter.accept(s + 2)  # one more token: the next round hands over one more feature row
+
+
+def test_eagle3_speculative_decoding_is_lossless_and_chain_acceptance_is_consistent():
+    from treadle.speculative.decode import speculative_generate, target_generate
+
+    model = eagle3(vocab=100)
+    prompt = torch.randint(0, 512, (1, 8))
+    want, _ = target_generate(model.target, prompt, 24)
+    got = speculative_generate(model.target, Eagle3Drafter(model), prompt, gamma=4, max_new_tokens=24)
+    assert got.tokens == want and got.verify_calls >= 1
+    texts = greedy_continuations(model.target, torch.randint(0, 512, (2, 6)), 12)
+    acc = chain_acceptance(model, texts, 6, 3)
+    assert acc["tau_sim"] == pytest.approx(1 + sum(acc["acceptance_unconditional"]))
+
+
+def test_frequent_tokens_pick_the_most_counted_ids():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    assert frequent_tokens(counts, 3).tolist() == [2, 3, 5]
+    draft = Eagle3Draft(LlamaConfig(**{**TARGET, "vocab_size": 6}), (0, 0, 1), vocab_size=3)
+    draft.set_vocabulary(frequent_tokens(counts, 3))
+    assert draft.draft_to_target().tolist() == [2, 3, 5]
+    assert draft.t2d.tolist() == [False, False, True, True, False, True]
+    assert draft.target_to_draft().tolist() == [-1, -1, 0, 1, -1, 2]
+    assert draft.to_target_ids(torch.tensor([2, 0])).tolist() == [5, 2]
+
+
+def test_eagle3_run_trains_exports_and_decodes(shards, target_dir, tmp_path, capsys):
+    from treadle.checkpoint.safety import read_metadata
+
+    run = tmp_path / "run"
+    assert main(draft_args(shards, target_dir, run, "--train.max_steps=3", *EAGLE)) == 0
+    # Per-step accuracy of the unroll, the target's reference loss and tau_sim are logged.
+    for key in ("acc_1", "acc_2", "acc_3", "draft_kl", "target_loss", "eval_loss"):
+        assert records(run, key), key
+    assert not records(run, "acc_4") and not records(run, "ttt_rows_1")
+    assert all(0.0 <= a <= 1.0 for a in records(run, "acc_1").values())
+    assert set(records(run, "tau_sim")) == {0, 3}
+    # Checkpoints hold the draft with its vocabulary map, never a target tensor.
+    keys = list(read_metadata(run / "checkpoints" / "step_3" / "state").state_dict_metadata)
+    assert "model.draft_model.d2t" in keys or any(k.endswith("draft_model.d2t") for k in keys), keys
+    assert not [k for k in keys if "target" in k]
+
+    export = run / "draft"
+    st = load_file(export / "model.safetensors")
+    config = json.loads((export / "config.json").read_text())
+    assert config["treadle_draft_kind"] == "eagle3" and config["vocab_size"] == 200
+    assert config["feature_layers"] == [1, 1, 1] and not (export / "draft_model_weights.pth").exists()
+    assert st["lm_head.weight"].shape == (200, TARGET["hidden_size"]) and st["t2d"].dtype == torch.bool
+    # The map is the 200 most frequent training tokens.
+    from treadle.data.packed import PackedDataset
+
+    counts = torch.from_numpy(PackedDataset([shards / "train"], seq_len=32).token_counts(512))
+    ids = st["d2t"] + torch.arange(200)
+    assert torch.equal(ids, frequent_tokens(counts, 200)) and int(st["t2d"].sum()) == 200
+
+    # treadle export rebuilds the same export from the checkpoint, map included (also in bf16: the map keeps its dtype).
+    assert main(["export", str(run), str(tmp_path / "again")]) == 0
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert again.keys() == st.keys() and all(torch.equal(again[k], st[k]) for k in st)
+    assert main(["export", str(run), "--dtype", "bf16", str(tmp_path / "bf16")]) == 0
+    half = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert half["d2t"].dtype == torch.long and half["fc.weight"].dtype == torch.bfloat16
+
+    # Reloaded, the export gives the trained draft's unroll.
+    reloaded = load_eagle3(export, AutoModelForCausalLM.from_pretrained(target_dir))
+    texts = torch.randint(0, 512, (1, 16))
+    with torch.no_grad():
+        a = reloaded(texts, torch.arange(16)[None], steps=2).logits
+    assert a[1].shape == (1, 16, 200)
+
+    # spec-eval decodes losslessly with it.
+    out = tmp_path / "spec.json"
+    capsys.readouterr()
+    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
+                 "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["lossless"] is True and got["drafter"] == "eagle3" and 1.0 <= got["tau"] <= 5.0
+
+    # A reduced draft whose export lost its map is refused in one line, not decoded with wrong ids.
+    broken = tmp_path / "broken"
+    shutil.copytree(export, broken)
+    save_file({k: v for k, v in st.items() if k not in ("d2t", "t2d")}, str(broken / "model.safetensors"))
+    capsys.readouterr()
+    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(broken), "--num-prompts", "1",
+                 "--prompt-len", "8", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "d2t" in err
+
+
+def test_eagle3_run_resumes_bit_for_bit(shards, target_dir, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(draft_args(shards, target_dir, a, "--train.max_steps=4", "--checkpoint.every=2", "--draft.loss=mix",
+                           *EAGLE)) == 0
+    assert main(draft_args(shards, target_dir, b, "--train.max_steps=4", "--draft.loss=mix", *EAGLE,
+                           f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 0
+    la, lb = records(a), records(b)
+    assert [la[s] for s in (3, 4)] == [lb[s] for s in (3, 4)]
+    assert records(a, "acc_2")[4] == records(b, "acc_2")[4]
+    wa, wb = load_file(a / "draft" / "model.safetensors"), load_file(b / "draft" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # The draft's architecture keys are the checkpoint's: another vocabulary is refused in one line.
+    assert main(draft_args(shards, target_dir, tmp_path / "c", "--train.max_steps=4", *EAGLE, "--draft.vocab_size=100",
+                           f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 2
+
+
+@pytest.mark.parametrize("bad, key", [
+    (("--draft.kind=glide", "--draft.ttt_steps=3"), "draft.ttt_steps"),
+    (("--draft.kind=eagle3", "--draft.feature_layers=[0,2]"), "draft.feature_layers"),  # the target has 2 layers
+    (("--draft.kind=eagle3", "--draft.vocab_size=9999"), "draft.vocab_size"),
+    (("--draft.kind=eagle3", "--draft.window=8"), "draft.window"),
+    (("--draft.kind=eagle3", "--model.loss_chunk_tokens=16"), "model.loss_chunk_tokens"),
+])
+def test_bad_eagle3_settings_are_one_line(shards, target_dir, tmp_path, capsys, bad, key):
+    assert main(draft_args(shards, target_dir, tmp_path / "run", "--train.max_steps=2", *bad)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and key in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl"])
+def test_ttt_loss_equals_a_naive_sum_over_steps_and_rows(loss):
+    """Step k's row t is scored against index t + 1 + k (label or target distribution, within the draft vocabulary),
+    weighted decay**k, summed: the objective equals this written as plain loops."""
+    from treadle.config import DraftConfig
+    from treadle.train.eagle3 import Eagle3Objective
+
+    model = eagle3(vocab=64)
+    cfg = DraftConfig(kind="eagle3", target="x", loss=loss, ttt_steps=3, ttt_decay=0.5)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])
+    ids = torch.randint(0, 512, (1, 12))
+    ids[0, 1:4] = model.draft_model.draft_to_target()[:3]  # some labels inside the draft vocabulary
+    labels = torch.cat((ids[:, 1:], torch.tensor([[7]])), 1)
+    labels[0, 5] = -100
+    batch = {"input_ids": ids, "labels": labels, "position_ids": pos}
+    with torch.no_grad():
+        got, side = Eagle3Objective(cfg, 512, 12)(model, batch)
+        out = model(ids, pos, steps=3)
+    doc = document_ids(pos)[0]
+    to_draft = model.draft_model.target_to_draft()
+    in_vocab = model.draft_model.t2d
+    d2t = model.draft_model.draft_to_target()
+    want = 0.0
+    for k in range(3):
+        for t in range(12):
+            i = t + 1 + k
+            if i >= 12 or doc[i] != doc[t] or labels[0, i] == -100:
+                continue
+            log_q = torch.log_softmax(out.logits[k][0, t], -1)
+            teacher = out.target_logits[0, i]
+            if loss == "ce" and to_draft[labels[0, i]] >= 0:
+                want += 0.5 ** k * float(-log_q[to_draft[labels[0, i]]])
+            if loss == "kl" and in_vocab[teacher.argmax()]:
+                p = torch.softmax(teacher[d2t], -1)
+                want += 0.5 ** k * float((p * (p.log() - log_q)).sum())
+    assert float(got.sum()) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert float(side["ttt_rows_1"]) == 9 and float(side["ttt_rows_3"]) == 5
