@@ -157,8 +157,10 @@ def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_pat
 
 
 # fsdp2 also checkpoints the draft block's activations: the one-process run it is compared with does not.
+# cp2: one data-parallel replica whose two ranks each hold half of every sequence (GA 4: the same global batch).
 DRAFT_ENGINES = {"fsdp2": ["--distributed.engine=fsdp2", "--model.activation_checkpointing=full"],
-                 "zero3": ["--distributed.engine=deepspeed", "--distributed.zero_stage=3"]}
+                 "zero3": ["--distributed.engine=deepspeed", "--distributed.zero_stage=3"],
+                 "cp2": ["--distributed.context_parallel=2", "--train.grad_accum_steps=4"]}
 
 
 def _draft_runs(rank, world_size, shards, target_dir, out):
@@ -193,7 +195,7 @@ def _checkpoint_tensor_names(step_dir) -> list[str]:
     return names
 
 
-def test_draft_runs_at_world_size_2_on_fsdp2_and_zero3(shards, target_dir, tmp_path):
+def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, target_dir, tmp_path):
     res = run_distributed(_draft_runs, world_size=2, timeout=240, shards=shards, target_dir=target_dir, out=tmp_path)[0]
     one = tmp_path / "one"
     assert main(draft_args(shards, target_dir, one, "--train.max_steps=3", "--train.grad_accum_steps=4")) == 0
@@ -202,7 +204,7 @@ def test_draft_runs_at_world_size_2_on_fsdp2_and_zero3(shards, target_dir, tmp_p
         assert got["target_keys"] > 0 and got["draft_keys"] > 0
         assert got["target_same"] and got["draft_changed"], got
         # The same draft run as one process: lags are drawn per global micro-batch, not per rank.
-        for key in ("loss", "draft_kl", "eval_loss", "tau_sim"):
+        for key in ("loss", "draft_kl", "eval_loss", "tau_sim", "grad_norm"):
             a, b = records(one, key), records(run, key)
             assert a.keys() == b.keys() and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in a), (name, key)
         # Checkpoints hold the draft only; the export is the draft alone.
