@@ -5,7 +5,9 @@ tied embeddings, a DCP checkpoint written by the stages, and whole runs through 
 checkpoint, HF export); the tests below compare each with a single-process ``LocalEngine`` or a PP=1 run, and
 resume the PP=2 run's checkpoint at PP=1. The reference takes the step's micro-batches in one loop (GA=4):
 a pipeline must give the same loss (normalized by the step's token count over all micro-batches), the same
-global grad norm and the same weights.
+global grad norm and the same weights. A second launch (four ranks: two pipelines of two stages, data-parallel)
+checks the replicas' summed gradients against the same reference, with tied embeddings, and a whole 4-rank run
+against one process, resumed in one process.
 """
 
 from __future__ import annotations
@@ -75,12 +77,12 @@ def _eval(engine) -> list[float]:
 
 # ---------------------------------------------------------------- on each rank
 
-def _pipeline(schedule: str, tied: bool = False):
+def _pipeline(schedule: str, tied: bool = False, micro: int = GA):
     from treadle.engine.pipeline import PipelineEngine
 
     import contextlib
     return PipelineEngine(tiny_llama(tied), make_optimizer, CPU, pipeline_parallel=2, schedule=schedule,
-                          micro_batches=GA, autocast=contextlib.nullcontext)
+                          micro_batches=micro, autocast=contextlib.nullcontext)
 
 
 def _check(rank: int, world_size: int, tmp: str, shards, out) -> dict:
@@ -103,12 +105,50 @@ def _check(rank: int, world_size: int, tmp: str, shards, out) -> dict:
     return got
 
 
+RUN = ["--train.threads=1", f"--model.overrides={FOUR_LAYERS}", "--checkpoint.every=2", "--train.eval_every=2",
+       "--schedule.decay=constant"]
+
+
+def _check_replicas(rank: int, world_size: int, shards, out) -> dict:
+    """Four ranks: two pipelines of two stages (rank = stage rank x 2 + pipeline); each pipeline takes half of
+    every step's micro-batches (GA / 2 of them), as the data-parallel replicas do in a run."""
+    from treadle.train.run import run_training
+
+    engine = _pipeline("1f1b", tied=True, micro=GA // 2)
+    assert (engine.stage_rank, engine.data_rank, engine.data_world_size) == (rank // 2, rank % 2, 2)
+    half = slice(engine.data_rank * GA // 2, (engine.data_rank + 1) * GA // 2)
+    got = {"steps": []}
+    for s in range(STEPS):
+        r = optimizer_step(engine, micro_batches(s)[half], grad_clip=1.0)
+        got["steps"].append((r.loss, r.grad_norm, r.label_tokens))
+
+    def measure(model, batch):
+        return torch.stack([loss_sum(model, batch).sum().double(), (batch["labels"] != -100).sum().double()])
+    got["eval"] = engine.all_reduce_sum(engine.forward_only(micro_batches(9)[half], measure)).tolist()
+    got["weights"] = engine.export_state_dict()
+    # A whole run: 2 pipelines x 2 stages, micro-batch 2 x GA 2 x 2 replicas = the 8 rows of one process's step.
+    run_training(load_config(None, args(shards, out / "pp2dp2", *RUN, "--train.max_steps=2", "--train.micro_batch_size=2",
+                                        "--train.eval_batches=4",  # the same 8 eval samples
+                                        "--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=gpipe")[1:]))
+    return got
+
+
 # ---------------------------------------------------------------- in the test process
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, shards):
     tmp = tmp_path_factory.mktemp("pipeline_dist")
     return run_distributed(_check, world_size=2, timeout=300, tmp=str(tmp), shards=shards, out=tmp), tmp
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory, shards):
+    """The reference run: 4 steps in one process (PP = 1), checkpoints at 2 and 4."""
+    from treadle.train.run import run_training
+
+    out = tmp_path_factory.mktemp("pipeline_ref") / "pp1"
+    run_training(load_config(None, args(shards, out, *RUN, "--train.max_steps=4")[1:]))
+    return out
 
 
 def _local(tied: bool = False):
@@ -169,15 +209,13 @@ def test_stage_checkpoint_resumes_in_one_process(launched):
     assert _close(resumed.export_state_dict(), ref.export_state_dict()) <= WEIGHT_ATOL
 
 
-def test_pipeline_run_resumes_at_pp1_and_exports_the_full_model(launched, shards):
+def test_pipeline_run_resumes_at_pp1_and_exports_the_full_model(launched, one_process_run, shards):
     """treadle train at PP=2 (gpipe) for 2 steps, resumed at PP=1 to step 4, equals an uninterrupted PP=1 run."""
     _, tmp = launched
-    common = ["--train.threads=1", f"--model.overrides={FOUR_LAYERS}", "--checkpoint.every=2", "--train.eval_every=2",
-              "--schedule.decay=constant"]
+    common = RUN
     from treadle.train.run import run_training
 
-    run_training(load_config(None, args(shards, tmp / "pp1", *common, "--train.max_steps=4")[1:]))
-    pp2, pp1 = tmp / "pp2", tmp / "pp1"
+    pp2, pp1 = tmp / "pp2", one_process_run
     one = records(pp1)
     assert records(pp2) == pytest.approx({s: one[s] for s in (1, 2)}, rel=1e-5)
     assert records(pp2, "eval_loss") == pytest.approx({s: records(pp1, "eval_loss")[s] for s in (0, 2)}, rel=1e-5)
@@ -207,3 +245,35 @@ def test_models_that_cannot_be_split_are_one_line():
     plan_stages(GemmaForCausalLM(GemmaConfig(**small)), 2, "gpipe")
     with pytest.raises(UserError, match="gemma2 models cannot be split into stages"):
         plan_stages(Gemma2ForCausalLM(Gemma2Config(**small)), 2, "gpipe")
+
+
+# ---------------------------------------------------------------- two pipelines side by side (4 ranks)
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, shards):
+    tmp = tmp_path_factory.mktemp("pipeline_dp")
+    import time; t0 = time.time()
+    r = run_distributed(_check_replicas, world_size=4, timeout=300, shards=shards, out=tmp)
+    print("LAUNCH4", time.time() - t0)
+    return r, tmp
+
+
+def test_two_pipelines_of_two_stages_match_one_process(replicas, one_process_run, shards):
+    results, tmp = replicas
+    ref = _local(tied=True)
+    want = _steps(ref, range(STEPS))
+    for res in results:  # every rank of both pipelines: the step's loss over both replicas, the global norm
+        _assert_steps(res["steps"], want)
+        assert res["eval"] == pytest.approx(_eval(ref), rel=1e-6)
+    weights = results[0]["weights"]
+    assert _close(weights, ref.export_state_dict()) <= WEIGHT_ATOL
+    assert all(res["weights"] == {} for res in results[1:])
+    # The whole 4-rank run equals one process's, and its stages' checkpoint (written by 4 ranks) resumes there.
+    from treadle.train.run import run_training
+
+    run = tmp / "pp2dp2"
+    assert records(run) == pytest.approx({s: records(one_process_run)[s] for s in (1, 2)}, rel=1e-5)
+    assert records(run, "eval_loss") == pytest.approx({s: records(one_process_run, "eval_loss")[s] for s in (0, 2)},
+                                                      rel=1e-5)
+    run_training(load_config(None, args(shards, run, *RUN, "--train.max_steps=4")[1:]))
+    assert records(run) == pytest.approx(records(one_process_run), rel=1e-5)

@@ -33,7 +33,8 @@ def resolve_engine(name: str, info: DistInfo, pipeline_parallel: int = 1) -> str
 
         if name != "auto":
             raise UserError(f"distributed.engine = {name!r} with pipeline_parallel = {pipeline_parallel}: the stages "
-                            "are the engine (no FSDP2/DDP/DeepSpeed inside them yet); accepted: distributed.engine = auto")
+                            "are the engine (pipelines beside each other sum their gradients as DDP does; FSDP2 or "
+                            "DeepSpeed inside a stage is not built); accepted: distributed.engine = auto")
         check_layout(pipeline_parallel, info.world_size)
         return "pipeline"
     if name == "auto":
