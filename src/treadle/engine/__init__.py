@@ -69,7 +69,8 @@ def read_deepspeed_config(path: str | None) -> dict | None:
 class Loading:
     """How this engine wants a model it reads from disk (``model.path``, a draft's target) built.
 
-    ``empty``: on the meta device; the engine allocates and reads each rank's shards after sharding (FSDP2).
+    ``empty``: on the meta device; the engine allocates and reads each rank's shards after sharding (FSDP2), or
+    each rank's stages after the split (pipeline).
     ``context``: models read from disk inside it are built partitioned (ZeRO-3). Neither: whole, on every rank.
     """
 
@@ -81,7 +82,7 @@ def model_loading(name: str, cfg: Config, device: torch.device, world_size: int,
                   deepspeed_json: dict | None = None) -> Loading:
     if cfg.model.path is None and cfg.draft.kind is None:
         return Loading()  # a preset is built whole and seeded: the same weights under every engine
-    if name == "fsdp2":
+    if name in ("fsdp2", "pipeline"):  # FSDP2 reads each rank's shards, a pipeline each rank's stages
         return Loading(empty=True)
     if name == "deepspeed":
         from treadle.engine.deepspeed import zero3_loading
@@ -110,7 +111,7 @@ def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device,
     from treadle.models.sharded_load import materialize
 
     d = cfg.distributed
-    if name != "fsdp2":
+    if name not in ("fsdp2", "pipeline"):  # those two materialize what each rank keeps, once it is known
         materialize(model, device)
         model.to(device)
     if name == "pipeline":

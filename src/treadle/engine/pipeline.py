@@ -46,6 +46,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from treadle.engine.local import _SAVE, CollectiveEngine
 from treadle.errors import UserError
 from treadle.models.hf import decoder_layers
+from treadle.models.sharded_load import is_empty, materialize
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}  # stages per rank
@@ -173,6 +174,18 @@ def _check_split(model: nn.Module, views: list[nn.Module]) -> None:
                         "accepted: pipeline_parallel = 1")
 
 
+def _twin(model: nn.Module, num_stages: int) -> nn.Module:
+    """A model of ``model``'s architecture with one decoder layer per stage and random weights, for ``_check_split``
+    of a model built empty (its weights are read later, stage by stage): the check asks what the forward does
+    outside the layers, which the weights do not change. The global RNG is left as it was."""
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_stages
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:num_stages]
+    with torch.random.fork_rng(devices=[]):
+        return type(model)(config)
+
+
 def plan_stages(model: nn.Module, pipeline_parallel: int, schedule: str) -> tuple[_Parts, list[range]]:
     """The model's parts and each stage's layers; UserError (one line) for a model that cannot be split so."""
     v = VIRTUAL_STAGES[schedule]
@@ -184,7 +197,12 @@ def plan_stages(model: nn.Module, pipeline_parallel: int, schedule: str) -> tupl
                         f"into {num_stages} equal stages ({pipeline_parallel} ranks x {v} for {schedule!r}); accepted: "
                         f"a pipeline_parallel (x {v}) that divides {n_layers}")
     layout = stage_layers(n_layers, num_stages)
-    _check_split(model, [_view(model, parts, layout[s], s == 0, s == num_stages - 1) for s in range(num_stages)])
+    checked, checked_parts, checked_layout = model, parts, layout
+    if is_empty(model):  # nothing to run yet: the same forward with random weights, one layer per stage
+        checked = _twin(model, num_stages)
+        checked_parts, checked_layout = _Parts(checked), stage_layers(num_stages, num_stages)
+    _check_split(checked, [_view(checked, checked_parts, checked_layout[s], s == 0, s == num_stages - 1)
+                           for s in range(num_stages)])
     return parts, layout
 
 
@@ -195,7 +213,10 @@ class PipelineEngine(CollectiveEngine):
     def __init__(self, model: nn.Module, optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
                  device: torch.device, *, pipeline_parallel: int, schedule: str, micro_batches: int,
                  autocast: Callable):
-        """Split ``model`` (fp32, on ``device``, identical on every rank) into this rank's stages."""
+        """Split ``model`` (fp32, on ``device``, identical on every rank) into this rank's stages.
+
+        ``model`` may be empty (on the meta device, read from ``model.path``): each rank then allocates and reads
+        only what its stages keep (``sharded_load.materialize`` after the split), never the whole model."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs a process group: call treadle.distributed.init_distributed() first")
         self.device = device
@@ -211,6 +232,8 @@ class PipelineEngine(CollectiveEngine):
         # one rank's copy), and a resume at another pipeline size finds each of its parameters in a group.
         names = {id(p): n for n, p in model.named_parameters()}
         self._group_names = [[names[id(p)] for p in g["params"]] for g in optimizer_factory(model).param_groups]
+        # A tied head's key and the embedding's: one tensor in the export, as one process's state dict has it.
+        self._tied_keys = (f"{parts.head_name}.weight", names[id(model.get_input_embeddings().weight)]) if parts.tied else None
 
         # Stage s runs on stage rank s % pp (the looped placement interleaved schedules expect).
         self.stage_ids = [s for s in range(self.num_stages) if s % pp == self.stage_rank]
@@ -229,6 +252,8 @@ class PipelineEngine(CollectiveEngine):
         if not has_last:
             parts.base.norm = PassThrough()
             setattr(model, parts.head_name, PassThrough())
+        materialize(model, device)  # an empty model: this rank's tensors only, read from its files (re-tied)
+        model.to(device)
         self.tied_weight = model.get_input_embeddings().weight if parts.tied and (has_first or has_last) else None
 
         self.model = self.module = model
@@ -362,4 +387,10 @@ class PipelineEngine(CollectiveEngine):
         mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         gathered = [None] * dist.get_world_size(self._pipeline) if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=self._pipeline)
-        return {k: v for part in gathered for k, v in part.items()} if self.rank == 0 else {}
+        if self.rank:
+            return {}
+        merged = {k: v for part in gathered for k, v in part.items()}
+        if self._tied_keys is not None:  # the two names came from two ranks as two tensors: one again
+            head, embed = self._tied_keys
+            merged[head] = merged[embed]
+        return merged
