@@ -121,7 +121,7 @@ def _check(rank: int, world_size: int, tmp: str, shards, out, saved) -> dict:
     return got
 
 
-def _check_replicas(rank: int, world_size: int, shards, out, saved) -> dict:
+def _check_replicas(rank: int, world_size: int, shards, out, saved, reference) -> dict:
     """Four ranks: two pipelines of two stages (rank = stage rank x 2 + pipeline); each pipeline takes half of
     every step's micro-batches (GA / 2 of them), as the data-parallel replicas do in a run."""
     from treadle.train.run import run_training
@@ -139,9 +139,12 @@ def _check_replicas(rank: int, world_size: int, shards, out, saved) -> dict:
     got["eval"] = engine.all_reduce_sum(engine.forward_only(micro_batches(9)[half], measure)).tolist()
     got["weights"] = engine.export_state_dict()
     # A whole run: 2 pipelines x 2 stages, micro-batch 2 x GA 2 x 2 replicas = the 8 rows of one process's step.
-    run_training(load_config(None, run_args(shards, out / "pp2dp2", saved, "--train.max_steps=2",
-                                            "--train.micro_batch_size=2", "--train.eval_batches=4",  # the same 8 samples
-                                            "--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=gpipe")))
+    layout = ["--train.micro_batch_size=2", "--train.eval_batches=4",  # the same 8 samples as one process
+              "--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=gpipe"]
+    run_training(load_config(None, run_args(shards, out / "pp2dp2", saved, "--train.max_steps=2", *layout)))
+    # The one-process run's step-2 checkpoint (PP = 1) resumed here, at 2 stages x 2 pipelines, to step 4.
+    run_training(load_config(None, run_args(shards, out / "from_pp1", saved, "--train.max_steps=4", *layout,
+                                            f"--checkpoint.resume={reference / 'checkpoints' / 'step_2'}")))
     return got
 
 
@@ -295,9 +298,10 @@ def test_models_that_cannot_be_split_are_one_line():
 # ---------------------------------------------------------------- two pipelines side by side (4 ranks)
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, shards, saved):
+def replicas(tmp_path_factory, shards, saved, one_process_run):
     tmp = tmp_path_factory.mktemp("pipeline_dp")
-    return run_distributed(_check_replicas, world_size=4, timeout=300, shards=shards, out=tmp, saved=saved), tmp
+    return run_distributed(_check_replicas, world_size=4, timeout=300, shards=shards, out=tmp, saved=saved,
+                           reference=one_process_run), tmp
 
 
 def test_two_pipelines_of_two_stages_match_one_process(replicas, one_process_run, shards, saved):
@@ -319,3 +323,6 @@ def test_two_pipelines_of_two_stages_match_one_process(replicas, one_process_run
                                                       rel=1e-5)
     run_training(load_config(None, run_args(shards, run, saved, "--train.max_steps=4")))
     assert records(run) == pytest.approx(records(one_process_run), rel=1e-5)
+    # And the other way: one process's checkpoint continued by 4 ranks in 2 pipelines of 2 stages.
+    resumed = records(tmp / "from_pp1")
+    assert resumed.keys() == {3, 4} and resumed == pytest.approx({s: records(one_process_run)[s] for s in (3, 4)}, rel=1e-5)

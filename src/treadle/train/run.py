@@ -304,7 +304,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
                                     async_save=cfg.checkpoint.async_save, best_metric=cfg.checkpoint.best_metric,
                                     best_mode=cfg.checkpoint.best_mode)
     opened.callback(checkpoints.join)  # a rollback below may write
-    resume_from = distributed.on_main(checkpoints.find_resume, cfg.checkpoint.resume)  # one choice for all ranks
+    # One choice for all ranks: on_main returns the result on rank 0 only (the others would not load it).
+    resume_from = distributed.broadcast_object(distributed.on_main(checkpoints.find_resume, cfg.checkpoint.resume))
 
     seed_everything(cfg.train.seed)
     meta = {"vocab_size": train_ds.vocab_size, "eos_id": train_ds.meta.get("eos_id"),
