@@ -5,7 +5,9 @@ in this process. One launch at world size 2 (gloo) checks the model half against
 FSDP2, DDP and DeepSpeed ZeRO-3 at CP = 2 (GA 2, packed documents whose boundary falls on either side of the cut
 or across it): losses, grad norms, label-token counts, weights after 3 steps and eval loss; key/value heads
 replicated (1 kv head, 2 ranks); activation checkpointing; chunked cross-entropy; and a whole run through ``run_training`` against the same run in one
-process (loss, eval loss, grad norm, tokens per step).
+process (loss, eval loss, grad norm, tokens per step). GLIDE drafts at CP = 2: the draft objective's loss sums
+and the draft's gradients (lag 3, position offset, self-attention window; chunked scores and activation
+checkpointing too) and the eval CE equal one process's (the whole draft run: tests/test_run_dist.py).
 
 Tolerances (fp32): as tests/test_engines_dist.py.
 """
@@ -33,6 +35,9 @@ from treadle.errors import UserError
 from treadle.models.chunked_ce import use_chunked_loss
 from treadle.models.hf import build_model
 from treadle.engine.local import LocalEngine
+from treadle.config import DraftConfig
+from treadle.models.glide import GlideDraft, GlideModel
+from treadle.train.draft import GlideObjective
 from treadle.train.moe import router_objective
 from treadle.train.run import refuse_sliced_load_balancing
 from treadle.train.step import label_tokens, loss_sum, optimizer_step
@@ -128,8 +133,6 @@ def test_layouts_that_cannot_work_exit_2_with_one_line(shards, tmp_path, capsys)
     cases = [
         (["--distributed.context_parallel=2"], "distributed.context_parallel = 2 does not divide the world size 1"),
         (["--distributed.context_parallel=3"], "data.seq_len = 32 cannot be split into distributed.context_parallel = 3"),
-        (["--distributed.context_parallel=2", "--draft.kind=glide", f"--draft.target={tmp_path}"],
-         "context_parallel = 2 with draft.kind = 'glide' is not supported"),
     ]
     for extra, message in cases:
         out = tmp_path / "run"
@@ -206,6 +209,8 @@ def _cp_ranks(rank, world_size, shards, out):
     got["checkpointed"] = _train(_engine("fsdp2", layout.cp_group, checkpointing="selective"), range(2), rank)
     got["chunked"] = _train(_engine("fsdp2", layout.cp_group, chunk_tokens=5), range(2), rank)  # CE chunks of a slice
 
+    got["glide"] = {name: _glide_scores(rank, layout.cp_group, **case) for name, case in GLIDE_CASES.items()}
+
     # A whole run: the loader's slices, eval, checkpoint and export at CP = 2 on FSDP2 (engine auto).
     run_training(load_config(None, args(shards, out, "--train.max_steps=3", "--train.threads=1",
                                         "--distributed.context_parallel=2", "--checkpoint.every=2")[1:]))
@@ -237,6 +242,55 @@ def test_context_parallel_2_matches_one_process_on_fsdp2_and_ddp(launched):
                 for r in (optimizer_step(ref, [global_batch(s)], grad_clip=GRAD_CLIP) for s in range(2))]
         for rank, res in enumerate(results):
             assert_steps_match(res[variant], want, f"{variant} rank {rank}")
+
+
+# ---------------------------------------------------------------- GLIDE drafts at CP = 2
+
+# Lag 3 and an offset from position 4 on: the cross-attention reads target K/V across the cut (rank 1's first
+# queries read rank 0's keys); a 5-token self-attention window across it too. The documents of global_batch cross
+# the cut in some rows.
+_DRAFT = DraftConfig(kind="glide", target="unused", loss="mix", gamma=4, window=5, max_position_offset=40)
+GLIDE_CASES = {"plain": {}, "chunked_checkpointed": {"chunk": 5, "checkpointing": "full"}}
+
+
+def _glide(chunk: int = 0, checkpointing: str = "none") -> GlideModel:
+    from treadle.models.checkpointing import apply_activation_checkpointing
+
+    model = GlideModel(_llama(0), GlideDraft(_llama(0).config, window=_DRAFT.window))
+    model.loss_chunk_tokens = chunk
+    apply_activation_checkpointing(model.draft_model, ModelConfig(activation_checkpointing=checkpointing))
+    return model.train()
+
+
+def _glide_scores(cp_rank: int = 0, group=None, **case) -> dict:
+    """The draft objective's sums and the draft's gradients on this rank's slice (the whole batch without a group);
+    then the eval CE. The ranks' sums add up to one process's."""
+    model, batch = _glide(**case), global_batch(5)
+    if group is not None:
+        from treadle.engine.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, group)
+        batch = slice_sequences(batch, cp_rank, CP)
+    objective = GlideObjective(_DRAFT, max_positions=2048, seq_len=16)
+    loss, report = objective.losses(model, batch, lag=3, offset=7, train=True)
+    loss.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.draft_model.named_parameters()}
+    with torch.no_grad():
+        ce, _ = objective.evaluate(model, batch)
+    return {"loss": float(loss.detach().sum()), "kl": float(report["draft_kl"]), "target": float(report["target_loss"]),
+            "eval": float(ce.sum()), "grads": grads}
+
+
+def test_a_glide_draft_at_context_parallel_2_matches_one_process(launched):
+    results, _ = launched
+    for name, case in GLIDE_CASES.items():
+        want = _glide_scores(**case)
+        got = [res["glide"][name] for res in results]
+        for key in ("loss", "kl", "target", "eval"):
+            assert sum(g[key] for g in got) == pytest.approx(want[key], rel=LOSS_RTOL), (name, key)
+        for param, grad in want["grads"].items():
+            assert grad.abs().sum() > 0, param  # every draft weight is trained
+            assert torch.allclose(sum(g["grads"][param] for g in got), grad, rtol=1e-5, atol=1e-7), (name, param)
 
 
 def _reference_eval(model) -> float:

@@ -5,7 +5,9 @@ tied embeddings, a DCP checkpoint written by the stages, and whole runs through 
 checkpoint, HF export); the tests below compare each with a single-process ``LocalEngine`` or a PP=1 run, and
 resume the PP=2 run's checkpoint at PP=1. The reference takes the step's micro-batches in one loop (GA=4):
 a pipeline must give the same loss (normalized by the step's token count over all micro-batches), the same
-global grad norm and the same weights.
+global grad norm and the same weights. A second launch (four ranks: two pipelines of two stages, data-parallel)
+checks the replicas' summed gradients against the same reference, with tied embeddings, and a whole 4-rank run
+against one process, resumed in one process.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.distributed import run_distributed
-from tests.helpers import args, records
+from tests.helpers import TARGET, args, records
 from treadle.config import load_config
 from treadle.engine.local import LocalEngine
 from treadle.engine.optim import param_groups
@@ -29,7 +31,6 @@ ROWS, SEQ, GA, STEPS = 8, 16, 4, 2
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 LOSS_RTOL, NORM_RTOL, WEIGHT_ATOL = 1e-6, 1e-5, 1e-5
 CPU = torch.device("cpu")
-FOUR_LAYERS = "{hidden_size=32,intermediate_size=64,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=2}"
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -75,15 +76,26 @@ def _eval(engine) -> list[float]:
 
 # ---------------------------------------------------------------- on each rank
 
-def _pipeline(schedule: str, tied: bool = False):
+def _pipeline(schedule: str, tied: bool = False, micro: int = GA):
     from treadle.engine.pipeline import PipelineEngine
 
     import contextlib
     return PipelineEngine(tiny_llama(tied), make_optimizer, CPU, pipeline_parallel=2, schedule=schedule,
-                          micro_batches=GA, autocast=contextlib.nullcontext)
+                          micro_batches=micro, autocast=contextlib.nullcontext)
 
 
-def _check(rank: int, world_size: int, tmp: str, shards, out) -> dict:
+def run_args(shards, out, saved, *extra) -> list[str]:
+    """A whole run of the saved 4-layer model (``model.path``: built empty, each stage read from its files)."""
+    return [a for a in args(shards, out) if not a.startswith("--model.overrides")][1:] + [
+        "--train.threads=1", f"--model.path={saved}", "--checkpoint.every=2", "--train.eval_every=2",
+        "--schedule.decay=constant", *extra]
+
+
+def _check(rank: int, world_size: int, tmp: str, shards, out, saved) -> dict:
+    import contextlib
+
+    from treadle.engine.pipeline import PipelineEngine
+    from treadle.models.sharded_load import empty_causal_lm
     from treadle.train.run import run_training
 
     got = {}
@@ -95,20 +107,73 @@ def _check(rank: int, world_size: int, tmp: str, shards, out) -> dict:
             dcp.save(engine.state_dict(), checkpoint_id=f"{tmp}/ckpt")
     engine = _pipeline("1f1b", tied=True)
     got["tied"] = {"steps": _steps(engine, range(STEPS)), "weights": engine.export_state_dict()}
-    # Whole runs: 2 steps at PP=2 with a checkpoint, eval and the HF export (resumed at PP=1 in the test).
-    run_training(load_config(None, args(shards, out / "pp2", "--train.threads=1", f"--model.overrides={FOUR_LAYERS}",
-                                        "--train.max_steps=2", "--checkpoint.every=2", "--train.eval_every=2", "--schedule.decay=constant",
-                                        "--distributed.pipeline_parallel=2",
-                                        "--distributed.pipeline_schedule=gpipe")[1:]))
+    # Built empty from the saved (tied, bf16, several files) model: each rank reads its stages' tensors only.
+    model, why = empty_causal_lm(saved, "model.path")
+    assert why is None
+    engine = PipelineEngine(model, make_optimizer, CPU, pipeline_parallel=2, schedule="interleaved_1f1b",
+                            micro_batches=GA, autocast=contextlib.nullcontext)
+    got["empty"] = {"state": {k: v.detach().clone() for k, v in engine.model.state_dict().items()},
+                    "tied": rank == 1 and engine.model.lm_head.weight is engine.model.model.embed_tokens.weight}
+    # Whole runs (model.path: built empty): 2 steps at PP=2 with a checkpoint, eval and the HF export (resumed at
+    # PP=1 in the test).
+    run_training(load_config(None, run_args(shards, out / "pp2", saved, "--train.max_steps=2",
+                                            "--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=gpipe")))
+    return got
+
+
+def _check_replicas(rank: int, world_size: int, shards, out, saved, reference) -> dict:
+    """Four ranks: two pipelines of two stages (rank = stage rank x 2 + pipeline); each pipeline takes half of
+    every step's micro-batches (GA / 2 of them), as the data-parallel replicas do in a run."""
+    from treadle.train.run import run_training
+
+    engine = _pipeline("1f1b", tied=True, micro=GA // 2)
+    assert (engine.stage_rank, engine.data_rank, engine.data_world_size) == (rank // 2, rank % 2, 2)
+    half = slice(engine.data_rank * GA // 2, (engine.data_rank + 1) * GA // 2)
+    got = {"steps": []}
+    for s in range(STEPS):
+        r = optimizer_step(engine, micro_batches(s)[half], grad_clip=1.0)
+        got["steps"].append((r.loss, r.grad_norm, r.label_tokens))
+
+    def measure(model, batch):
+        return torch.stack([loss_sum(model, batch).sum().double(), (batch["labels"] != -100).sum().double()])
+    got["eval"] = engine.all_reduce_sum(engine.forward_only(micro_batches(9)[half], measure)).tolist()
+    got["weights"] = engine.export_state_dict()
+    # A whole run: 2 pipelines x 2 stages, micro-batch 2 x GA 2 x 2 replicas = the 8 rows of one process's step.
+    layout = ["--train.micro_batch_size=2", "--train.eval_batches=4",  # the same 8 samples as one process
+              "--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=gpipe"]
+    run_training(load_config(None, run_args(shards, out / "pp2dp2", saved, "--train.max_steps=2", *layout)))
+    # The one-process run's step-2 checkpoint (PP = 1) resumed here, at 2 stages x 2 pipelines, to step 4.
+    run_training(load_config(None, run_args(shards, out / "from_pp1", saved, "--train.max_steps=4", *layout,
+                                            f"--checkpoint.resume={reference / 'checkpoints' / 'step_2'}")))
     return got
 
 
 # ---------------------------------------------------------------- in the test process
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory, shards):
+def saved(tmp_path_factory):
+    """A 4-layer Llama with tied embeddings saved in bf16 over several safetensors files."""
+    torch.manual_seed(3)
+    path = tmp_path_factory.mktemp("pipeline_model") / "llama"
+    LlamaForCausalLM(LlamaConfig(**(TARGET | {"num_hidden_layers": 4, "tie_word_embeddings": True}))).to(
+        torch.bfloat16).save_pretrained(path, max_shard_size="40KB")
+    return path
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, shards, saved):
     tmp = tmp_path_factory.mktemp("pipeline_dist")
-    return run_distributed(_check, world_size=2, timeout=300, tmp=str(tmp), shards=shards, out=tmp), tmp
+    return run_distributed(_check, world_size=2, timeout=300, tmp=str(tmp), shards=shards, out=tmp, saved=saved), tmp
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory, shards, saved):
+    """The reference run: 4 steps in one process (PP = 1), checkpoints at 2 and 4."""
+    from treadle.train.run import run_training
+
+    out = tmp_path_factory.mktemp("pipeline_ref") / "pp1"
+    run_training(load_config(None, run_args(shards, out, saved, "--train.max_steps=4")))
+    return out
 
 
 def _local(tied: bool = False):
@@ -143,6 +208,22 @@ def test_two_stages_match_one_process(launched, schedule):
     assert not keys[0] & keys[1] and keys[0] | keys[1] == set(ref.state_dict()["model"])
 
 
+def test_stages_built_empty_read_only_their_own_tensors(launched, saved):
+    """A model.path model built on the meta device and split: each rank holds its stages' tensors only (layers
+    0 and 2 with the embedding on rank 0, 1 and 3 with norm and head on rank 1: interleaved), read from the files
+    and equal to from_pretrained's; the last rank's head is tied to the embedding it keeps."""
+    from treadle.models.hf import load_causal_lm
+
+    want = load_causal_lm(saved, "model.path").state_dict()
+    states = [res["empty"]["state"] for res in launched[0]]
+    assert {k for k in states[0] if ".layers." in k} == {k for k in want if ".layers.0." in k or ".layers.2." in k}
+    assert {k for k in states[1] if ".layers." in k} == {k for k in want if ".layers.1." in k or ".layers.3." in k}
+    assert "lm_head.weight" not in states[0] and "model.norm.weight" in states[1]
+    for state in states:
+        assert all(not v.is_meta and torch.equal(v, want[k]) for k, v in state.items())
+    assert launched[0][1]["empty"]["tied"]
+
+
 def test_tied_embeddings_across_stages_match_one_process(launched):
     results, _ = launched
     ref = _local(tied=True)
@@ -169,21 +250,18 @@ def test_stage_checkpoint_resumes_in_one_process(launched):
     assert _close(resumed.export_state_dict(), ref.export_state_dict()) <= WEIGHT_ATOL
 
 
-def test_pipeline_run_resumes_at_pp1_and_exports_the_full_model(launched, shards):
+def test_pipeline_run_resumes_at_pp1_and_exports_the_full_model(launched, one_process_run, shards, saved):
     """treadle train at PP=2 (gpipe) for 2 steps, resumed at PP=1 to step 4, equals an uninterrupted PP=1 run."""
     _, tmp = launched
-    common = ["--train.threads=1", f"--model.overrides={FOUR_LAYERS}", "--checkpoint.every=2", "--train.eval_every=2",
-              "--schedule.decay=constant"]
     from treadle.train.run import run_training
 
-    run_training(load_config(None, args(shards, tmp / "pp1", *common, "--train.max_steps=4")[1:]))
-    pp2, pp1 = tmp / "pp2", tmp / "pp1"
+    pp2, pp1 = tmp / "pp2", one_process_run
     one = records(pp1)
     assert records(pp2) == pytest.approx({s: one[s] for s in (1, 2)}, rel=1e-5)
     assert records(pp2, "eval_loss") == pytest.approx({s: records(pp1, "eval_loss")[s] for s in (0, 2)}, rel=1e-5)
     exported = load_file(pp2 / "hf" / "model.safetensors")
     assert len(exported) == len(load_file(pp1 / "hf" / "model.safetensors"))  # every layer, not one stage's
-    run_training(load_config(None, args(shards, pp2, *common, "--train.max_steps=4")[1:]))
+    run_training(load_config(None, run_args(shards, pp2, saved, "--train.max_steps=4")))
     assert records(pp2) == pytest.approx(one, rel=1e-5)
     assert records(pp2, "eval_loss") == pytest.approx(records(pp1, "eval_loss"), rel=1e-5)
     final, want = load_file(pp2 / "hf" / "model.safetensors"), load_file(pp1 / "hf" / "model.safetensors")
@@ -207,3 +285,44 @@ def test_models_that_cannot_be_split_are_one_line():
     plan_stages(GemmaForCausalLM(GemmaConfig(**small)), 2, "gpipe")
     with pytest.raises(UserError, match="gemma2 models cannot be split into stages"):
         plan_stages(Gemma2ForCausalLM(Gemma2Config(**small)), 2, "gpipe")
+    # Built empty (model.path, read stage by stage later): checked on a random twin, one layer per stage.
+    with torch.device("meta"):
+        empty_llama, empty_gemma2 = tiny_llama(), Gemma2ForCausalLM(Gemma2Config(**small))
+    state = torch.random.get_rng_state()
+    plan_stages(empty_llama, 2, "interleaved_1f1b")
+    with pytest.raises(UserError, match="gemma2 models cannot be split into stages"):
+        plan_stages(empty_gemma2, 2, "gpipe")
+    assert torch.equal(torch.random.get_rng_state(), state)  # the twin's init draws leave the run's RNG alone
+
+
+# ---------------------------------------------------------------- two pipelines side by side (4 ranks)
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, shards, saved, one_process_run):
+    tmp = tmp_path_factory.mktemp("pipeline_dp")
+    return run_distributed(_check_replicas, world_size=4, timeout=300, shards=shards, out=tmp, saved=saved,
+                           reference=one_process_run), tmp
+
+
+def test_two_pipelines_of_two_stages_match_one_process(replicas, one_process_run, shards, saved):
+    results, tmp = replicas
+    ref = _local(tied=True)
+    want = _steps(ref, range(STEPS))
+    for res in results:  # every rank of both pipelines: the step's loss over both replicas, the global norm
+        _assert_steps(res["steps"], want)
+        assert res["eval"] == pytest.approx(_eval(ref), rel=1e-6)
+    weights = results[0]["weights"]
+    assert _close(weights, ref.export_state_dict()) <= WEIGHT_ATOL
+    assert all(res["weights"] == {} for res in results[1:])
+    # The whole 4-rank run equals one process's, and its stages' checkpoint (written by 4 ranks) resumes there.
+    from treadle.train.run import run_training
+
+    run = tmp / "pp2dp2"
+    assert records(run) == pytest.approx({s: records(one_process_run)[s] for s in (1, 2)}, rel=1e-5)
+    assert records(run, "eval_loss") == pytest.approx({s: records(one_process_run, "eval_loss")[s] for s in (0, 2)},
+                                                      rel=1e-5)
+    run_training(load_config(None, run_args(shards, run, saved, "--train.max_steps=4")))
+    assert records(run) == pytest.approx(records(one_process_run), rel=1e-5)
+    # And the other way: one process's checkpoint continued by 4 ranks in 2 pipelines of 2 stages.
+    resumed = records(tmp / "from_pp1")
+    assert resumed.keys() == {3, 4} and resumed == pytest.approx({s: records(one_process_run)[s] for s in (3, 4)}, rel=1e-5)

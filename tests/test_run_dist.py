@@ -159,8 +159,10 @@ def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_pat
 
 
 # fsdp2 also checkpoints the draft block's activations: the one-process run it is compared with does not.
+# cp2: one data-parallel replica whose two ranks each hold half of every sequence (GA 4: the same global batch).
 DRAFT_ENGINES = {"fsdp2": ["--distributed.engine=fsdp2", "--model.activation_checkpointing=full"],
-                 "zero3": ["--distributed.engine=deepspeed", "--distributed.zero_stage=3"]}
+                 "zero3": ["--distributed.engine=deepspeed", "--distributed.zero_stage=3"],
+                 "cp2": ["--distributed.context_parallel=2", "--train.grad_accum_steps=4"]}
 # An EAGLE-3 draft (reduced vocabulary, 3 unroll steps) on fsdp2, compared with its own one-process run.
 EAGLE3 = ["--draft.kind=eagle3", "--draft.vocab_size=200", "--draft.ttt_steps=3"]
 DRAFT_ENGINES["eagle3-fsdp2"] = DRAFT_ENGINES["fsdp2"] + EAGLE3
@@ -198,7 +200,7 @@ def _checkpoint_tensor_names(step_dir) -> list[str]:
     return names
 
 
-def test_draft_runs_at_world_size_2_on_fsdp2_and_zero3(shards, target_dir, tmp_path):
+def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, target_dir, tmp_path):
     res = run_distributed(_draft_runs, world_size=2, timeout=360, shards=shards, target_dir=target_dir, out=tmp_path)[0]
     one, one_eagle3 = tmp_path / "one", tmp_path / "one-eagle3"
     assert main(draft_args(shards, target_dir, one, "--train.max_steps=3", "--train.grad_accum_steps=4")) == 0
@@ -211,7 +213,7 @@ def test_draft_runs_at_world_size_2_on_fsdp2_and_zero3(shards, target_dir, tmp_p
         # The same draft run as one process: lags are drawn per global micro-batch, not per rank.
         eagle3 = name.startswith("eagle3")
         ref = one_eagle3 if eagle3 else one
-        for key in ("loss", "draft_kl", "eval_loss", "tau_sim") + (("acc_1", "acc_3") if eagle3 else ()):
+        for key in ("loss", "draft_kl", "eval_loss", "tau_sim", "grad_norm") + (("acc_1", "acc_3") if eagle3 else ()):
             a, b = records(ref, key), records(run, key)
             assert a.keys() == b.keys() and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in a), (name, key)
         # Checkpoints hold the draft only; the export is the draft alone.

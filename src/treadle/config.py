@@ -406,10 +406,6 @@ class Config(Section):
         if cp > 1 and self.data.seq_len % cp:
             raise ValueError(f"data.seq_len = {self.data.seq_len} cannot be split into distributed.context_parallel = "
                              f"{cp} equal parts; accepted: a multiple of {cp}")
-        if cp > 1 and self.draft.kind is not None:
-            raise ValueError(f"distributed.context_parallel = {cp} with draft.kind = {self.draft.kind!r} is not "
-                             "supported (GLIDE's cross-attention would need the target's K/V of the whole sequence); "
-                             "accepted: context_parallel = 1 for draft runs")
         if cp > 1 and self.distributed.pipeline_parallel > 1:
             raise ValueError(f"distributed.context_parallel = {cp} with distributed.pipeline_parallel = "
                              f"{self.distributed.pipeline_parallel} is not supported yet; accepted: one of them > 1")

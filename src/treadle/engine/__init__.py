@@ -30,7 +30,8 @@ def resolve_engine(name: str, info: DistInfo, pipeline_parallel: int = 1) -> str
 
         if name != "auto":
             raise UserError(f"distributed.engine = {name!r} with pipeline_parallel = {pipeline_parallel}: the stages "
-                            "are the engine (no FSDP2/DDP/DeepSpeed inside them yet); accepted: distributed.engine = auto")
+                            "are the engine (pipelines beside each other sum their gradients as DDP does; FSDP2 or "
+                            "DeepSpeed inside a stage is not built); accepted: distributed.engine = auto")
         check_layout(pipeline_parallel, info.world_size)
         return "pipeline"
     if name == "auto":
@@ -64,10 +65,11 @@ def read_deepspeed_config(path: str | None) -> dict | None:
 def builds_empty(name: str, cfg: Config, world_size: int, deepspeed_json: dict | None = None) -> bool:
     """Whether a model this run reads from disk (``model.path``, a draft's target) is built on the meta device, for
     ``build_engine`` to allocate and read as the engine partitions it (FSDP2: each rank its shards, after sharding;
-    ZeRO-3: module by module). Otherwise it is read whole, on every rank."""
+    a pipeline: each rank its stages, after the split; ZeRO-3: module by module). Otherwise it is read whole, on
+    every rank."""
     if cfg.model.path is None and cfg.draft.kind is None:
         return False  # a preset is built whole and seeded: the same weights under every engine
-    return name == "fsdp2" or (name == "deepspeed" and _zero3(cfg, deepspeed_json, world_size) is not None)
+    return name in ("fsdp2", "pipeline") or (name == "deepspeed" and _zero3(cfg, deepspeed_json, world_size) is not None)
 
 
 def _zero3(cfg: Config, deepspeed_json: dict | None, world_size: int) -> dict | None:
@@ -89,7 +91,8 @@ def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device,
     """Move ``model`` (fp32, identical on every rank) to ``device``, wrap it and build its optimizer in the engine.
 
     Parts of ``model`` may be empty (on the meta device, ``builds_empty``): FSDP2 reads its shards after sharding,
-    ZeRO-3 reads and partitions it module by module, the others read it whole first.
+    a pipeline its stages after the split, ZeRO-3 reads and partitions it module by module, the others read it
+    whole first.
     """
     from treadle.engine.optim import build_optimizer
     from treadle.models.sharded_load import is_empty, materialize, materialize_by_module
@@ -100,9 +103,9 @@ def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device,
 
         zero3 = _zero3(cfg, deepspeed_json, torch.distributed.get_world_size())
         materialize_by_module(model, device, zero3_partitioner(zero3, device), read=torch.distributed.get_rank() == 0)
-    elif name != "fsdp2":
+    elif name not in ("fsdp2", "pipeline"):  # those two materialize what each rank keeps, once it is known
         materialize(model, device)
-    if name != "fsdp2":
+    if name not in ("fsdp2", "pipeline"):
         model.to(device)
     if name == "pipeline":
         from treadle.engine.pipeline import PipelineEngine

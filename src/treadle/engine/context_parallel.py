@@ -22,9 +22,20 @@ for the local slice at all.
 Gradients: autograd through the all-to-all hands each rank the gradient of its own loss term only, so
 the gradients must be SUMMED over the context group. Every treadle engine already sums over all ranks
 (the loss is pre-divided by the step's global token count), which is exactly that: no engine changes.
+
+Draft runs (GLIDE): the frozen target runs this same attention, but only inside ``GlideModel.forward`` (the
+sliced training and eval batches; ``SequenceSlices.attention`` switches it on for the call), because the
+acceptance evaluation runs whole prompts on every rank with plain sdpa. The target is handed its own 4-D
+mask of the whole sequence (documents start where positions restart at 0: anchor offsets make jumps inside
+a document, so transformers' rule would cut them), which the wrapper uses as given. The one-layer draft
+needs no head exchange: it all-gathers keys and values (the target's last-layer K/V for its cross-attention,
+its own for its self-attention) and attends from its slice's queries; the gather's backward hands each rank
+the gradient of the keys it made. The lag and offset rules are unchanged: masks use whole-sequence indices.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -36,6 +47,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import find_packed_sequence_indices
 
 from treadle.errors import UserError
+from treadle.models.glide import GlideModel
 
 ATTENTION_NAME = "treadle_context_parallel"
 
@@ -58,11 +70,46 @@ def check_model(config, cp: int) -> None:
                         f"(num_attention_heads); accepted: a divisor of {heads}")
 
 
+def split_model_config(model: nn.Module):
+    """The config whose attention context parallelism splits: a draft run's target, else the model's own."""
+    return model.target.config if isinstance(model, GlideModel) else model.config
+
+
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Switch ``model``'s attention to the all-to-all wrapper over ``group`` (in place, before any engine wraps it)."""
-    check_model(model.config, dist.get_world_size(group))
+    """Switch ``model``'s attention to the all-to-all wrapper over ``group`` (in place, before any engine wraps it);
+    a GLIDE model is told it is handed slices (``SequenceSlices``) instead."""
+    check_model(split_model_config(model), dist.get_world_size(group))
     AttentionInterface.register(ATTENTION_NAME, UlyssesAttention(group))
-    model.set_attn_implementation(ATTENTION_NAME)
+    if isinstance(model, GlideModel):
+        model.sequences = SequenceSlices(group)
+    else:
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+class SequenceSlices:
+    """A GLIDE model's view of its context group (models/glide.py ``WholeSequences`` is the one-process view)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank = dist.get_rank(group)
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim``, in rank order (= sequence order); the backward sums the
+        gradients of the whole and hands each rank its part."""
+        return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, self.group))
+
+    def start(self, length: int) -> int:
+        return self.rank * length
+
+    @contextlib.contextmanager
+    def attention(self, model: nn.Module):
+        """``model`` (a draft's target) attends through the all-to-all wrapper while inside; sdpa again after."""
+        before = model.config._attn_implementation
+        model.config._attn_implementation = ATTENTION_NAME  # read by every attention layer at each call
+        try:
+            yield
+        finally:
+            model.config._attn_implementation = before
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -117,6 +164,7 @@ class UlyssesAttention:
         self._positions: torch.Tensor | None = None
         self._masks: dict[tuple, torch.Tensor | None] = {}
         self._whole: torch.Tensor | None = None
+        self._given: tuple[torch.Tensor, torch.Tensor] | None = None  # a caller's 4-D mask and its additive form
 
     def _mask(self, position_ids: torch.Tensor, batch: int, sliding_window: int | None,
               dtype: torch.dtype) -> torch.Tensor | None:
@@ -137,12 +185,25 @@ class UlyssesAttention:
                 device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
         return self._masks[key]
 
+    def _given_mask(self, mask: torch.Tensor, whole: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 4-D boolean mask the caller built over the whole sequence (GLIDE's target), additive, once per tensor."""
+        if mask.dtype != torch.bool or mask.shape[-2:] != (whole, whole):
+            raise RuntimeError(f"context-parallel attention was handed a {tuple(mask.shape)} {mask.dtype} mask; it "
+                               f"takes a boolean mask over the whole sequence ({whole} x {whole}) or none")
+        if self._given is None or self._given[0] is not mask or self._given[1].dtype != dtype:
+            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+            self._given = (mask, additive)
+        return self._given[1]
+
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  position_ids: torch.Tensor | None = None, sliding_window: int | None = None, **kwargs):
-        if position_ids is None:  # treadle always passes them; a 1-D RoPE default would be wrong for a slice
+        if attention_mask is not None:  # transformers hands a caller's 4-D mask through unchanged
+            mask = self._given_mask(attention_mask, query.shape[2] * self.cp, query.dtype)
+        elif position_ids is None:  # treadle always passes them; a 1-D RoPE default would be wrong for a slice
             raise RuntimeError("context-parallel attention needs position_ids (the positions of this rank's slice)")
-        mask = self._mask(position_ids, query.shape[0], sliding_window, query.dtype)
+        else:
+            mask = self._mask(position_ids, query.shape[0], sliding_window, query.dtype)
         heads, kv_heads = query.shape[1], key.shape[1]
         if kv_heads % self.cp:  # replicate: one key/value head per query head, then split like the queries
             key, value = repeat_kv(key, heads // kv_heads), repeat_kv(value, heads // kv_heads)

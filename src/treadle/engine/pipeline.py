@@ -20,10 +20,13 @@ The same interface as ``LocalEngine``; what differs is hidden here:
 * Sums and decisions. ``all_reduce_sum`` sums over data-parallel replicas (a pipeline is one replica:
   every stage saw the same micro-batches), ``all_agree`` / ``any_rank`` over every rank; the gradient
   norm is the global norm over all stages; the step's loss sums, computed on the last stage, are
-  broadcast so every rank reports the same loss.
-
-A pipeline is the whole launch for now (world size = pipeline_parallel): data parallelism beside the
-stages is refused in ``check_layout``.
+  broadcast so every rank of the pipeline reports the same loss.
+* Data parallelism beside the stages: a launch of ``pipeline_parallel x R`` ranks runs R pipelines
+  (replicas), each on its own micro-batches. Rank ``stage_rank * R + replica`` (the ranks holding one stage
+  are neighbours, as torchtitan lays its mesh out: on GPUs their gradient all-reduce is the heavy traffic,
+  the pipeline's activations are light). After the schedule's backward each stage's gradients are SUMMED over
+  its R copies in one flat all-reduce (the loss is already divided by the step's global token count, as for
+  every engine): DDP's result, without overlapping the reduction with the backward.
 """
 
 from __future__ import annotations
@@ -43,16 +46,28 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from treadle.engine.local import _SAVE, CollectiveEngine
 from treadle.errors import UserError
 from treadle.models.hf import decoder_layers
+from treadle.models.sharded_load import is_empty, materialize
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}  # stages per rank
 
 
 def check_layout(pipeline_parallel: int, world_size: int) -> None:
-    if world_size != pipeline_parallel:
-        raise UserError(f"distributed.pipeline_parallel = {pipeline_parallel} but this launch has {world_size} "
-                        f"processes; accepted: --nproc_per_node {pipeline_parallel} (data parallelism beside "
-                        "pipeline stages is not built yet)")
+    if world_size % pipeline_parallel:
+        raise UserError(f"distributed.pipeline_parallel = {pipeline_parallel} does not divide this launch's "
+                        f"{world_size} processes; accepted: --nproc_per_node {pipeline_parallel} or a multiple of it "
+                        f"(the multiple = data-parallel pipelines)")
+
+
+def _groups(pp: int, dp: int, tied: int | None) -> tuple:
+    """(this rank's pipeline group, its replica group or None, its tied-weight group or None): collective, every
+    rank creates every group in the same order. Rank = stage rank x dp + replica. ``tied``: the stage rank of
+    the last stage when the first and last stage share a weight."""
+    pipeline, _ = dist.new_subgroups_by_enumeration([[s * dp + d for s in range(pp)] for d in range(dp)])
+    replicas = dist.new_subgroups_by_enumeration([[s * dp + d for d in range(dp)] for s in range(pp)])[0] if dp > 1 else None
+    # The embedding's rank and the head's rank of each pipeline (None on the ranks of neither).
+    pair = dist.new_subgroups_by_enumeration([[d, tied * dp + d] for d in range(dp)])[0] if tied is not None else None
+    return pipeline, replicas, pair
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -159,6 +174,18 @@ def _check_split(model: nn.Module, views: list[nn.Module]) -> None:
                         "accepted: pipeline_parallel = 1")
 
 
+def _twin(model: nn.Module, num_stages: int) -> nn.Module:
+    """A model of ``model``'s architecture with one decoder layer per stage and random weights, for ``_check_split``
+    of a model built empty (its weights are read later, stage by stage): the check asks what the forward does
+    outside the layers, which the weights do not change. The global RNG is left as it was."""
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_stages
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:num_stages]
+    with torch.random.fork_rng(devices=[]):
+        return type(model)(config)
+
+
 def plan_stages(model: nn.Module, pipeline_parallel: int, schedule: str) -> tuple[_Parts, list[range]]:
     """The model's parts and each stage's layers; UserError (one line) for a model that cannot be split so."""
     v = VIRTUAL_STAGES[schedule]
@@ -170,26 +197,34 @@ def plan_stages(model: nn.Module, pipeline_parallel: int, schedule: str) -> tupl
                         f"into {num_stages} equal stages ({pipeline_parallel} ranks x {v} for {schedule!r}); accepted: "
                         f"a pipeline_parallel (x {v}) that divides {n_layers}")
     layout = stage_layers(n_layers, num_stages)
-    _check_split(model, [_view(model, parts, layout[s], s == 0, s == num_stages - 1) for s in range(num_stages)])
+    checked, checked_parts, checked_layout = model, parts, layout
+    if is_empty(model):  # nothing to run yet: the same forward with random weights, one layer per stage
+        checked = _twin(model, num_stages)
+        checked_parts, checked_layout = _Parts(checked), stage_layers(num_stages, num_stages)
+    _check_split(checked, [_view(checked, checked_parts, checked_layout[s], s == 0, s == num_stages - 1)
+                           for s in range(num_stages)])
     return parts, layout
 
 
 class PipelineEngine(CollectiveEngine):
     # backward (the schedule runs it), step, zero_grad and load_state_dict are LocalEngine's.
     state_is_partial = True  # each rank's state dict holds its stages' tensors only (the checkpoint holds them all)
-    data_rank, data_world_size = 0, 1  # every stage of the one pipeline reads the same micro-batches
 
     def __init__(self, model: nn.Module, optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
                  device: torch.device, *, pipeline_parallel: int, schedule: str, micro_batches: int,
                  autocast: Callable):
-        """Split ``model`` (fp32, on ``device``, identical on every rank) into this rank's stages."""
+        """Split ``model`` (fp32, on ``device``, identical on every rank) into this rank's stages.
+
+        ``model`` may be empty (on the meta device, read from ``model.path``): each rank then allocates and reads
+        only what its stages keep (``sharded_load.materialize`` after the split), never the whole model."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs a process group: call treadle.distributed.init_distributed() first")
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         check_layout(pipeline_parallel, self.world_size)
-        pp = pipeline_parallel
+        pp, dp = pipeline_parallel, self.world_size // pipeline_parallel
+        self.stage_rank, self.replica, self.replicas = *divmod(self.rank, dp), dp
         parts, layout = plan_stages(model, pp, schedule)
         self.num_stages = len(layout)
         n_layers = len(parts.layers)
@@ -197,10 +232,14 @@ class PipelineEngine(CollectiveEngine):
         # one rank's copy), and a resume at another pipeline size finds each of its parameters in a group.
         names = {id(p): n for n, p in model.named_parameters()}
         self._group_names = [[names[id(p)] for p in g["params"]] for g in optimizer_factory(model).param_groups]
+        # A tied head's key and the embedding's: one tensor in the export, as one process's state dict has it.
+        self._tied_keys = (f"{parts.head_name}.weight", names[id(model.get_input_embeddings().weight)]) if parts.tied else None
 
-        # Stage s runs on rank s % pp (the looped placement interleaved schedules expect).
-        self.stage_ids = [s for s in range(self.num_stages) if s % pp == self.rank]
-        self.first_rank, self.last_rank = 0, (self.num_stages - 1) % pp
+        # Stage s runs on stage rank s % pp (the looped placement interleaved schedules expect).
+        self.stage_ids = [s for s in range(self.num_stages) if s % pp == self.stage_rank]
+        last_stage_rank = (self.num_stages - 1) % pp
+        self.last_rank = last_stage_rank * dp + self.replica  # global: the loss sums come from there
+        self._pipeline, self._replicas, self._tied_group = _groups(pp, dp, last_stage_rank if parts.tied else None)
         owned = {i for s in self.stage_ids for i in layout[s]}
         has_first, has_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         for i in range(n_layers):
@@ -213,8 +252,9 @@ class PipelineEngine(CollectiveEngine):
         if not has_last:
             parts.base.norm = PassThrough()
             setattr(model, parts.head_name, PassThrough())
+        materialize(model, device)  # an empty model: this rank's tensors only, read from its files (re-tied)
+        model.to(device)
         self.tied_weight = model.get_input_embeddings().weight if parts.tied and (has_first or has_last) else None
-        self._tied_group = dist.new_group([self.first_rank, self.last_rank]) if parts.tied and pp > 1 else None
 
         self.model = self.module = model
         self.optimizer = optimizer_factory(model)
@@ -224,9 +264,19 @@ class PipelineEngine(CollectiveEngine):
         self.has_first, self.has_last = has_first, has_last
         self.n_microbatches = micro_batches
         self._loss: Callable | None = None  # the step's loss on the last stage, set per step
-        pipe = [PipelineStage(st, s, self.num_stages, device) for st, s in zip(self._stages, self.stage_ids)]
+        pipe = [PipelineStage(st, s, self.num_stages, device, group=self._pipeline)
+                for st, s in zip(self._stages, self.stage_ids)]
         cls = SCHEDULES[schedule]
         self.schedule = cls(pipe if len(pipe) > 1 else pipe[0], micro_batches, loss_fn=self._schedule_loss, scale_grads=False)
+
+    # Every stage of one pipeline reads the same micro-batches; the pipelines are the data-parallel replicas.
+    @property
+    def data_rank(self) -> int:
+        return self.replica
+
+    @property
+    def data_world_size(self) -> int:
+        return self.replicas
 
     # ------------------------------------------------------------------ forward and backward
 
@@ -254,7 +304,7 @@ class PipelineEngine(CollectiveEngine):
             self._loss = None
         total = sum(reports[i] for i in sorted(reports)) if reports else None
         box = [total.cpu() if total is not None else None]
-        dist.broadcast_object_list(box, src=self.last_rank)
+        dist.broadcast_object_list(box, src=self.last_rank, group=self._pipeline)
         return None if box[0] is None else box[0].to(self.device)
 
     def forward_backward(self, micro_batches: list[dict], fn: Callable) -> torch.Tensor:
@@ -266,14 +316,26 @@ class PipelineEngine(CollectiveEngine):
             grad = self.tied_weight.grad if self.tied_weight.grad is not None else torch.zeros_like(self.tied_weight)
             dist.all_reduce(grad, group=self._tied_group)
             self.tied_weight.grad = grad
+        if self._replicas is not None:
+            self._sum_over_replicas([p.grad for p in self.model.parameters() if p.grad is not None])
         return total
+
+    def _sum_over_replicas(self, grads: list[torch.Tensor]) -> None:
+        """Each gradient summed over the copies of this stage in the other pipelines: one flat all-reduce (every
+        copy holds the same parameters, so the lists line up)."""
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self._replicas)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
 
     def forward_only(self, batches, fn: Callable) -> torch.Tensor | None:
         """Forward through the stages with no backward (evaluation): one forward-only schedule per call."""
         batches = list(batches)  # every rank of the pipeline sees the same, equally shaped batches
         if not batches:
             return None
-        pipe = [PipelineStage(st, s, self.num_stages, self.device) for st, s in zip(self._stages, self.stage_ids)]
+        pipe = [PipelineStage(st, s, self.num_stages, self.device, group=self._pipeline)
+                for st, s in zip(self._stages, self.stage_ids)]
         sched = (ScheduleLoopedBFS(pipe, len(batches), loss_fn=self._schedule_loss, scale_grads=False)
                  if len(pipe) > 1 else ScheduleGPipe(pipe[0], len(batches), loss_fn=self._schedule_loss, scale_grads=False))
 
@@ -292,7 +354,12 @@ class PipelineEngine(CollectiveEngine):
     # ------------------------------------------------------------------ sums, norm, state
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return t  # one pipeline is one data-parallel replica: every stage already holds the step's sums
+        """The sum over the pipelines (data-parallel replicas): every stage of one already holds its sums."""
+        if self._replicas is None:
+            return t
+        out = t.detach().to(self.device, copy=True)
+        dist.all_reduce(out, group=self._replicas)
+        return out
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global norm over every stage's gradients (a tied weight counted once), clipped on every rank."""
@@ -300,7 +367,7 @@ class PipelineEngine(CollectiveEngine):
         counted = [p.grad for p in params if not (p is self.tied_weight and not self.has_first)]
         local = get_total_norm(counted, norm_type=2.0, foreach=True) if counted else torch.zeros((), device=self.device)
         squares = local.double().pow(2).reshape(1)
-        dist.all_reduce(squares)
+        dist.all_reduce(squares, group=self._pipeline)  # the replicas hold the same (summed) gradients
         total = squares.sqrt().to(torch.float32)[0]
         if max_norm > 0 and params and math.isfinite(total.item()):
             clip_grads_with_norm_(params, max_norm, total, foreach=True)
@@ -313,8 +380,17 @@ class PipelineEngine(CollectiveEngine):
         return {"model": model_sd, "optim": optim_sd}
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model's weights on rank 0 ({} elsewhere): every stage sends its own tensors."""
+        """The full model's weights on rank 0 ({} elsewhere): every stage of the first pipeline sends its tensors
+        (the other pipelines hold the same)."""
+        if self.replica:
+            return {}
         mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        gathered = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        return {k: v for part in gathered for k, v in part.items()} if self.rank == 0 else {}
+        gathered = [None] * dist.get_world_size(self._pipeline) if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=self._pipeline)
+        if self.rank:
+            return {}
+        merged = {k: v for part in gathered for k, v in part.items()}
+        if self._tied_keys is not None:  # the two names came from two ranks as two tensors: one again
+            head, embed = self._tied_keys
+            merged[head] = merged[embed]
+        return merged

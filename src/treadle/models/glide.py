@@ -25,7 +25,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +98,30 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+class WholeSequences:
+    """How a GlideModel sees its sequences by default: whole, in this process, so there is nothing to gather.
+
+    Under context parallelism (``distributed.context_parallel``) the run swaps in the engine's ``SequenceSlices``
+    (engine/context_parallel.py), the same three methods over a context group: ``forward`` then runs on this rank's
+    slice of every sequence and gathers, across the cut, what attention needs of the whole sequence.
+    """
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """``x`` of every rank of the group, concatenated along ``dim`` (differentiable)."""
+        return x
+
+    def start(self, length: int) -> int:
+        """Where this rank's slice of ``length`` tokens starts in the whole sequence."""
+        return 0
+
+    def attention(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """While inside, ``model``'s own attention sees the whole sequence (its K/V across the cut)."""
+        return contextlib.nullcontext()
+
+
+WHOLE = WholeSequences()
 
 
 # ----------------------------------------------------------------------------- the draft block
@@ -175,20 +199,22 @@ class GlideDraft(nn.Module):
 
     def forward(self, embeds: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 target_kv: tuple[torch.Tensor, torch.Tensor], self_mask: torch.Tensor, cross_mask: torch.Tensor,
-                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                gather: Callable[[torch.Tensor, int], torch.Tensor] | None = None):
         """Hidden states after the final norm, and this call's self-attention K/V (for a decode cache).
 
         ``past_kv`` holds self-attention K/V of earlier tokens (decode); ``self_mask``
-        then covers past + new keys.
+        then covers past + new keys. ``gather`` (context parallelism: ``embeds`` is a slice of the sequence)
+        makes the self-attention's keys and values the whole sequence's; the masks then cover every position.
         """
         # Inside forward, as transformers does for its layers: an in-place compile (of __call__) then
         # compiles the checkpoint too, and module hooks stay outside the recomputation.
         if self.checkpoint_kwargs is not None and self.training and torch.is_grad_enabled():
-            return checkpoint(self._block, embeds, rope, target_kv, self_mask, cross_mask, past_kv,
+            return checkpoint(self._block, embeds, rope, target_kv, self_mask, cross_mask, past_kv, gather,
                               **self.checkpoint_kwargs)
-        return self._block(embeds, rope, target_kv, self_mask, cross_mask, past_kv)
+        return self._block(embeds, rope, target_kv, self_mask, cross_mask, past_kv, gather)
 
-    def _block(self, embeds, rope, target_kv, self_mask, cross_mask, past_kv):
+    def _block(self, embeds, rope, target_kv, self_mask, cross_mask, past_kv, gather=None):
         cos, sin = rope
         h = self.self_norm(embeds)
         q = rotate(self._heads(self.q_proj(h)), cos, sin)
@@ -197,6 +223,8 @@ class GlideDraft(nn.Module):
         new_kv = (k, v)
         if past_kv is not None:
             k, v = torch.cat((past_kv[0], k), dim=2), torch.cat((past_kv[1], v), dim=2)
+        if gather is not None:  # every rank's keys (their gradients flow back to the rank that made them)
+            k, v = gather(k, 2), gather(v, 2)
         x = embeds + self.o_proj(self._merge(sdpa(q, k, v, self_mask)))
 
         # Target K/V are already rotated at their own positions; rotating our queries at
@@ -293,6 +321,9 @@ class GlideModel(nn.Module):
         target.eval()
         self.rotary = type(target.model.rotary_emb)(config=target.config)  # buffers only, not saved
         self.loss_chunk_tokens = 0  # > 0: forward(labels=...) scores chunk by chunk (model.loss_chunk_tokens)
+        # What ``forward`` is handed: whole sequences, or (context parallelism) a slice of each. The evaluation
+        # methods below always take whole sequences (acceptance runs the same prompts on every rank).
+        self.sequences = WHOLE
 
     def train(self, mode: bool = True) -> GlideModel:
         super().train(mode)
@@ -331,13 +362,15 @@ class GlideModel(nn.Module):
     # The public methods above and forward all call these: a method FSDP wraps must not be
     # entered from inside forward, whose hooks already hold the parameters gathered.
 
-    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden: bool = False):
-        """Logits (or, ``hidden``, the final hidden states the LM head would read) and last-layer K/V."""
+    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden: bool = False,
+                        seq: WholeSequences = WHOLE):
+        """Logits (or, ``hidden``, the final hidden states the LM head would read) of ``input_ids``, and last-layer
+        K/V of the whole sequence (``seq``: gathered when ``input_ids`` is this rank's slice)."""
         run = self.target.model if hidden else self.target
-        with torch.no_grad(), capture_last_kv(self.target) as kv:
-            out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                      attention_mask=causal_document_mask(position_ids))
-        return out.last_hidden_state if hidden else out.logits, (kv["k"], kv["v"])
+        mask = causal_document_mask(seq.gather(position_ids, 1))  # the whole sequence's: one rule on every rank
+        with torch.no_grad(), capture_last_kv(self.target) as kv, seq.attention(self.target):
+            out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)
+        return out.last_hidden_state if hidden else out.logits, (seq.gather(kv["k"], 2), seq.gather(kv["v"], 2))
 
     def _draft_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       target_kv: tuple[torch.Tensor, torch.Tensor], lag: int,
@@ -347,14 +380,17 @@ class GlideModel(nn.Module):
 
     def _draft_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       target_kv: tuple[torch.Tensor, torch.Tensor], lag: int,
-                      doc_position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        doc = document_ids(position_ids if doc_position_ids is None else doc_position_ids)
-        idx = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        self_mask = attention_mask(idx, idx, window=self.draft_model.window, q_doc=doc, k_doc=doc)
-        cross_mask = attention_mask(idx, idx, min_gap=lag, q_doc=doc, k_doc=doc)
+                      doc_position_ids: torch.Tensor | None = None, seq: WholeSequences = WHOLE) -> torch.Tensor:
+        # Documents and token indices of the whole sequence (keys); the queries are this rank's part of them.
+        doc = document_ids(seq.gather(position_ids if doc_position_ids is None else doc_position_ids, 1))
+        idx = torch.arange(doc.shape[1], device=input_ids.device).expand_as(doc)
+        mine = slice(seq.start(input_ids.shape[1]), seq.start(input_ids.shape[1]) + input_ids.shape[1])
+        q_idx, q_doc = idx[:, mine], doc[:, mine]
+        self_mask = attention_mask(q_idx, idx, window=self.draft_model.window, q_doc=q_doc, k_doc=doc)
+        cross_mask = attention_mask(q_idx, idx, min_gap=lag, q_doc=q_doc, k_doc=doc)
         embeds = self.target.get_input_embeddings()(input_ids)
         rope = self.rotary(embeds, position_ids)
-        hidden, _ = self.draft_model(embeds, rope, target_kv, self_mask, cross_mask)
+        hidden, _ = self.draft_model(embeds, rope, target_kv, self_mask, cross_mask, gather=seq.gather)
         return hidden
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lag: int = 1,
@@ -362,14 +398,14 @@ class GlideModel(nn.Module):
         if labels is not None and self.loss_chunk_tokens:
             # Both models' final hidden states through the shared head a chunk at a time (here, inside forward:
             # a sharding engine holds the head's weight gathered only now).
-            target_hidden, target_kv = self._target_forward(input_ids, position_ids, hidden=True)
-            hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids)
+            target_hidden, target_kv = self._target_forward(input_ids, position_ids, hidden=True, seq=self.sequences)
+            hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids, self.sequences)
             ce, kl, target_ce = chunked_distillation_scores(
                 hidden, target_hidden, self.target.get_output_embeddings().weight, labels, self.loss_chunk_tokens)
             return GlideOutput(None, None, token_ce=ce, token_kl=kl, target_token_ce=target_ce)
-        target_logits, target_kv = self._target_forward(input_ids, position_ids)
-        logits = self._draft_logits(input_ids, position_ids, target_kv, lag, doc_position_ids)
-        return GlideOutput(logits=logits, target_logits=target_logits)
+        target_logits, target_kv = self._target_forward(input_ids, position_ids, seq=self.sequences)
+        hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids, self.sequences)
+        return GlideOutput(logits=self.target.get_output_embeddings()(hidden), target_logits=target_logits)
 
 
 # ----------------------------------------------------------------------------- identity of a target

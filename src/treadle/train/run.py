@@ -29,7 +29,7 @@ from treadle.data.shards import read_meta
 from treadle.data.sources import OpenedSource, file_tokenizer, open_source, resolve
 from treadle.distributed import context_layout, init_distributed
 from treadle.engine import build_engine, builds_empty, read_deepspeed_config, resolve_engine
-from treadle.engine.context_parallel import apply_context_parallel, check_model
+from treadle.engine.context_parallel import apply_context_parallel, check_model, split_model_config
 from treadle.engine.pipeline import plan_stages
 from treadle.errors import UserError
 from treadle.metrics.flops import (attention_dims, forward_flops_per_token, matmul_parameters, peak_tflops,
@@ -329,7 +329,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
                                     async_save=cfg.checkpoint.async_save, best_metric=cfg.checkpoint.best_metric,
                                     best_mode=cfg.checkpoint.best_mode)
     opened.callback(checkpoints.join)  # a rollback below may write
-    resume_from = distributed.on_main(checkpoints.find_resume, cfg.checkpoint.resume)  # one choice for all ranks
+    # One choice for all ranks: on_main returns the result on rank 0 only (the others would not load it).
+    resume_from = distributed.broadcast_object(distributed.on_main(checkpoints.find_resume, cfg.checkpoint.resume))
 
     seed_everything(cfg.train.seed)
     meta = {"vocab_size": train_ds.vocab_size, "eos_id": train_ds.meta.get("eos_id"),
@@ -348,7 +349,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
     if layout.cp_size > 1:  # before anything is written: a model it cannot split is refused
-        check_model(setup.model.config, layout.cp_size)
+        check_model(split_model_config(setup.model), layout.cp_size)
         refuse_sliced_load_balancing(setup.loss_fn, layout.cp_size)
     resume = distributed.on_main(check_resume, cfg, out, resume_from, checkpoints, meta)
     if cfg.checkpoint.export_hf:  # a user's files in <output_dir>/hf are refused now, not after the training
