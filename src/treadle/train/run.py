@@ -35,9 +35,10 @@ from treadle.errors import UserError
 from treadle.metrics.sinks import Console, JsonlSink
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
-from treadle.models.hf import build_model, compile_layers, count_parameters, trainable_parameters
+from treadle.models.hf import build_model, compile_layers, count_parameters, persistent_compile_cache, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.models.glide import build_glide
+from treadle.train.auto import resolve_auto
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
 from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
@@ -320,6 +321,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
                         "router losses come from every stage); accepted: pipeline_parallel = 1")
     if d.pipeline_parallel > 1:  # the layer split, before anything is written (the engine splits it later)
         plan_stages(setup.model, d.pipeline_parallel, d.pipeline_schedule)
+    # model.dtype / compile = auto -> what runs fastest here, before check_resume compares and config.toml records it
+    cfg, auto_lines = resolve_auto(cfg, setup.model, engine_name, device)
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
@@ -336,6 +339,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if layout.cp_size > 1:  # a model transform, where parallelism is applied: before compile and the engine's wrap
         apply_context_parallel(model, layout.cp_group)
     if cfg.model.compile:  # a draft is one block: compile it whole; the frozen target stays eager
+        persistent_compile_cache()
         model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
     engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
     t, r = cfg.train, cfg.resilience
@@ -397,7 +401,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         probs = data.mixture.probabilities(trainer.state.step)
         for o, p in zip(data.sources, probs):
             trainer.console.print(f"  source {o.describe()}, p={p:.3f}")
-    for line in unreached_phases(cfg):
+    for line in auto_lines + unreached_phases(cfg):
         trainer.console.print(line)
     return trainer
 
