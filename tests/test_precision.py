@@ -108,6 +108,10 @@ def test_auto_picks_the_fastest_candidate_only_past_the_bf16_margin(tmp_path, mo
         cached.write_text(json.dumps({"seconds": seconds}))
         choice, layer_s = autotune.choose_dtype(model, 4, 32, CPU, candidates)
         assert choice.value == expected and layer_s == seconds[expected] and str(cached) in choice.why
+    # A measurement whose passes disagree (a busy machine) decides this run only: nothing is cached.
+    monkeypatch.setattr(autotune, "STEADY", 0.5)  # no two passes are ever this close
+    choice, _ = autotune.choose_dtype(model, 2, 8, CPU, candidates)
+    assert "not cached: passes varied" in choice.why and [p.name for p in cached.parent.iterdir()] == [cached.name]
     assert autotune.choose_compile(1.0, layers=4, micro_steps=100, device=CPU).value is False  # 400 s
     assert autotune.choose_compile(1.0, layers=4, micro_steps=200, device=CPU).value is True  # 800 s
 
@@ -115,6 +119,7 @@ def test_auto_picks_the_fastest_candidate_only_past_the_bf16_margin(tmp_path, mo
 def test_auto_is_measured_once_recorded_in_config_toml_and_leaves_the_runs_randomness_alone(shards, tmp_path, monkeypatch,
                                                                                              capsys):
     monkeypatch.setenv("TREADLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "STEADY", float("inf"))  # cached however busy the machine is
     auto = ("--model.dtype=auto", "--model.compile=auto", "--train.max_steps=2")
     assert main(args(shards, tmp_path / "a", *auto)) == 0
     first = capsys.readouterr().out

@@ -37,6 +37,7 @@ BF16_MARGIN = 1.10  # a bf16 candidate is chosen only if its layer step is >= 10
 # after ~100 s of eager steps; compile time grows with the model and the gain shrinks on a busy machine: 5x margin.
 COMPILE_PAYS_AFTER_S = 600.0
 PROBE_ROUNDS = 4  # timed passes per candidate, after one untimed pass each (first-call paths, allocator)
+STEADY = 1.25  # a measurement is cached only if each candidate's two fastest passes are this close
 PROBE_ROWS = 2  # rows of the run's micro-batch measured (the per-row time scales to the whole micro-batch)
 PROBE_VERSION = 1  # in the cache key: a changed probe measures again
 
@@ -96,10 +97,11 @@ def _pass(layer: nn.Module, x: torch.Tensor, pos: torch.Tensor, rotary: nn.Modul
     return time.perf_counter() - t0
 
 
-def measure(model: nn.Module, rows: int, seq_len: int, device: torch.device, candidates: tuple[str, ...]) -> dict[str, float]:
+def measure(model: nn.Module, rows: int, seq_len: int, device: torch.device,
+            candidates: tuple[str, ...]) -> tuple[dict[str, float], bool]:
     """Seconds of one forward+backward of one decoder layer on a ``rows`` x ``seq_len`` micro-batch, per candidate
-    (the fastest of ``PROBE_ROUNDS`` interleaved passes, scaled from ``PROBE_ROWS`` rows). Leaves torch's RNG as
-    it found it."""
+    (the fastest of ``PROBE_ROUNDS`` interleaved passes, scaled from ``PROBE_ROWS`` rows), and whether the passes
+    agreed (each candidate's second-fastest within ``STEADY`` of its fastest). Leaves torch's RNG as it found it."""
     layer, rotary, hidden = _layer_and_rotary(model)
     n = min(rows, PROBE_ROWS)
     gen = torch.Generator().manual_seed(0)
@@ -110,13 +112,14 @@ def measure(model: nn.Module, rows: int, seq_len: int, device: torch.device, can
         pos = torch.arange(seq_len, device=device).expand(n, seq_len)
         x32 = (torch.randn(n, seq_len, hidden, generator=gen)).to(device).requires_grad_()
         inputs = {c: (x32.detach().bfloat16().requires_grad_() if c == "bf16-weights" else x32) for c in candidates}
-        best = {c: float("inf") for c in candidates}
+        times: dict[str, list[float]] = {c: [] for c in candidates}
         for r in range(PROBE_ROUNDS + 1):
             for c in candidates:
                 t = _pass(layers[c], inputs[c], pos, rot, autocast=c == "bf16")
                 if r:  # the first round warms up
-                    best[c] = min(best[c], t)
-    return {c: t * rows / n for c, t in best.items()}
+                    times[c].append(t)
+    steady = all(sorted(ts)[1] <= STEADY * min(ts) for ts in times.values())
+    return {c: min(ts) * rows / n for c, ts in times.items()}, steady
 
 
 def _shape_key(model: nn.Module, rows: int, seq_len: int, device: torch.device, candidates: tuple[str, ...]) -> str:
@@ -138,8 +141,10 @@ def probe(model: nn.Module, rows: int, seq_len: int, device: torch.device,
     except (OSError, ValueError, KeyError):
         pass
     t0 = time.perf_counter()
-    seconds = measure(model, rows, seq_len, device, candidates)
+    seconds, steady = measure(model, rows, seq_len, device, candidates)
     took = time.perf_counter() - t0
+    if not steady:  # a busy machine: this choice holds for this run only, the next run measures again
+        return seconds, f"measured now in {took:.1f} s, not cached: passes varied by more than {STEADY - 1:.0%}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps({"seconds": seconds, "probe_s": took}))
