@@ -190,9 +190,9 @@ def child(args) -> None:
 
 
 def hf_available() -> bool:
-    try:
-        import accelerate  # noqa: F401  (the Trainer refuses to start without it)
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:  # the Trainer refuses to start without it
         print("# the HF Trainer columns need accelerate (pip install -e .[bench]); measuring bare and treadle only")
         return False
     return True
