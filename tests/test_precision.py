@@ -106,12 +106,13 @@ def test_auto_picks_the_fastest_candidate_only_past_the_bf16_margin(tmp_path, mo
                               ({"fp32": 1.0, "bf16": 0.8, "bf16-weights": 0.6}, "bf16-weights"),
                               ({"fp32": 0.5, "bf16": 0.8, "bf16-weights": 0.6}, "fp32")):
         cached.write_text(json.dumps({"seconds": seconds}))
-        choice, layer_s = autotune.choose_dtype(model, 4, 32, CPU, candidates)
-        assert choice.value == expected and layer_s == seconds[expected] and str(cached) in choice.why
+        choice, layer_s, steady = autotune.choose_dtype(model, 4, 32, CPU, candidates)
+        assert choice.value == expected and layer_s == seconds[expected] and steady and str(cached) in choice.why
     # A measurement whose passes disagree (a busy machine) decides this run only: nothing is cached.
     monkeypatch.setattr(autotune, "STEADY", 0.5)  # no two passes are ever this close
-    choice, _ = autotune.choose_dtype(model, 2, 8, CPU, candidates)
+    choice, layer_s, steady = autotune.choose_dtype(model, 2, 8, CPU, candidates)
     assert "not cached: passes varied" in choice.why and [p.name for p in cached.parent.iterdir()] == [cached.name]
+    assert autotune.choose_compile(10 * layer_s, layers=4, micro_steps=10**9, device=CPU, steady=steady).value is False
     assert autotune.choose_compile(1.0, layers=4, micro_steps=100, device=CPU).value is False  # 400 s
     assert autotune.choose_compile(1.0, layers=4, micro_steps=200, device=CPU).value is True  # 800 s
 

@@ -36,7 +36,7 @@ BF16_MARGIN = 1.10  # a bf16 candidate is chosen only if its layer step is >= 10
 # A cold regional compile of the tiny preset costs 25-36 s here and saves ~30% of each eager step, so it pays back
 # after ~100 s of eager steps; compile time grows with the model and the gain shrinks on a busy machine: 5x margin.
 COMPILE_PAYS_AFTER_S = 600.0
-PROBE_ROUNDS = 4  # timed passes per candidate, after one untimed pass each (first-call paths, allocator)
+PROBE_ROUNDS = 3  # timed passes per candidate, after one untimed pass each (first-call paths, allocator)
 STEADY = 1.25  # a measurement is cached only if each candidate's two fastest passes are this close
 PROBE_ROWS = 2  # rows of the run's micro-batch measured (the per-row time scales to the whole micro-batch)
 PROBE_VERSION = 1  # in the cache key: a changed probe measures again
@@ -133,51 +133,61 @@ def _shape_key(model: nn.Module, rows: int, seq_len: int, device: torch.device, 
 
 
 def probe(model: nn.Module, rows: int, seq_len: int, device: torch.device,
-          candidates: tuple[str, ...]) -> tuple[dict[str, float], str]:
-    """``measure``'s result from the cache, else measured now and cached; and where it came from, in words."""
+          candidates: tuple[str, ...]) -> tuple[dict[str, float], str, bool]:
+    """``measure``'s result from the cache, else measured now and cached if steady; where it came from, in words;
+    and whether it is steady (cached ones are)."""
     path = cache_dir() / "autotune" / f"{_shape_key(model, rows, seq_len, device, candidates)}.json"
     try:
-        return json.loads(path.read_text())["seconds"], f"cached in {path}"
+        return json.loads(path.read_text())["seconds"], f"cached in {path}", True
     except (OSError, ValueError, KeyError):
         pass
     t0 = time.perf_counter()
     seconds, steady = measure(model, rows, seq_len, device, candidates)
     took = time.perf_counter() - t0
     if not steady:  # a busy machine: this choice holds for this run only, the next run measures again
-        return seconds, f"measured now in {took:.1f} s, not cached: passes varied by more than {STEADY - 1:.0%}"
+        return seconds, f"measured now in {took:.1f} s, not cached: passes varied by more than {STEADY - 1:.0%}", False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps({"seconds": seconds, "probe_s": took}))
     except OSError:
         pass  # a read-only cache measures again next time; the run itself is unaffected
-    return seconds, f"measured now in {took:.1f} s"
+    return seconds, f"measured now in {took:.1f} s", True
 
 
 def choose_dtype(model: nn.Module, rows: int, seq_len: int, device: torch.device,
-                 candidates: tuple[str, ...]) -> tuple[Choice, float]:
+                 candidates: tuple[str, ...]) -> tuple[Choice, float, bool]:
     """The fastest of ``candidates`` (fp32 first) for this model and micro-batch on ``device``, with the reason;
-    and the chosen dtype's seconds per layer and micro-batch (the compile estimate's unit)."""
+    the chosen dtype's seconds per layer and micro-batch (the compile estimate's unit); whether the timing was
+    steady."""
     if device.type == "cuda":  # by capability; the chosen dtype alone is timed, for the compile estimate
         cap = torch.cuda.get_device_capability(device)
         fast = cap >= (8, 0) and "bf16" in candidates
         choice = Choice("bf16" if fast else "fp32", f"CUDA capability {cap[0]}.{cap[1]} "
                                                     f"{'has bf16 tensor cores' if fast else 'has no fast bf16'}")
-        seconds, _ = probe(model, rows, seq_len, device, (choice.value,))
-        return choice, seconds[choice.value]
-    seconds, source = probe(model, rows, seq_len, device, candidates)
+        seconds, _, steady = probe(model, rows, seq_len, device, (choice.value,))
+        return choice, seconds[choice.value], steady
+    seconds, source, steady = probe(model, rows, seq_len, device, candidates)
     fastest = min(candidates, key=lambda c: seconds[c])
     if fastest != "fp32" and seconds["fp32"] / seconds[fastest] < BF16_MARGIN:
         fastest = "fp32"
     times = ", ".join(f"{c} {seconds[c] * 1e3:.0f} ms" for c in candidates)
     why = (f"one decoder layer's forward+backward at {rows} x {seq_len} on {device.type}: {times} "
            f"(bf16 must be {BF16_MARGIN:.2f}x fp32's speed; {source})")
-    return Choice(fastest, why), seconds[fastest]
+    return Choice(fastest, why), seconds[fastest], steady
 
 
-def choose_compile(layer_seconds: float, layers: int, micro_steps: int, device: torch.device) -> Choice:
-    """Compile when the run's estimated eager time (decoder layers only) exceeds ``COMPILE_PAYS_AFTER_S``."""
+def choose_compile(layer_seconds: float, layers: int, micro_steps: int, device: torch.device,
+                   steady: bool = True) -> Choice:
+    """Compile when the run's estimated eager time (decoder layers only) exceeds ``COMPILE_PAYS_AFTER_S``.
+
+    Not on an unsteady timing: a busy machine inflates the estimate, but it slows the compile as much, so the
+    fixed threshold would compile runs that do not pay it back.
+    """
     if device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")):
         return Choice(False, "no C++ compiler for torch.compile's CPU code")
+    if not steady:
+        return Choice(False, "the step-time estimate was taken on a busy machine (passes varied); "
+                             "model.compile = true compiles anyway")
     estimate = layer_seconds * layers * micro_steps
     if estimate < COMPILE_PAYS_AFTER_S:
         return Choice(False, f"estimated eager time {estimate:.0f} s < {COMPILE_PAYS_AFTER_S:.0f} s, "

@@ -46,13 +46,14 @@ def resolve_auto(cfg: Config, model: nn.Module, engine: str, device: torch.devic
         rows, seq_len = t.micro_batch_size, cfg.data.seq_len
         decided = []
         if m.dtype == "auto":
-            choice, layer_s = choose_dtype(model, rows, seq_len, device, dtype_candidates(cfg, engine))
+            choice, layer_s, steady = choose_dtype(model, rows, seq_len, device, dtype_candidates(cfg, engine))
             decided.append(("dtype", choice.value, choice.why))
         else:
-            layer_s = probe(model, rows, seq_len, device, (m.dtype,))[0][m.dtype]
+            seconds, _, steady = probe(model, rows, seq_len, device, (m.dtype,))
+            layer_s = seconds[m.dtype]
         if m.compile == "auto":  # a draft run compiles its one block; the frozen target stays eager
             layers = 1 if cfg.draft.kind else len(decoder_layers(model))
-            choice = choose_compile(layer_s, layers, t.max_steps * t.grad_accum_steps, device)
+            choice = choose_compile(layer_s, layers, t.max_steps * t.grad_accum_steps, device, steady)
             decided.append(("compile", choice.value, choice.why))
         return decided
 
