@@ -2,6 +2,10 @@
 
 import json
 
+# Runs that compare losses or tensors exactly pin fp32 (the default, auto, may pick bf16 on a machine where it is
+# faster); a test that passes its own --model.dtype overrides it.
+EXACT = ("--model.dtype=fp32",)
+
 SMALL_MODEL = "{hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2}"
 
 
@@ -10,7 +14,7 @@ def args(shards, out, *extra):
         "train", f"--train.output_dir={out}", f"--data.train={shards / 'train'}", f"--data.val={shards / 'val'}",
         f"--model.overrides={SMALL_MODEL}", "--data.seq_len=32", "--train.micro_batch_size=4",
         "--train.grad_accum_steps=2", "--train.log_every=1", "--train.eval_batches=2", "--schedule.warmup_steps=1",
-        "--optim.lr=5e-3", *extra,
+        "--optim.lr=5e-3", *EXACT, *extra,
     ]
 
 
@@ -25,7 +29,7 @@ def draft_args(shards, target_dir, out, *extra):
         "--draft.kind=glide", f"--draft.target={target_dir}", "--data.seq_len=32", "--train.micro_batch_size=4",
         "--train.grad_accum_steps=2", "--train.log_every=1", "--train.eval_batches=2", "--schedule.warmup_steps=1",
         "--optim.lr=5e-3", "--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12",
-        "--draft.max_position_offset=64", *extra,
+        "--draft.max_position_offset=64", *EXACT, *extra,
     ]
 
 
@@ -39,7 +43,7 @@ def moe_args(shards, out, *extra):
         "train", f"--train.output_dir={out}", f"--data.train={shards / 'train'}", f"--data.val={shards / 'val'}",
         "--model.preset=tiny-moe", f"--model.overrides={MOE_MODEL}", "--data.seq_len=32", "--train.micro_batch_size=2",
         "--train.grad_accum_steps=2", "--train.log_every=1", "--train.eval_batches=1",
-        "--model.router_aux_loss_coef=0.01", "--model.router_z_loss_coef=0.001", *extra,
+        "--model.router_aux_loss_coef=0.01", "--model.router_z_loss_coef=0.001", *EXACT, *extra,
     ]
 
 

@@ -18,7 +18,7 @@ def test_defaults_are_valid_and_documented_names_exist():
     ]:
         section, key = dotted.split(".")
         assert hasattr(getattr(cfg, section), key), dotted
-    assert cfg.model.dtype == "fp32" and cfg.schedule.decay == "cosine"
+    assert cfg.model.dtype == "auto" and cfg.model.compile == "auto" and cfg.schedule.decay == "cosine"
 
 
 def test_file_then_overrides(tmp_path):
@@ -40,7 +40,8 @@ def test_file_then_overrides(tmp_path):
         ("--optim.learning_rate=1", "unknown key optim.learning_rate"),
         ("--lr=1", "did you mean optim.lr?"),
         ("--train.max_steps=abc", "train.max_steps = 'abc' is invalid"),
-        ("--model.dtype=fp16", "model.dtype = 'fp16' is invalid: Input should be 'fp32' or 'bf16'"),
+        ("--model.dtype=fp16", "model.dtype = 'fp16' is invalid: Input should be 'auto', 'fp32', 'bf16' or 'bf16-weights'"),
+        ("--model.compile=maybe", "model.compile = 'maybe' is invalid: accepted: 'auto', true or false"),
         ("--schedule.decay=step", "'cosine', 'linear', 'constant' or 'wsd'"),
         ("--train.grad_clip=-1", "greater than or equal to 0"),
         ("--schedule.warmup_steps=500", "schedule.warmup_steps=500 is not shorter than train.max_steps=200"),

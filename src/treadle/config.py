@@ -138,8 +138,13 @@ class ResilienceConfig(Section):
 class ModelConfig(Section):
     preset: str = Field("tiny", description="built-in architecture, used when model.path is unset")
     path: str | None = Field(None, description="local Hugging Face model directory to load")
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="bf16 = autocast with fp32 master weights")
-    compile: bool = Field(False, description="torch.compile each decoder layer")
+    dtype: Literal["auto", "fp32", "bf16", "bf16-weights"] = Field(
+        "auto", description="bf16 = autocast over fp32 weights; bf16-weights = bf16 parameters and activations, the "
+        "optimizer updating an fp32 master copy (local engine); auto = the fastest here: bf16 on CUDA from Ampere on, "
+        "on CPU measured on one decoder layer of the run's shape (cached per machine and shape)")
+    compile: Literal["auto"] | bool = Field(
+        "auto", description="torch.compile each decoder layer; auto = when the run's estimated eager time is long "
+        "enough for the compile to pay back (models/autotune.py)")
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none", description="recompute activations in backward, per decoder layer: full (keep only each layer's input) "
                             "or selective (keep the outputs of the ops in activation_checkpointing_save_ops)")
@@ -158,6 +163,13 @@ class ModelConfig(Section):
     loss_chunk_tokens: Literal["auto"] | Annotated[int, Field(ge=0)] = Field(
         "auto", description="LM head + cross-entropy computed this many tokens at a time (the [tokens, vocab] logits "
         "never exist whole); 0 = off; auto = 1024 from a vocabulary of 32000 up, else off")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile(cls, v: Any) -> Any:
+        if v != "auto" and not isinstance(v, bool):
+            raise ValueError("accepted: 'auto', true or false")
+        return v
 
     @field_validator("loss_chunk_tokens", mode="before")
     @classmethod

@@ -114,6 +114,10 @@ def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device,
         return PipelineEngine(model, lambda m: build_optimizer(m, cfg), device, pipeline_parallel=d.pipeline_parallel,
                               schedule=d.pipeline_schedule, micro_batches=cfg.train.grad_accum_steps,
                               autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16))
+    if name == "local" and cfg.model.dtype == "bf16-weights":
+        from treadle.engine.bf16_weights import Bf16WeightsEngine
+
+        return Bf16WeightsEngine(model, build_optimizer(model, cfg), device)
     if name == "local":
         return LocalEngine(model, build_optimizer(model, cfg), device)
     if name == "ddp":

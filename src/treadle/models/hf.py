@@ -8,6 +8,7 @@ Models know nothing about parallelism or the loop: this module only turns a
 from __future__ import annotations
 
 import json
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from treadle.config import ModelConfig
+from treadle.corpus import cache_dir
 from treadle.errors import UserError, first_line
 from treadle.model_dirs import resolve_model_dir
 
@@ -92,6 +94,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not candidates:
         raise UserError(f"{type(model).__name__} has no list of decoder layers to compile; set model.compile = false")
     return max(candidates, key=len)
+
+
+def persistent_compile_cache() -> None:
+    """torch.compile's on-disk caches (inductor's FX graphs and kernels) in treadle's cache directory rather than
+    /tmp, so a later run of the same shapes skips code generation; an explicit TORCHINDUCTOR_CACHE_DIR wins."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
 def compile_layers(model: nn.Module) -> None:

@@ -37,9 +37,10 @@ from treadle.metrics.flops import (attention_dims, forward_flops_per_token, matm
 from treadle.metrics.sinks import Console, JsonlSink, Sinks, check_sinks_installed, open_optional_sinks
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
-from treadle.models.hf import build_model, compile_layers, count_parameters, trainable_parameters
+from treadle.models.hf import build_model, compile_layers, count_parameters, persistent_compile_cache, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.models.drafts import build_draft
+from treadle.train.auto import resolve_auto
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
 from treadle.train.eagle3 import TTTAccuracyCallback, eagle3_setup
 from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
@@ -345,6 +346,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
                         "router losses come from every stage); accepted: pipeline_parallel = 1")
     if d.pipeline_parallel > 1:  # the layer split, before anything is written (the engine splits it later)
         plan_stages(setup.model, d.pipeline_parallel, d.pipeline_schedule)
+    # model.dtype / compile = auto -> what runs fastest here, before check_resume compares and config.toml records it
+    cfg, auto_lines = resolve_auto(cfg, setup.model, engine_name, device)
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
@@ -362,6 +365,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         apply_context_parallel(model, layout.cp_group)
     flops_per_token = model_flops_per_token(model, seq_len, bool(cfg.draft.kind))  # before a pipeline prunes it
     if cfg.model.compile:  # a draft is one block: compile it whole; the frozen target stays eager
+        persistent_compile_cache()
         model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
     engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
     t, r = cfg.train, cfg.resilience
@@ -376,7 +380,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # Order matters: the guard may roll back before eval and checkpoint see the step,
     # and eval (which may set the "best" metric) runs before the checkpoint; user callbacks come
     # after eval (they see its result) and before the checkpoint (which saves their state).
-    peak = peak_tflops(device, cfg.model.dtype == "bf16", cfg.metrics.peak_tflops)
+    peak = peak_tflops(device, cfg.model.dtype in ("bf16", "bf16-weights"), cfg.metrics.peak_tflops)
     callbacks = [*setup.step_callbacks, MetricsCallback(t.log_every, flops_per_token, peak), NanGuardCallback(r)]
     if info.world_size > 1 and d.health_check_every:
         callbacks.append(HealthCheckCallback(d.health_check_every, d.health_check_timeout_s))
@@ -431,7 +435,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         probs = data.mixture.probabilities(trainer.state.step)
         for o, p in zip(data.sources, probs):
             trainer.console.print(f"  source {o.describe()}, p={p:.3f}")
-    for line in unreached_phases(cfg):
+    for line in auto_lines + unreached_phases(cfg):
         trainer.console.print(line)
     return trainer
 

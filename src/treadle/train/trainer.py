@@ -22,7 +22,8 @@ from treadle.train.resilience import ShutdownWatcher, TrainingFailed
 from treadle.train.step import StepResult, loss_sum, optimizer_step
 
 
-_CONFIGURED_HYPERPARAMETERS = ("weight_decay", "betas", "eps")  # lr is the schedule's (``_apply_lr_scale``)
+# lr is the schedule's (``_apply_lr_scale``); fused / foreach: the implementation this run chose (build_optimizer)
+_CONFIGURED_HYPERPARAMETERS = ("weight_decay", "betas", "eps", "fused", "foreach")
 
 
 @dataclass
