@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 def top_ops(prof, device_type: str, n: int = 5) -> str:
     """'aten::mm 41.2 ms (38%), ...': the operators with the most self time (CPU, or the GPU's on CUDA)."""
-    events = prof.key_averages()
+    # ProfilerStep#N spans a whole step: its "self" time is whatever ran untraced (Python), not an op.
+    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
     attr = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
     total = sum(getattr(e, attr) for e in events) or 1.0
     ranked = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:n]
