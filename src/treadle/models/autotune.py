@@ -75,6 +75,16 @@ def _layer_and_rotary(model: nn.Module) -> tuple[nn.Module, nn.Module | None, in
     return decoder_layers(model)[0], getattr(inner, "rotary_emb", None), model.config.hidden_size
 
 
+def _fresh_rotary(model: nn.Module, rotary: nn.Module | None, device: torch.device) -> nn.Module | None:
+    """The run's rotary embedding on ``device``; a new one of its class when the run's is still empty (meta: a model
+    read from disk is filled only once the engine has sharded it). HF builds them as ``Rotary(config)``."""
+    if rotary is None:
+        return None
+    if any(b.is_meta for b in rotary.buffers()):
+        return type(rotary)(getattr(model, "target", model).config).to(device)
+    return copy.deepcopy(rotary).to(device)
+
+
 def _fresh_layer(model: nn.Module, layer: nn.Module, device: torch.device) -> nn.Module:
     """A new fp32 layer of ``layer``'s class and config on ``device`` (the run's may be on meta, or partitioned by
     ZeRO-3); HF decoder layers are built as ``Layer(config, layer_idx)``. Call under ``fork_rng``: init draws."""
@@ -108,7 +118,7 @@ def measure(model: nn.Module, rows: int, seq_len: int, device: torch.device,
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         fp32 = _fresh_layer(model, layer, device)
         layers = {c: (copy.deepcopy(fp32).to(torch.bfloat16) if c == "bf16-weights" else fp32) for c in candidates}
-        rot = copy.deepcopy(rotary).to(device) if rotary is not None else None
+        rot = _fresh_rotary(model, rotary, device)
         pos = torch.arange(seq_len, device=device).expand(n, seq_len)
         x32 = (torch.randn(n, seq_len, hidden, generator=gen)).to(device).requires_grad_()
         inputs = {c: (x32.detach().bfloat16().requires_grad_() if c == "bf16-weights" else x32) for c in candidates}
