@@ -15,7 +15,9 @@ from treadle.models.glide import (
 )
 from treadle.models.hf import greedy_continuations
 from treadle.speculative.acceptance import chain_acceptance
+from treadle.speculative.decode import TargetState
 from treadle.speculative.glide_drafter import GlideDrafter
+from treadle.speculative.sampling import Sampler
 
 
 def glide(seed=1, window=0):
@@ -90,11 +92,11 @@ def test_decode_drafter_reproduces_training_logits_and_chain_acceptance():
             row = texts[b:b + 1]
             kv = (target_kv[0][b:b + 1, :, :s], target_kv[1][b:b + 1, :, :s])  # the target has processed < s
             drafter.reset(row[:, :6])
-            first = drafter.propose(row[:, :s + 1], kv, 1)  # feeds 0..s, the bonus at s: lag 1
+            first = drafter.propose(row[:, :s + 1], TargetState(kv), 1, Sampler()).tokens  # feeds 0..s, the bonus at s: lag 1
             assert first == [int(lagged[0][b, s].argmax())]
             for k in range(2, gamma + 1):  # feed the true next tokens: chain step k sees lag k
                 drafter.accept(s + k)  # keep everything: the "draft" was the text
-                assert drafter.propose(row[:, :s + k], kv, 1) == [int(lagged[k - 1][b, s + k - 1].argmax())]
+                assert drafter.propose(row[:, :s + k], TargetState(kv), 1, Sampler()).tokens == [int(lagged[k - 1][b, s + k - 1].argmax())]
     got = chain_acceptance(model, texts, 6, gamma)
     assert got["tau_sim"] == pytest.approx(1 + sum(got["acceptance_unconditional"]))
     assert len(got["acceptance_conditional"]) == gamma

@@ -12,9 +12,10 @@ from treadle import corpus
 from treadle.errors import UserError
 from treadle.models.hf import load_causal_lm
 from treadle.speculative import evaluate
-from treadle.speculative.decode import SpecResult, speculative_generate, summarize, target_generate
+from treadle.speculative.decode import Proposal, SpecResult, speculative_generate, summarize, target_generate
 from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter, RandomDrafter
 from treadle.speculative.prompts import heldout_prompts, load_prompts_jsonl
+from treadle.speculative.sampling import Sampler
 from treadle.tokenizer import load_backend_tokenizer
 
 GAMMA = 4
@@ -69,11 +70,11 @@ class Spy:
     def reset(self, prompt_ids):
         self.inner.reset(prompt_ids)
 
-    def propose(self, context_ids, target_kv, gamma):
-        draft = self.inner.propose(context_ids, target_kv, gamma)
-        keys, values = target_kv
-        self.calls.append((context_ids.clone(), keys.clone(), values.clone(), draft))
-        return draft
+    def propose(self, context_ids, state, gamma, sampler):
+        proposal = self.inner.propose(context_ids, state, gamma, sampler)
+        keys, values = state.kv
+        self.calls.append((context_ids.clone(), keys.clone(), values.clone(), proposal.tokens))
+        return proposal
 
     def accept(self, n_context):
         self.inner.accept(n_context)
@@ -149,6 +150,34 @@ def test_target_kv_is_the_fresh_forward_of_context_minus_bonus(target, prompts, 
         torch.testing.assert_close(values, fresh.layers[-1].values)
 
 
+class FeatureSpy(Spy):
+    """A drafter that declares feature layers: records the hidden states handed to it."""
+
+    feature_layers = (2, 0, 1)
+
+    def propose(self, context_ids, state, gamma, sampler):
+        self.calls.append((context_ids.shape[1], state.start, state.hidden.clone()))
+        return self.inner.propose(context_ids, state, gamma, sampler)
+
+
+def test_feature_layers_get_the_accepted_positions_hidden_states_once(target, prompts, noisy_copy):
+    """The contract EAGLE-3 builds on: over a sequence the hidden rows tile positions 0.. exactly once, each equal to
+    a fresh target forward over the accepted sequence, layers concatenated in the drafter's order."""
+    spy = FeatureSpy(ModelDrafter(noisy_copy))
+    result = run_all(target, spy, prompts[:1], max_new_tokens=32)[0]
+    assert len(set(result.accepted_per_call)) >= 2  # partial acceptances cut the hidden rows
+    full = prompts[0][0].tolist() + result.tokens
+    with torch.inference_mode():
+        fresh = target(input_ids=torch.tensor([full]), output_hidden_states=True).hidden_states
+    want = torch.cat([fresh[i] for i in FeatureSpy.feature_layers], dim=-1)
+    covered = 0
+    for length, start, hidden in spy.calls:
+        assert start == covered and start + hidden.shape[1] == length - 1
+        torch.testing.assert_close(hidden, want[:, start:length - 1], atol=1e-4, rtol=1e-4)
+        covered = length - 1
+    assert spy.calls[0][2].shape[1] == prompts[0].shape[1]  # the first call: the whole prompt
+
+
 def test_model_drafter_cache_stays_consistent(target, prompts, noisy_copy):
     """Every proposal equals the draft model's greedy continuation computed from scratch."""
     spy = Spy(ModelDrafter(noisy_copy))
@@ -186,8 +215,9 @@ def test_eos_stops_and_is_kept(target, prompts, draft):
 
 def test_drafter_must_propose_gamma_tokens(target, prompts):
     class Short(RandomDrafter):
-        def propose(self, context_ids, target_kv, gamma):
-            return super().propose(context_ids, target_kv, gamma)[:-1]
+        def propose(self, context_ids, state, gamma, sampler):
+            proposal = super().propose(context_ids, state, gamma, sampler)
+            return Proposal(proposal.tokens[:-1])
 
     with pytest.raises(RuntimeError, match="proposed 3 tokens, expected 4"):
         speculative_generate(target, Short(VOCAB), prompts[0], GAMMA, NEW)
@@ -197,7 +227,7 @@ def test_drafter_must_propose_gamma_tokens(target, prompts):
 
 
 def lookup(seq, gamma, **kw):
-    return PromptLookupDrafter(**kw).propose(torch.tensor([seq]), None, gamma)
+    return PromptLookupDrafter(**kw).propose(torch.tensor([seq]), None, gamma, Sampler()).tokens
 
 
 def test_prompt_lookup_takes_most_recent_match_with_full_continuation():

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from treadle.models.glide import GlideModel, attention_mask
+from treadle.speculative.decode import Proposal, TargetState
+from treadle.speculative.sampling import Sampler
 
 
 class GlideDrafter:
@@ -26,8 +28,8 @@ class GlideDrafter:
         self.kv, self.seen = None, 0
 
     @torch.inference_mode()
-    def _feed(self, tokens: torch.Tensor, target_kv: tuple[torch.Tensor, torch.Tensor]) -> int:
-        """Run the draft over ``tokens`` (indices seen..seen+n), extend the cache, return the last argmax."""
+    def _feed(self, tokens: torch.Tensor, target_kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Run the draft over ``tokens`` (indices seen..seen+n), extend the cache, return the last logits [V]."""
         model, device = self.model, tokens.device
         q_idx = torch.arange(self.seen, self.seen + tokens.shape[1], device=device)[None]
         k_idx = torch.arange(0, self.seen + tokens.shape[1], device=device)[None]
@@ -39,15 +41,18 @@ class GlideDrafter:
         hidden, (k, v) = model.draft_model(embeds, rope, target_kv, self_mask, cross_mask, past_kv=self.kv)
         self.kv = (k, v) if self.kv is None else (torch.cat((self.kv[0], k), 2), torch.cat((self.kv[1], v), 2))
         self.seen += tokens.shape[1]
-        return int(model.target.get_output_embeddings()(hidden[:, -1]).argmax(-1))
+        return model.target.get_output_embeddings()(hidden[0, -1])
 
-    def propose(self, context_ids: torch.Tensor, target_kv, gamma: int) -> list[int]:
-        if target_kv is None:
+    def propose(self, context_ids: torch.Tensor, state: TargetState, gamma: int, sampler: Sampler) -> Proposal:
+        if state is None:
             raise ValueError("a GLIDE draft needs the target's last-layer K/V")
-        proposals = [self._feed(context_ids[:, self.seen:], target_kv)]
-        for _ in range(gamma - 1):
-            proposals.append(self._feed(context_ids.new_tensor([[proposals[-1]]]), target_kv))
-        return proposals
+        tokens, qs = [], []
+        for step in range(gamma):
+            fresh = context_ids[:, self.seen:] if not step else context_ids.new_tensor([[tokens[-1]]])
+            token, q = sampler.draw(self._feed(fresh, state.kv))
+            tokens.append(token)
+            qs.append(q)
+        return Proposal(tokens, None if sampler.greedy else torch.stack(qs))
 
     def accept(self, n_context: int) -> None:
         # The newest accepted token (the bonus) differs from the draft at that index, so
