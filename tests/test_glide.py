@@ -102,15 +102,44 @@ def test_decode_drafter_reproduces_training_logits_and_chain_acceptance():
     assert len(got["acceptance_conditional"]) == gamma
 
 
-def test_glide_speculative_decoding_is_lossless():
+@pytest.mark.parametrize("window", [0, 2])
+def test_glide_tree_nodes_are_the_top_k_of_their_paths(window):
+    """Each tree node is among its parent's top-k when the context plus the node's path is fed as a plain chain:
+    the tree's self-attention mask, window and indices are the chain's."""
+    from treadle.speculative.tree import node_depths
+
+    model, branching = glide(window=window), (2, 2, 2, 1)
+    context = torch.randint(0, 512, (1, 9))
+    with torch.no_grad():
+        _, kv = model.target_forward(context[:, :-1], torch.arange(8)[None])
+    drafter = GlideDrafter(model)
+    drafter.reset(context)
+    tree = drafter.propose_tree(context, TargetState(kv), branching, Sampler())
+    assert drafter.seen == 9 and drafter.kv[0].shape[2] == 9  # the tree's K/V never enter the cache
+    for node, depth in enumerate(node_depths(tree.parents)):
+        path, p = [], tree.parents[node]
+        while p >= 0:
+            path, p = [tree.tokens[p], *path], tree.parents[p]
+        fresh = GlideDrafter(model)
+        logits = fresh._feed(torch.cat([context, torch.tensor([path], dtype=torch.long)], 1), kv)
+        assert tree.tokens[node] in logits.topk(branching[depth - 1]).indices.tolist()
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_glide_speculative_decoding_is_lossless(window):
     from treadle.speculative.decode import speculative_generate, target_generate
 
-    model = glide()
+    model = glide(window=window)
     prompt = torch.randint(0, 512, (1, 8))
     want, _ = target_generate(model.target, prompt, 24)
     got = speculative_generate(model.target, GlideDrafter(model), prompt, gamma=4, max_new_tokens=24)
     assert got.tokens == want
     assert got.verify_calls >= 1
+    # Greedy tree drafting: lossless too, and a width-1 tree accepts exactly what the chain does, call for call.
+    tree = speculative_generate(model.target, GlideDrafter(model), prompt, gamma=4, max_new_tokens=24, tree=(3, 2, 1, 1))
+    assert tree.tokens == want
+    narrow = speculative_generate(model.target, GlideDrafter(model), prompt, gamma=4, max_new_tokens=24, tree=(1,) * 4)
+    assert narrow.accepted_per_call == got.accepted_per_call and max(got.accepted_per_call) > 0
 
 
 def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_path, capsys):

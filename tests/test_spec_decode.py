@@ -381,3 +381,96 @@ def test_prompts_jsonl_lines_end_at_newline_only_and_must_be_utf8(tmp_path, tok_
     f.write_bytes(b'{"prompt": "a"}\n{"prompt": "b\xff"}\n')
     with pytest.raises(UserError, match=rf"{f}:2: not UTF-8 \(byte 0xff at byte 14 of the line\)"):
         load_prompts_jsonl(f, tok_dir, 8)
+
+
+# --------------------------------------------------------------------------- tree drafting
+
+
+TREE = (3, 2, 1, 1)
+
+
+def test_tree_shape_helpers():
+    from treadle.speculative.tree import ancestor_mask, node_depths, tree_size
+
+    assert tree_size((4, 2, 2, 1)) == 4 + 8 + 16 + 16 and tree_size((1,) * 4) == 4
+    parents = [-1, -1, 0, 0, 1, 2]
+    assert node_depths(parents) == [1, 1, 2, 2, 2, 3]
+    assert ancestor_mask(parents)[5].tolist() == [True, False, True, False, False, True]
+    with pytest.raises(ValueError, match="parents must come before"):
+        node_depths([-1, 2, 0])
+
+
+def path_to(node, tokens, parents):
+    path = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
+
+
+def test_model_drafter_tree_nodes_are_the_top_k_of_their_paths(prompts, noisy_copy):
+    """Each node is among its parent's top-k under a fresh forward of context + path: the draft's tree masks and
+    positions are right, and the cache is left holding the context only."""
+    drafter = ModelDrafter(noisy_copy)
+    context = prompts[0]
+    drafter.reset(context)
+    proposal = drafter.propose_tree(context, None, TREE, Sampler())
+    from treadle.speculative.tree import node_depths
+
+    assert len(proposal.tokens) == 3 + 6 + 6 + 6
+    for node, depth in enumerate(node_depths(proposal.parents)):
+        parent_path = path_to(proposal.parents[node], proposal.tokens, proposal.parents)
+        with torch.inference_mode():
+            logits = noisy_copy(input_ids=torch.cat([context, torch.tensor([parent_path], dtype=torch.long)], 1)).logits
+        assert proposal.tokens[node] in logits[0, -1].topk(TREE[depth - 1]).indices.tolist()
+    assert drafter._cache.get_seq_length() == context.shape[1]
+
+
+def tree_run(target, drafter, prompts, tree, max_new_tokens=NEW):
+    results = []
+    for prompt in prompts:
+        reference, _ = target_generate(target, prompt, max_new_tokens)
+        result = speculative_generate(target, drafter, prompt, len(tree), max_new_tokens, tree=tree)
+        assert result.tokens == reference  # lossless
+        results.append(result)
+    return results
+
+
+def test_greedy_tree_is_lossless_and_beats_the_chain(target, prompts, noisy_copy):
+    chain = summarize(run_all(target, ModelDrafter(noisy_copy), prompts, max_new_tokens=32), GAMMA)["tau"]
+    results = tree_run(target, ModelDrafter(noisy_copy), prompts, TREE, max_new_tokens=32)
+    tree = summarize(results, len(TREE))["tau"]
+    assert len({n for r in results for n in r.accepted_per_call}) >= 3  # partial paths compact the cache
+    assert tree > chain
+    # A tree of width 1 is the chain: the same acceptances call for call (masks and positions agree with causal).
+    narrow = tree_run(target, ModelDrafter(noisy_copy), prompts, (1,) * GAMMA, max_new_tokens=32)
+    chained = run_all(target, ModelDrafter(noisy_copy), prompts, max_new_tokens=32)
+    assert [r.accepted_per_call for r in narrow] == [r.accepted_per_call for r in chained]
+
+
+def test_tree_falls_back_to_a_chain_for_drafters_without_trees(target, prompts):
+    tree_run(target, PromptLookupDrafter(), prompts, TREE)
+    tree_run(target, RandomDrafter(VOCAB, seed=0), prompts, TREE)
+    with pytest.raises(ValueError, match="needs greedy sampling"):
+        speculative_generate(target, PromptLookupDrafter(), prompts[0], 4, 8, tree=TREE, sampler=Sampler(1.0))
+
+
+def test_tree_hands_feature_layers_the_accepted_path(target, prompts, noisy_copy):
+    """Under --tree, a feature drafter still gets exactly the accepted positions' hidden states (the compacted path)."""
+
+    class TreeFeatureSpy(FeatureSpy):
+        def propose_tree(self, context_ids, state, branching, sampler):
+            self.calls.append((context_ids.shape[1], state.start, state.hidden.clone()))
+            return self.inner.propose_tree(context_ids, state, branching, sampler)
+
+    spy = TreeFeatureSpy(ModelDrafter(noisy_copy))
+    result = tree_run(target, spy, prompts[:1], TREE, max_new_tokens=32)[0]
+    full = prompts[0][0].tolist() + result.tokens
+    with torch.inference_mode():
+        fresh = target(input_ids=torch.tensor([full]), output_hidden_states=True).hidden_states
+    want = torch.cat([fresh[i] for i in FeatureSpy.feature_layers], dim=-1)
+    covered = 0
+    for length, start, hidden in spy.calls:
+        assert start == covered
+        torch.testing.assert_close(hidden, want[:, start:length - 1], atol=1e-4, rtol=1e-4)
+        covered = length - 1

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from treadle.speculative.sampling import Sampler, verify_sampled
+from treadle.speculative.tree import additive, ancestor_mask, node_depths
 
 GREEDY = Sampler()
 
@@ -65,10 +66,13 @@ class Proposal:
     drawn from, over the *target's* vocabulary (a reduced-vocabulary draft maps
     back); None means each row is one-hot at its token (a deterministic drafter,
     or any drafter under a greedy ``Sampler``). Only sampled verification reads it.
+    ``parents``: None for a chain; for a tree (``propose_tree``) the parent index of
+    each token (-1: a child of the bonus), parents before children (``tree.py``).
     """
 
     tokens: list[int]
     q: torch.Tensor | None = None
+    parents: list[int] | None = None
 
 
 class Drafter(Protocol):
@@ -95,6 +99,10 @@ class Drafter(Protocol):
 
     def accept(self, n_context: int) -> None:
         """The accepted sequence is now ``n_context`` tokens long; drop state beyond that prefix."""
+
+    # Optional: drafters without it are verified as a chain of len(branching) under --tree.
+    # def propose_tree(self, context_ids, state: TargetState, branching: tuple[int, ...], sampler: Sampler) -> Proposal:
+    #     """A tree (``Proposal.parents`` set) of the static shape ``branching`` (tree.py); greedy only for now."""
 
 
 def feature_layers(drafter: Drafter) -> tuple[int, ...]:
@@ -143,6 +151,27 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.LongTensor, cache: D
     it), so the cache must be asked for explicitly.
     """
     return model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0]
+
+
+def forward_tree(model: torch.nn.Module, tokens: list[int], parents: list[int], past: int, cache: DynamicCache,
+                 hidden: bool = False, feed: list[int] | None = None):
+    """Run ``model`` over tree nodes ``feed`` (default: all of ``tokens``) after ``past`` cached positions.
+
+    Node i sits at position ``past + depth`` (a root, parent -1, at depth 0) and
+    attends to the cached prefix, to itself and to its ancestors. ``feed`` is a run of
+    consecutive indices; the nodes before it must already be in the cache, in index
+    order (``tree.grow_tree`` feeds level by level).
+    """
+    feed = list(range(len(tokens))) if feed is None else feed
+    depths = [d - 1 for d in node_depths(parents)]
+    cached = [i for i in range(len(tokens)) if i < feed[0]]
+    allowed = torch.cat([torch.ones(len(feed), past, dtype=torch.bool), ancestor_mask(parents)[feed][:, cached + feed]],
+                        dim=1)
+    dtype = next(model.parameters()).dtype
+    return model(input_ids=torch.tensor([[tokens[i] for i in feed]]),
+                 position_ids=torch.tensor([[past + depths[i] for i in feed]]),
+                 attention_mask=additive(allowed, dtype)[None, None], past_key_values=cache, use_cache=True,
+                 output_hidden_states=hidden)
 
 
 def _target_forward(
@@ -199,6 +228,36 @@ def _verify_chain(logits: torch.Tensor, proposal: Proposal, sampler: Sampler) ->
     return verify_sampled(sampler.probs(logits), proposal.tokens, proposal.q, sampler)
 
 
+def _verify_tree(
+    target: torch.nn.Module, cache: DynamicCache, bonus: int, proposal: Proposal, layers: tuple[int, ...]
+) -> tuple[list[int], int, torch.Tensor | None]:
+    """Greedy verification of a draft tree in one target forward: (accepted drafts, next token, hidden rows).
+
+    The bonus and the tree go in together, each node attending to the cache, its
+    ancestors and itself at position prefix + depth. The longest path whose every
+    token is the target's argmax after its parent is kept, and the cache compacted
+    to prefix + bonus + that path, as if the path alone had been verified as a chain.
+    """
+    parents = [-1] + [p + 1 for p in proposal.parents]  # node 0 is the bonus, the root
+    past = cache.get_seq_length()
+    out = forward_tree(target, [bonus, *proposal.tokens], parents, past, cache, bool(layers))
+    choice = out.logits[0].argmax(-1).tolist()
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents[1:], start=1):
+        children.setdefault(parent, []).append(node)
+    path = [0]
+    while True:
+        match = [c for c in children.get(path[-1], []) if proposal.tokens[c - 1] == choice[path[-1]]]
+        if not match:
+            break
+        path.append(match[0])
+    keep = torch.cat([torch.arange(past), torch.tensor(path) + past])
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(-2, keep), layer.values.index_select(-2, keep)
+    hidden = torch.cat([out.hidden_states[i] for i in layers], dim=-1)[:, path] if layers else None
+    return [proposal.tokens[c - 1] for c in path[1:]], choice[path[-1]], hidden
+
+
 def speculative_generate(
     target: torch.nn.Module,
     drafter: Drafter,
@@ -207,10 +266,18 @@ def speculative_generate(
     max_new_tokens: int,
     eos_id: int | None = None,
     sampler: Sampler = GREEDY,
+    tree: tuple[int, ...] | None = None,
 ) -> SpecResult:
     """Speculative decoding of one prompt: greedy, the tokens equal ``target_generate``'s; sampled, their
-    distribution equals ``target_generate``'s with the same ``sampler`` settings."""
+    distribution equals ``target_generate``'s with the same ``sampler`` settings.
+
+    ``tree`` (greedy only): branching per depth; ``gamma`` must be its depth. A drafter
+    with ``propose_tree`` proposes such a tree, one without it a chain of that depth.
+    """
     _check_args(prompt_ids, max_new_tokens, gamma)
+    if tree is not None and (len(tree) != gamma or min(tree) < 1 or not sampler.greedy):
+        raise ValueError(f"tree {tree}: needs greedy sampling, branchings >= 1 and gamma == its depth ({gamma})")
+    grow = getattr(drafter, "propose_tree", None) if tree is not None else None
     target.eval()
     layers = feature_layers(drafter)
     prompt = prompt_ids[0].tolist()
@@ -227,18 +294,25 @@ def speculative_generate(
         while not _finished(tokens, max_new_tokens, eos_id):
             context = prompt + tokens
             state = TargetState(_last_layer_kv(cache, len(context) - 1), hidden)
-            proposal = drafter.propose(torch.tensor([context]), state, gamma, sampler)
-            if len(proposal.tokens) != gamma:
-                raise RuntimeError(f"drafter {drafter.name!r} proposed {len(proposal.tokens)} tokens, expected {gamma}")
-            verify = torch.tensor([[tokens[-1], *proposal.tokens]])
-            logits, hidden = _target_forward(target, verify, cache, layers)
-            n, bonus = _verify_chain(logits, proposal, sampler)
-            tokens += proposal.tokens[:n] + [bonus]
+            if grow is not None:
+                proposal = grow(torch.tensor([context]), state, tree, sampler)
+                path, bonus, hidden = _verify_tree(target, cache, tokens[-1], proposal, layers)
+                n = len(path)
+                tokens += path + [bonus]
+            else:
+                proposal = drafter.propose(torch.tensor([context]), state, gamma, sampler)
+                if len(proposal.tokens) != gamma:
+                    raise RuntimeError(
+                        f"drafter {drafter.name!r} proposed {len(proposal.tokens)} tokens, expected {gamma}")
+                verify = torch.tensor([[tokens[-1], *proposal.tokens]])
+                logits, hidden = _target_forward(target, verify, cache, layers)
+                n, bonus = _verify_chain(logits, proposal, sampler)
+                tokens += proposal.tokens[:n] + [bonus]
+                # The target has now processed the accepted sequence minus the new bonus.
+                crop_cache(cache, len(context) + n)
+                if hidden is not None:
+                    hidden = hidden[:, : n + 1]
             accepted.append(n)
-            # The target has now processed the accepted sequence minus the new bonus.
-            crop_cache(cache, len(context) + n)
-            if hidden is not None:
-                hidden = hidden[:, : n + 1]
             drafter.accept(len(context) + n + 1)
     seconds = time.perf_counter() - start
     return SpecResult(_clip(tokens, max_new_tokens, eos_id), len(accepted), accepted, gamma, seconds)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from treadle.speculative.decode import Proposal, TargetState, crop_cache, forward_logits
+from treadle.speculative.decode import Proposal, TargetState, crop_cache, forward_logits, forward_tree
 from treadle.speculative.sampling import Sampler
+from treadle.speculative.tree import grow_tree
 
 
 class ModelDrafter:
@@ -38,6 +39,21 @@ class ModelDrafter:
         # The last draft was never fed back, so the cache ends one token short.
         self._cached = context_ids.shape[1] + gamma - 1
         return Proposal(draft, None if sampler.greedy else torch.stack(qs))
+
+    @torch.inference_mode()
+    def propose_tree(self, context_ids: torch.LongTensor, state: TargetState | None, branching: tuple[int, ...],
+                     sampler: Sampler) -> Proposal:
+        length = context_ids.shape[1]
+        root = forward_logits(self.model, context_ids[:, self._cached :], self._cache)[-1]
+
+        def expand(new: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            return forward_tree(self.model, tokens, parents, length, self._cache, feed=new).logits[0]
+
+        tokens, parents = grow_tree(root, branching, expand)
+        # The tree's nodes follow the context in the cache in no sequence order: only the context stays.
+        crop_cache(self._cache, length)
+        self._cached = length
+        return Proposal(tokens, parents=parents)
 
     def accept(self, n_context: int) -> None:
         # The cached drafts that were accepted stay valid; the newest accepted
