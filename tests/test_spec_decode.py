@@ -339,6 +339,22 @@ def test_spec_eval_model_draft_and_prompts_file(run_dir, tmp_path):
     assert r["tau"] == 4 and r["acceptance_conditional"] == [1.0] * 3  # the draft is the target itself
 
 
+def test_spec_eval_tree_and_sampled(run_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "r.json"
+    # The draft is the target itself: every path of the tree that follows the target's argmax is accepted.
+    assert spec_eval("--target", str(run_dir), "--draft", str(run_dir), "--tree", "2,2,1", "--num-prompts", "2",
+                     "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
+    r = json.loads(out.read_text())
+    assert r["tree"] == [2, 2, 1] and r["gamma"] == 3 and r["lossless"] is True and r["tau"] == 4
+    assert "tree 2,2,1" in capsys.readouterr().out
+    assert spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--temperature", "0.8", "--top-p", "0.9",
+                     "--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
+    r = json.loads(out.read_text())
+    assert r["lossless"] is None and r["temperature"] == 0.8 and r["tau"] >= 1
+    assert "not compared (sampled at temperature 0.8" in capsys.readouterr().out
+
+
 def test_spec_eval_reports_a_lossy_decoder(run_dir, monkeypatch, capsys):
     from treadle.speculative import decode
 
@@ -364,6 +380,14 @@ def test_spec_eval_bad_input(run_dir, tmp_path):
         spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--json", str(tmp_path / "no" / "r.json"))
     with pytest.raises(UserError, match="--gamma 0"):
         spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--gamma", "0")
+    for flags, message in [(["--tree", "4,x"], "--tree 4,x: accepted: branching factors >= 1"),
+                           (["--tree", "2,0"], "--tree 2,0: accepted"),
+                           (["--tree", "2,2", "--gamma", "4"], "--gamma 4 with --tree 2,2: the tree's depth is 2"),
+                           (["--tree", "2,2", "--temperature", "1"], "tree verification is greedy only"),
+                           (["--temperature", "-1"], "--temperature -1.0: must be >= 0"),
+                           (["--temperature", "1", "--top-p", "0"], r"--top-p 0.0: must be in \(0, 1\]")]:
+        with pytest.raises(UserError, match=message):
+            spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", *flags)
     glide = tmp_path / "glide"
     glide.mkdir()
     (glide / "config.json").write_text(json.dumps({"treadle_draft_kind": "glide",
