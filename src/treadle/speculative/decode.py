@@ -81,6 +81,11 @@ class Drafter(Protocol):
     Optional attribute ``feature_layers: tuple[int, ...]`` (absent or empty: none):
     target layers whose hidden states the drafter reads; the decode loop then runs
     the target with ``output_hidden_states=True`` and fills ``TargetState.hidden``.
+
+    Optional method ``propose_tree(context_ids, state, branching, sampler) -> Proposal``:
+    a tree (``Proposal.parents`` set) of the static shape ``branching`` (``tree.py``),
+    greedy only for now. Under ``tree=...`` a drafter without it proposes a chain
+    of the tree's depth.
     """
 
     name: str
@@ -100,9 +105,6 @@ class Drafter(Protocol):
     def accept(self, n_context: int) -> None:
         """The accepted sequence is now ``n_context`` tokens long; drop state beyond that prefix."""
 
-    # Optional: drafters without it are verified as a chain of len(branching) under --tree.
-    # def propose_tree(self, context_ids, state: TargetState, branching: tuple[int, ...], sampler: Sampler) -> Proposal:
-    #     """A tree (``Proposal.parents`` set) of the static shape ``branching`` (tree.py); greedy only for now."""
 
 
 def feature_layers(drafter: Drafter) -> tuple[int, ...]:
