@@ -174,7 +174,9 @@ def train(args, recipe: Recipe) -> dict:
     shutil.rmtree(args.out / f"{recipe.name}-probe", ignore_errors=True)
     print(f"training {recipe.name}: {step_s:.2f} s/step in the probe -> {steps} steps", file=sys.stderr, flush=True)
     summary = _train(args, recipe, recipe.name, steps, eval_every=steps)
-    return {"trainable_params": summary.parameters, "train_s": summary.elapsed_s, "steps": steps,
+    # train_s: the steps' time at the probe's pace (the budget spent); wall_s adds the run's start and evaluations.
+    return {"trainable_params": summary.parameters, "train_s": TOKENS_PER_STEP * steps / summary.tokens_per_s,
+            "wall_s": summary.elapsed_s, "steps": steps,
             "train_tokens_per_s": summary.tokens_per_s, "run": str(args.out / recipe.name)}
 
 
@@ -237,7 +239,7 @@ def main() -> int:
     for name in names:
         recipe = recipes[name]
         trained[name] = train(args, recipe) if recipe.train_args else {
-            "trainable_params": 0, "train_s": 0.0, "steps": 0, "train_tokens_per_s": None, "run": None}
+            "trainable_params": 0, "train_s": 0.0, "wall_s": 0.0, "steps": 0, "train_tokens_per_s": None, "run": None}
 
     target = load_causal_lm(Path(args.target), "--target")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(Path(args.target), "--target"))
@@ -262,7 +264,7 @@ def main() -> int:
                          **{k: got[k] for k in ("tau", "acceptance_conditional", "acceptance_unconditional",
                                                 "tokens_per_s_spec", "tokens_per_s_target", "speedup", "lossless")}})
 
-    print(f"\nspec bench: target {args.target} ({BENCH_TARGET}), greedy outputs distinct-1/2/3 "
+    print(f"\nspec bench: target {args.target}, greedy outputs distinct-1/2/3 "
           f"{loops['distinct_1']:.2f} / {loops['distinct_2']:.2f} / {loops['distinct_3']:.2f}; gamma {args.gamma}, "
           f"tree {','.join(map(str, TREE))}, {args.prompts} held-out prompts x {args.max_new_tokens} new tokens; "
           f"{args.train_seconds:.0f} s of training per drafter (8 x 256 tokens per step); "
