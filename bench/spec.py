@@ -174,7 +174,7 @@ def train(args, recipe: Recipe) -> dict:
     shutil.rmtree(args.out / f"{recipe.name}-probe", ignore_errors=True)
     print(f"training {recipe.name}: {step_s:.2f} s/step in the probe -> {steps} steps", file=sys.stderr, flush=True)
     summary = _train(args, recipe, recipe.name, steps, eval_every=steps)
-    # train_s: the steps' time at the probe's pace (the budget spent); wall_s adds the run's start and evaluations.
+    # train_s: the steps' time at the run's own pace (the budget spent); wall_s adds its start and evaluations.
     return {"trainable_params": summary.parameters, "train_s": TOKENS_PER_STEP * steps / summary.tokens_per_s,
             "wall_s": summary.elapsed_s, "steps": steps,
             "train_tokens_per_s": summary.tokens_per_s, "run": str(args.out / recipe.name)}
