@@ -347,7 +347,8 @@ def test_spec_eval_tree_and_sampled(run_dir, tmp_path, capsys, monkeypatch):
                      "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
     r = json.loads(out.read_text())
     assert r["tree"] == [2, 2, 1] and r["gamma"] == 3 and r["lossless"] is True and r["tau"] == 4
-    assert "tree 2,2,1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tree 2,2,1: 10 nodes, depth 3" in printed, printed
     assert spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--temperature", "0.8", "--top-p", "0.9",
                      "--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
     r = json.loads(out.read_text())

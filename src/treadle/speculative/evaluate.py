@@ -238,9 +238,15 @@ def _print_report(result: dict, target_dir: Path) -> None:
     table = Table(title=f"speculative decoding: {result['drafter']} -> {target_dir}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    shape = f"tree {','.join(map(str, result['tree']))}" if result["tree"] else f"gamma {gamma}"
     table.add_row("prompts", f"{result['num_prompts']} ({result['generated_tokens']:,} tokens generated, "
-                             f"{result['verify_calls']:,} verification calls, {shape})")
+                             f"{result['verify_calls']:,} verification calls)")
+    if result["tree"]:
+        from treadle.speculative.tree import tree_size
+
+        table.add_row("draft", f"tree {','.join(map(str, result['tree']))}: "
+                               f"{tree_size(tuple(result['tree']))} nodes, depth {gamma}")
+    else:
+        table.add_row("draft", f"chain of gamma {gamma}")
     table.add_row("tau", f"{_rate(result['tau'])} tokens per target verification call, bonus token included "
                          f"(at most {gamma + 1})")
     table.add_row("speculative", f"{result['tokens_per_s_spec']:,.1f} tokens/s")
