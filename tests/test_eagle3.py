@@ -1,6 +1,7 @@
 """EAGLE-3 draft: the training-time-test unroll, the decode-time drafter, the vocabulary map, and runs end to end."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -17,6 +18,7 @@ from treadle.models.glide import document_ids
 from treadle.models.hf import greedy_continuations
 from treadle.speculative.acceptance import chain_acceptance
 from treadle.speculative.decode import TargetState
+from treadle.speculative.sampling import Sampler
 from treadle.speculative.eagle3_drafter import Eagle3Drafter
 from treadle.train.eagle3 import scored_rows
 
@@ -87,7 +89,7 @@ def test_decode_drafter_reproduces_the_training_unroll(vocab):
     for s in range(prompt_len, text.shape[1]):  # the bonus at s: the target has processed tokens < s
         state = TargetState(None, features[:, given:s])  # the rows the target added since the last round
         given = s
-        proposals = drafter.propose(text[:, : s + 1], state, gamma)
+        proposals = drafter.propose(text[:, : s + 1], state, gamma, Sampler()).tokens
         if vocab:
             assert all(model.draft_model.t2d[p] for p in proposals)
         fed = torch.cat((text[:, : s + 1], torch.tensor([proposals])), dim=1)
@@ -95,6 +97,14 @@ def test_decode_drafter_reproduces_the_training_unroll(vocab):
             guesses = model.chain_guesses(fed, gamma)
         assert proposals == [int(guesses[k][0, s + k]) for k in range(gamma)], s
         drafter.accept(s + 2)  # one more token: the next round hands over one more feature row
+    # Sampled: each q row is the draft head's softmax, over the target vocabulary (zero off the draft's tokens),
+    # and the drawn token is one the row gives mass to.
+    x = torch.randn(1, 1, model.target.config.hidden_size)
+    token, q = drafter._draw(x, Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0)))
+    head = torch.softmax(model.draft_model.logits(x)[0, -1].float(), -1)
+    ids = model.draft_model.to_target_ids(torch.arange(head.shape[0]))
+    assert q.shape == (512,) and torch.allclose(q[ids], head) and math.isclose(float(q.sum()), 1.0, rel_tol=1e-5)
+    assert float(q[token]) > 0 and (vocab is None or float(q.sum() - q[ids].sum()) == 0.0)
 
 
 def test_eagle3_speculative_decoding_is_lossless_and_chain_acceptance_is_consistent():
@@ -172,6 +182,11 @@ def test_eagle3_run_trains_exports_and_decodes(shards, target_dir, tmp_path, cap
                  "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "eagle3" and 1.0 <= got["tau"] <= 5.0
+    # Sampled verification: the reduced head's q rows live on the draft's tokens of the target vocabulary.
+    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
+                 "--prompt-len", "8", "--max-new-tokens", "12", "--temperature", "1", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["lossless"] is None and 1.0 <= got["tau"] <= 5.0
 
     # A reduced draft whose export lost its map is refused in one line, not decoded with wrong ids.
     broken = tmp_path / "broken"

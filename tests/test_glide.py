@@ -15,7 +15,9 @@ from treadle.models.glide import (
 )
 from treadle.models.hf import greedy_continuations
 from treadle.speculative.acceptance import chain_acceptance
+from treadle.speculative.decode import TargetState
 from treadle.speculative.glide_drafter import GlideDrafter
+from treadle.speculative.sampling import Sampler
 
 
 def glide(seed=1, window=0):
@@ -90,25 +92,54 @@ def test_decode_drafter_reproduces_training_logits_and_chain_acceptance():
             row = texts[b:b + 1]
             kv = (target_kv[0][b:b + 1, :, :s], target_kv[1][b:b + 1, :, :s])  # the target has processed < s
             drafter.reset(row[:, :6])
-            first = drafter.propose(row[:, :s + 1], kv, 1)  # feeds 0..s, the bonus at s: lag 1
+            first = drafter.propose(row[:, :s + 1], TargetState(kv), 1, Sampler()).tokens  # feeds 0..s, the bonus at s: lag 1
             assert first == [int(lagged[0][b, s].argmax())]
             for k in range(2, gamma + 1):  # feed the true next tokens: chain step k sees lag k
                 drafter.accept(s + k)  # keep everything: the "draft" was the text
-                assert drafter.propose(row[:, :s + k], kv, 1) == [int(lagged[k - 1][b, s + k - 1].argmax())]
+                assert drafter.propose(row[:, :s + k], TargetState(kv), 1, Sampler()).tokens == [int(lagged[k - 1][b, s + k - 1].argmax())]
     got = chain_acceptance(model, texts, 6, gamma)
     assert got["tau_sim"] == pytest.approx(1 + sum(got["acceptance_unconditional"]))
     assert len(got["acceptance_conditional"]) == gamma
 
 
-def test_glide_speculative_decoding_is_lossless():
+@pytest.mark.parametrize("window", [0, 2])
+def test_glide_tree_nodes_are_the_top_k_of_their_paths(window):
+    """Each tree node is among its parent's top-k when the context plus the node's path is fed as a plain chain:
+    the tree's self-attention mask, window and indices are the chain's."""
+    from treadle.speculative.tree import node_depths
+
+    model, branching = glide(window=window), (2, 2, 2, 1)
+    context = torch.randint(0, 512, (1, 9))
+    with torch.no_grad():
+        _, kv = model.target_forward(context[:, :-1], torch.arange(8)[None])
+    drafter = GlideDrafter(model)
+    drafter.reset(context)
+    tree = drafter.propose_tree(context, TargetState(kv), branching, Sampler())
+    assert drafter.seen == 9 and drafter.kv[0].shape[2] == 9  # the tree's K/V never enter the cache
+    for node, depth in enumerate(node_depths(tree.parents)):
+        path, p = [], tree.parents[node]
+        while p >= 0:
+            path, p = [tree.tokens[p], *path], tree.parents[p]
+        fresh = GlideDrafter(model)
+        logits = fresh._feed(torch.cat([context, torch.tensor([path], dtype=torch.long)], 1), kv)
+        assert tree.tokens[node] in logits.topk(branching[depth - 1]).indices.tolist()
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_glide_speculative_decoding_is_lossless(window):
     from treadle.speculative.decode import speculative_generate, target_generate
 
-    model = glide()
+    model = glide(window=window)
     prompt = torch.randint(0, 512, (1, 8))
     want, _ = target_generate(model.target, prompt, 24)
     got = speculative_generate(model.target, GlideDrafter(model), prompt, gamma=4, max_new_tokens=24)
     assert got.tokens == want
     assert got.verify_calls >= 1
+    # Greedy tree drafting: lossless too, and a width-1 tree accepts exactly what the chain does, call for call.
+    tree = speculative_generate(model.target, GlideDrafter(model), prompt, gamma=4, max_new_tokens=24, tree=(3, 2, 1, 1))
+    assert tree.tokens == want
+    narrow = speculative_generate(model.target, GlideDrafter(model), prompt, gamma=4, max_new_tokens=24, tree=(1,) * 4)
+    assert narrow.accepted_per_call == got.accepted_per_call and max(got.accepted_per_call) > 0
 
 
 def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_path, capsys):

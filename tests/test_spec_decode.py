@@ -12,9 +12,10 @@ from treadle import corpus
 from treadle.errors import UserError
 from treadle.models.hf import load_causal_lm
 from treadle.speculative import evaluate
-from treadle.speculative.decode import SpecResult, speculative_generate, summarize, target_generate
+from treadle.speculative.decode import Proposal, SpecResult, speculative_generate, summarize, target_generate
 from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter, RandomDrafter
 from treadle.speculative.prompts import heldout_prompts, load_prompts_jsonl
+from treadle.speculative.sampling import Sampler
 from treadle.tokenizer import load_backend_tokenizer
 
 GAMMA = 4
@@ -69,11 +70,11 @@ class Spy:
     def reset(self, prompt_ids):
         self.inner.reset(prompt_ids)
 
-    def propose(self, context_ids, target_kv, gamma):
-        draft = self.inner.propose(context_ids, target_kv, gamma)
-        keys, values = target_kv
-        self.calls.append((context_ids.clone(), keys.clone(), values.clone(), draft))
-        return draft
+    def propose(self, context_ids, state, gamma, sampler):
+        proposal = self.inner.propose(context_ids, state, gamma, sampler)
+        keys, values = state.kv
+        self.calls.append((context_ids.clone(), keys.clone(), values.clone(), proposal.tokens))
+        return proposal
 
     def accept(self, n_context):
         self.inner.accept(n_context)
@@ -149,6 +150,34 @@ def test_target_kv_is_the_fresh_forward_of_context_minus_bonus(target, prompts, 
         torch.testing.assert_close(values, fresh.layers[-1].values)
 
 
+class FeatureSpy(Spy):
+    """A drafter that declares feature layers: records the hidden states handed to it."""
+
+    feature_layers = (2, 0, 1)
+
+    def propose(self, context_ids, state, gamma, sampler):
+        self.calls.append((context_ids.shape[1], state.start, state.hidden.clone()))
+        return self.inner.propose(context_ids, state, gamma, sampler)
+
+
+def test_feature_layers_get_the_accepted_positions_hidden_states_once(target, prompts, noisy_copy):
+    """The contract EAGLE-3 builds on: over a sequence the hidden rows tile positions 0.. exactly once, each equal to
+    a fresh target forward over the accepted sequence, layers concatenated in the drafter's order."""
+    spy = FeatureSpy(ModelDrafter(noisy_copy))
+    result = run_all(target, spy, prompts[:1], max_new_tokens=32)[0]
+    assert len(set(result.accepted_per_call)) >= 2  # partial acceptances cut the hidden rows
+    full = prompts[0][0].tolist() + result.tokens
+    with torch.inference_mode():
+        fresh = target(input_ids=torch.tensor([full]), output_hidden_states=True).hidden_states
+    want = torch.cat([fresh[i] for i in FeatureSpy.feature_layers], dim=-1)
+    covered = 0
+    for length, start, hidden in spy.calls:
+        assert start == covered and start + hidden.shape[1] == length - 1
+        torch.testing.assert_close(hidden, want[:, start:length - 1], atol=1e-4, rtol=1e-4)
+        covered = length - 1
+    assert spy.calls[0][2].shape[1] == prompts[0].shape[1]  # the first call: the whole prompt
+
+
 def test_model_drafter_cache_stays_consistent(target, prompts, noisy_copy):
     """Every proposal equals the draft model's greedy continuation computed from scratch."""
     spy = Spy(ModelDrafter(noisy_copy))
@@ -186,8 +215,9 @@ def test_eos_stops_and_is_kept(target, prompts, draft):
 
 def test_drafter_must_propose_gamma_tokens(target, prompts):
     class Short(RandomDrafter):
-        def propose(self, context_ids, target_kv, gamma):
-            return super().propose(context_ids, target_kv, gamma)[:-1]
+        def propose(self, context_ids, state, gamma, sampler):
+            proposal = super().propose(context_ids, state, gamma, sampler)
+            return Proposal(proposal.tokens[:-1])
 
     with pytest.raises(RuntimeError, match="proposed 3 tokens, expected 4"):
         speculative_generate(target, Short(VOCAB), prompts[0], GAMMA, NEW)
@@ -197,7 +227,7 @@ def test_drafter_must_propose_gamma_tokens(target, prompts):
 
 
 def lookup(seq, gamma, **kw):
-    return PromptLookupDrafter(**kw).propose(torch.tensor([seq]), None, gamma)
+    return PromptLookupDrafter(**kw).propose(torch.tensor([seq]), None, gamma, Sampler()).tokens
 
 
 def test_prompt_lookup_takes_most_recent_match_with_full_continuation():
@@ -309,6 +339,23 @@ def test_spec_eval_model_draft_and_prompts_file(run_dir, tmp_path):
     assert r["tau"] == 4 and r["acceptance_conditional"] == [1.0] * 3  # the draft is the target itself
 
 
+def test_spec_eval_tree_and_sampled(run_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "r.json"
+    # The draft is the target itself: every path of the tree that follows the target's argmax is accepted.
+    assert spec_eval("--target", str(run_dir), "--draft", str(run_dir), "--tree", "2,2,1", "--num-prompts", "2",
+                     "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
+    r = json.loads(out.read_text())
+    assert r["tree"] == [2, 2, 1] and r["gamma"] == 3 and r["lossless"] is True and r["tau"] == 4
+    printed = capsys.readouterr().out
+    assert "tree 2,2,1: 10 nodes, depth 3" in printed, printed
+    assert spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--temperature", "0.8", "--top-p", "0.9",
+                     "--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
+    r = json.loads(out.read_text())
+    assert r["lossless"] is None and r["temperature"] == 0.8 and r["tau"] >= 1
+    assert "not compared (sampled at temperature 0.8" in capsys.readouterr().out
+
+
 def test_spec_eval_reports_a_lossy_decoder(run_dir, monkeypatch, capsys):
     from treadle.speculative import decode
 
@@ -334,6 +381,14 @@ def test_spec_eval_bad_input(run_dir, tmp_path):
         spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--json", str(tmp_path / "no" / "r.json"))
     with pytest.raises(UserError, match="--gamma 0"):
         spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--gamma", "0")
+    for flags, message in [(["--tree", "4,x"], "--tree 4,x: accepted: branching factors >= 1"),
+                           (["--tree", "2,0"], "--tree 2,0: accepted"),
+                           (["--tree", "2,2", "--gamma", "4"], "--gamma 4 with --tree 2,2: the tree's depth is 2"),
+                           (["--tree", "2,2", "--temperature", "1"], "tree verification is greedy only"),
+                           (["--temperature", "-1"], "--temperature -1.0: must be >= 0"),
+                           (["--temperature", "1", "--top-p", "0"], r"--top-p 0.0: must be in \(0, 1\]")]:
+        with pytest.raises(UserError, match=message):
+            spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", *flags)
     glide = tmp_path / "glide"
     glide.mkdir()
     (glide / "config.json").write_text(json.dumps({"treadle_draft_kind": "glide",
@@ -351,3 +406,96 @@ def test_prompts_jsonl_lines_end_at_newline_only_and_must_be_utf8(tmp_path, tok_
     f.write_bytes(b'{"prompt": "a"}\n{"prompt": "b\xff"}\n')
     with pytest.raises(UserError, match=rf"{f}:2: not UTF-8 \(byte 0xff at byte 14 of the line\)"):
         load_prompts_jsonl(f, tok_dir, 8)
+
+
+# --------------------------------------------------------------------------- tree drafting
+
+
+TREE = (3, 2, 1, 1)
+
+
+def test_tree_shape_helpers():
+    from treadle.speculative.tree import ancestor_mask, node_depths, tree_size
+
+    assert tree_size((4, 2, 2, 1)) == 4 + 8 + 16 + 16 and tree_size((1,) * 4) == 4
+    parents = [-1, -1, 0, 0, 1, 2]
+    assert node_depths(parents) == [1, 1, 2, 2, 2, 3]
+    assert ancestor_mask(parents)[5].tolist() == [True, False, True, False, False, True]
+    with pytest.raises(ValueError, match="parents must come before"):
+        node_depths([-1, 2, 0])
+
+
+def path_to(node, tokens, parents):
+    path = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
+
+
+def test_model_drafter_tree_nodes_are_the_top_k_of_their_paths(prompts, noisy_copy):
+    """Each node is among its parent's top-k under a fresh forward of context + path: the draft's tree masks and
+    positions are right, and the cache is left holding the context only."""
+    drafter = ModelDrafter(noisy_copy)
+    context = prompts[0]
+    drafter.reset(context)
+    proposal = drafter.propose_tree(context, None, TREE, Sampler())
+    from treadle.speculative.tree import node_depths
+
+    assert len(proposal.tokens) == 3 + 6 + 6 + 6
+    for node, depth in enumerate(node_depths(proposal.parents)):
+        parent_path = path_to(proposal.parents[node], proposal.tokens, proposal.parents)
+        with torch.inference_mode():
+            logits = noisy_copy(input_ids=torch.cat([context, torch.tensor([parent_path], dtype=torch.long)], 1)).logits
+        assert proposal.tokens[node] in logits[0, -1].topk(TREE[depth - 1]).indices.tolist()
+    assert drafter._cache.get_seq_length() == context.shape[1]
+
+
+def tree_run(target, drafter, prompts, tree, max_new_tokens=NEW):
+    results = []
+    for prompt in prompts:
+        reference, _ = target_generate(target, prompt, max_new_tokens)
+        result = speculative_generate(target, drafter, prompt, len(tree), max_new_tokens, tree=tree)
+        assert result.tokens == reference  # lossless
+        results.append(result)
+    return results
+
+
+def test_greedy_tree_is_lossless_and_beats_the_chain(target, prompts, noisy_copy):
+    chain = summarize(run_all(target, ModelDrafter(noisy_copy), prompts, max_new_tokens=32), GAMMA)["tau"]
+    results = tree_run(target, ModelDrafter(noisy_copy), prompts, TREE, max_new_tokens=32)
+    tree = summarize(results, len(TREE))["tau"]
+    assert len({n for r in results for n in r.accepted_per_call}) >= 3  # partial paths compact the cache
+    assert tree > chain
+    # A tree of width 1 is the chain: the same acceptances call for call (masks and positions agree with causal).
+    narrow = tree_run(target, ModelDrafter(noisy_copy), prompts, (1,) * GAMMA, max_new_tokens=32)
+    chained = run_all(target, ModelDrafter(noisy_copy), prompts, max_new_tokens=32)
+    assert [r.accepted_per_call for r in narrow] == [r.accepted_per_call for r in chained]
+
+
+def test_tree_falls_back_to_a_chain_for_drafters_without_trees(target, prompts):
+    tree_run(target, PromptLookupDrafter(), prompts, TREE)
+    tree_run(target, RandomDrafter(VOCAB, seed=0), prompts, TREE)
+    with pytest.raises(ValueError, match="needs greedy sampling"):
+        speculative_generate(target, PromptLookupDrafter(), prompts[0], 4, 8, tree=TREE, sampler=Sampler(1.0))
+
+
+def test_tree_hands_feature_layers_the_accepted_path(target, prompts, noisy_copy):
+    """Under --tree, a feature drafter still gets exactly the accepted positions' hidden states (the compacted path)."""
+
+    class TreeFeatureSpy(FeatureSpy):
+        def propose_tree(self, context_ids, state, branching, sampler):
+            self.calls.append((context_ids.shape[1], state.start, state.hidden.clone()))
+            return self.inner.propose_tree(context_ids, state, branching, sampler)
+
+    spy = TreeFeatureSpy(ModelDrafter(noisy_copy))
+    result = tree_run(target, spy, prompts[:1], TREE, max_new_tokens=32)[0]
+    full = prompts[0][0].tolist() + result.tokens
+    with torch.inference_mode():
+        fresh = target(input_ids=torch.tensor([full]), output_hidden_states=True).hidden_states
+    want = torch.cat([fresh[i] for i in FeatureSpy.feature_layers], dim=-1)
+    covered = 0
+    for length, start, hidden in spy.calls:
+        assert start == covered
+        torch.testing.assert_close(hidden, want[:, start:length - 1], atol=1e-4, rtol=1e-4)
+        covered = length - 1

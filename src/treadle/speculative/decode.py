@@ -1,10 +1,12 @@
-"""Greedy chain speculative decoding (batch size 1) and the plain greedy baseline.
+"""Speculative decoding (batch size 1), greedy or sampled, and the plain target-alone baseline.
 
 One round: the drafter proposes ``gamma`` tokens after the accepted sequence;
-the target scores ``[bonus, d1..d_gamma]`` in one forward; the leading drafts
-that equal the target's argmax are kept, followed by the target's own token at
-the first mismatch (or after the last draft). The output is therefore exactly
-the target's greedy output, whatever the drafter proposes.
+the target scores ``[bonus, d1..d_gamma]`` in one forward. Greedy: the leading
+drafts that equal the target's argmax are kept, followed by the target's own token
+at the first mismatch (or after the last draft), so the output is exactly the
+target's greedy output whatever the drafter proposes. Sampled (temperature > 0):
+speculative sampling (``sampling.verify_sampled``), so the output has exactly the
+target's own sampling distribution.
 
 Cache invariant (target and ``ModelDrafter`` alike): the KV cache covers the
 accepted sequence minus its last token, the newest "bonus" token, which no
@@ -13,7 +15,6 @@ model has processed yet.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,37 +22,93 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from treadle.speculative.sampling import Sampler, verify_sampled
+from treadle.speculative.tree import additive, ancestor_mask, node_depths
+
+GREEDY = Sampler()
+
+
+@dataclass
+class TargetState:
+    """What the target computed that a drafter may read, handed to every ``propose``.
+
+    With ``L`` the accepted sequence's length (``context_ids.shape[1]``):
+
+    - ``kv``: the target's last decoder layer's post-RoPE keys and values for
+      positions 0..L-2, ``[1, H_kv, L-1, D]`` each (the bonus token at L-1 has not
+      been through the target yet). Always present.
+    - ``hidden``: only for a drafter whose ``feature_layers`` is non-empty, else None.
+      ``[1, n, len(feature_layers) * d]``: the hidden states of those target layers,
+      concatenated on the last dim in the order the drafter listed them, for the
+      positions L-1-n .. L-2, i.e. the ones the target's latest forward added to
+      its cache: on the first ``propose`` of a sequence the whole prompt (n = P),
+      afterwards the verified tokens cut to the accepted ones (the previous bonus
+      and the accepted drafts, n = accepted + 1). Together over a sequence's calls
+      they cover every position exactly once. A layer index indexes HF's
+      ``output_hidden_states`` tuple: 0 is the embedding output, i the output of
+      decoder layer i (1..num_hidden_layers).
+    """
+
+    kv: tuple[torch.Tensor, torch.Tensor]
+    hidden: torch.Tensor | None = None
+
+    @property
+    def start(self) -> int:
+        """Position of ``hidden``'s first row."""
+        return self.kv[0].shape[-2] - (self.hidden.shape[1] if self.hidden is not None else 0)
+
+
+@dataclass
+class Proposal:
+    """A drafter's proposal: ``tokens`` and the distributions they were drawn from.
+
+    ``q``: ``[len(tokens), V_target]`` fp32, row i the distribution ``tokens[i]`` was
+    drawn from, over the *target's* vocabulary (a reduced-vocabulary draft maps
+    back); None means each row is one-hot at its token (a deterministic drafter,
+    or any drafter under a greedy ``Sampler``). Only sampled verification reads it.
+    ``parents``: None for a chain; for a tree (``propose_tree``) the parent index of
+    each token (-1: a child of the bonus), parents before children (``tree.py``).
+    """
+
+    tokens: list[int]
+    q: torch.Tensor | None = None
+    parents: list[int] | None = None
+
 
 class Drafter(Protocol):
-    """Proposes tokens for the target to verify. One instance serves one sequence at a time."""
+    """Proposes tokens for the target to verify. One instance serves one sequence at a time.
+
+    Optional attribute ``feature_layers: tuple[int, ...]`` (absent or empty: none):
+    target layers whose hidden states the drafter reads; the decode loop then runs
+    the target with ``output_hidden_states=True`` and fills ``TargetState.hidden``.
+
+    Optional method ``propose_tree(context_ids, state, branching, sampler) -> Proposal``:
+    a tree (``Proposal.parents`` set) of the static shape ``branching`` (``tree.py``),
+    greedy only for now. Under ``tree=...`` a drafter without it proposes a chain
+    of the tree's depth.
+    """
 
     name: str
 
     def reset(self, prompt_ids: torch.LongTensor) -> None:
         """Start a new sequence; ``prompt_ids`` is [1, P]."""
 
-    def propose(
-        self, context_ids: torch.LongTensor, target_kv: tuple[torch.Tensor, torch.Tensor] | None, gamma: int
-    ) -> list[int]:
-        """Exactly ``gamma`` token ids to follow ``context_ids`` ([1, L], the accepted sequence).
+    def propose(self, context_ids: torch.LongTensor, state: TargetState, gamma: int, sampler: Sampler) -> Proposal:
+        """Exactly ``gamma`` tokens to follow ``context_ids`` ([1, L], the accepted sequence).
 
-        ``target_kv`` is the target's last decoder layer's post-RoPE keys and
-        values for positions 0..L-2 ([1, H_kv, L-1, D] each): the last context
-        token (the bonus) has not been through the target yet.
+        Under a greedy ``sampler`` (``sampler.greedy``) any deterministic choice is
+        correct (argmax gives the best acceptance). Otherwise a drafter either
+        draws each token with ``sampler.draw(logits)`` and returns the q rows it got,
+        or proposes deterministically with ``q=None``; both keep the output exact.
         """
 
     def accept(self, n_context: int) -> None:
         """The accepted sequence is now ``n_context`` tokens long; drop state beyond that prefix."""
 
 
-@dataclass
-class TargetState:
-    """What a drafter that declares ``feature_layers`` (EAGLE-3) gets in place of the bare ``target_kv``."""
 
-    kv: tuple[torch.Tensor, torch.Tensor]
-    # [1, n, len(feature_layers) * d]: those output_hidden_states entries for the n tokens the target processed in
-    # its latest forward (prefill: the prompt; a verification: the bonus and the accepted drafts).
-    hidden: torch.Tensor
+def feature_layers(drafter: Drafter) -> tuple[int, ...]:
+    return tuple(getattr(drafter, "feature_layers", ()) or ())
 
 
 @dataclass
@@ -98,6 +155,37 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.LongTensor, cache: D
     return model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0]
 
 
+def forward_tree(model: torch.nn.Module, tokens: list[int], parents: list[int], past: int, cache: DynamicCache,
+                 hidden: bool = False, feed: list[int] | None = None):
+    """Run ``model`` over tree nodes ``feed`` (default: all of ``tokens``) after ``past`` cached positions.
+
+    Node i sits at position ``past + depth`` (a root, parent -1, at depth 0) and
+    attends to the cached prefix, to itself and to its ancestors. ``feed`` is a run of
+    consecutive indices; the nodes before it must already be in the cache, in index
+    order (``tree.grow_tree`` feeds level by level).
+    """
+    feed = list(range(len(tokens))) if feed is None else feed
+    depths = [d - 1 for d in node_depths(parents)]
+    cached = [i for i in range(len(tokens)) if i < feed[0]]
+    allowed = torch.cat([torch.ones(len(feed), past, dtype=torch.bool), ancestor_mask(parents)[feed][:, cached + feed]],
+                        dim=1)
+    dtype = next(model.parameters()).dtype
+    return model(input_ids=torch.tensor([[tokens[i] for i in feed]]),
+                 position_ids=torch.tensor([[past + depths[i] for i in feed]]),
+                 attention_mask=additive(allowed, dtype)[None, None], past_key_values=cache, use_cache=True,
+                 output_hidden_states=hidden)
+
+
+def _target_forward(
+    target: torch.nn.Module, input_ids: torch.LongTensor, cache: DynamicCache, layers: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``forward_logits`` plus, when ``layers`` is non-empty, those layers' hidden states concatenated [1, T, len*d]."""
+    if not layers:
+        return forward_logits(target, input_ids, cache), None
+    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    return out.logits[0], torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+
+
 def _last_layer_kv(cache: DynamicCache, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     layer = cache.layers[-1]
     if layer.keys.shape[-2] != length:
@@ -132,6 +220,46 @@ def leading_matches(draft: list[int], target: list[int]) -> int:
     return n
 
 
+def _verify_chain(logits: torch.Tensor, proposal: Proposal, sampler: Sampler) -> tuple[int, int]:
+    """(drafts accepted, the target's next token) for a chain scored by the target (``logits`` [gamma + 1, V])."""
+    if sampler.greedy:
+        # choice[i] is the target's greedy token after verify[:i+1].
+        choice = logits.argmax(-1).tolist()
+        n = leading_matches(proposal.tokens, choice)
+        return n, choice[n]
+    return verify_sampled(sampler.probs(logits), proposal.tokens, proposal.q, sampler)
+
+
+def _verify_tree(
+    target: torch.nn.Module, cache: DynamicCache, bonus: int, proposal: Proposal, layers: tuple[int, ...]
+) -> tuple[list[int], int, torch.Tensor | None]:
+    """Greedy verification of a draft tree in one target forward: (accepted drafts, next token, hidden rows).
+
+    The bonus and the tree go in together, each node attending to the cache, its
+    ancestors and itself at position prefix + depth. The longest path whose every
+    token is the target's argmax after its parent is kept, and the cache compacted
+    to prefix + bonus + that path, as if the path alone had been verified as a chain.
+    """
+    parents = [-1] + [p + 1 for p in proposal.parents]  # node 0 is the bonus, the root
+    past = cache.get_seq_length()
+    out = forward_tree(target, [bonus, *proposal.tokens], parents, past, cache, bool(layers))
+    choice = out.logits[0].argmax(-1).tolist()
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents[1:], start=1):
+        children.setdefault(parent, []).append(node)
+    path = [0]
+    while True:
+        match = [c for c in children.get(path[-1], []) if proposal.tokens[c - 1] == choice[path[-1]]]
+        if not match:
+            break
+        path.append(match[0])
+    keep = torch.cat([torch.arange(past), torch.tensor(path) + past])
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(-2, keep), layer.values.index_select(-2, keep)
+    hidden = torch.cat([out.hidden_states[i] for i in layers], dim=-1)[:, path] if layers else None
+    return [proposal.tokens[c - 1] for c in path[1:]], choice[path[-1]], hidden
+
+
 def speculative_generate(
     target: torch.nn.Module,
     drafter: Drafter,
@@ -139,57 +267,75 @@ def speculative_generate(
     gamma: int,
     max_new_tokens: int,
     eos_id: int | None = None,
+    sampler: Sampler = GREEDY,
+    tree: tuple[int, ...] | None = None,
 ) -> SpecResult:
-    """Greedy speculative decoding of one prompt; the tokens equal ``target_generate``'s."""
+    """Speculative decoding of one prompt: greedy, the tokens equal ``target_generate``'s; sampled, their
+    distribution equals ``target_generate``'s with the same ``sampler`` settings.
+
+    ``tree`` (greedy only): branching per depth; ``gamma`` must be its depth. A drafter
+    with ``propose_tree`` proposes such a tree, one without it a chain of that depth.
+    """
     _check_args(prompt_ids, max_new_tokens, gamma)
+    if tree is not None and (len(tree) != gamma or min(tree) < 1 or not sampler.greedy):
+        raise ValueError(f"tree {tree}: needs greedy sampling, branchings >= 1 and gamma == its depth ({gamma})")
+    grow = getattr(drafter, "propose_tree", None) if tree is not None else None
     target.eval()
+    layers = feature_layers(drafter)
     prompt = prompt_ids[0].tolist()
     accepted: list[int] = []
     start = time.perf_counter()
-    layers = getattr(drafter, "feature_layers", None)
-    if layers:
-        from treadle.models.eagle3 import capture_features
-    with torch.inference_mode(), capture_features(target, layers) if layers else contextlib.nullcontext() as tap:
+    with torch.inference_mode():
         # A bare DynamicCache holds full (croppable) layers even for models with
         # sliding-window layers, so layers[-1] always covers the whole prefix.
         cache = DynamicCache()
         drafter.reset(prompt_ids)
         # The prefill's token is the first bonus; it is not a verification call.
-        tokens = [int(forward_logits(target, prompt_ids, cache)[-1].argmax())]
-        fresh = tap.take() if tap else None  # features of the tokens the last target forward processed
+        logits, hidden = _target_forward(target, prompt_ids, cache, layers)
+        tokens = [sampler.draw(logits[-1])[0]]
         while not _finished(tokens, max_new_tokens, eos_id):
             context = prompt + tokens
-            target_kv = _last_layer_kv(cache, len(context) - 1)
-            state = TargetState(target_kv, fresh) if tap else target_kv
-            draft = drafter.propose(torch.tensor([context]), state, gamma)
-            if len(draft) != gamma:
-                raise RuntimeError(f"drafter {drafter.name!r} proposed {len(draft)} tokens, expected {gamma}")
-            verify = torch.tensor([[tokens[-1], *draft]])
-            # choice[i] is the target's greedy token after verify[:i+1].
-            choice = forward_logits(target, verify, cache).argmax(-1).tolist()
-            n = leading_matches(draft, choice)
-            fresh = tap.take()[:, : n + 1] if tap else None  # the bonus and the accepted drafts
-            tokens += draft[:n] + [choice[n]]
+            state = TargetState(_last_layer_kv(cache, len(context) - 1), hidden)
+            if grow is not None:
+                proposal = grow(torch.tensor([context]), state, tree, sampler)
+                path, bonus, hidden = _verify_tree(target, cache, tokens[-1], proposal, layers)
+                n = len(path)
+                tokens += path + [bonus]
+            else:
+                proposal = drafter.propose(torch.tensor([context]), state, gamma, sampler)
+                if len(proposal.tokens) != gamma:
+                    raise RuntimeError(
+                        f"drafter {drafter.name!r} proposed {len(proposal.tokens)} tokens, expected {gamma}")
+                verify = torch.tensor([[tokens[-1], *proposal.tokens]])
+                logits, hidden = _target_forward(target, verify, cache, layers)
+                n, bonus = _verify_chain(logits, proposal, sampler)
+                tokens += proposal.tokens[:n] + [bonus]
+                # The target has now processed the accepted sequence minus the new bonus.
+                crop_cache(cache, len(context) + n)
+                if hidden is not None:
+                    hidden = hidden[:, : n + 1]
             accepted.append(n)
-            # The target has now processed the accepted sequence minus the new bonus.
-            crop_cache(cache, len(context) + n)
             drafter.accept(len(context) + n + 1)
     seconds = time.perf_counter() - start
     return SpecResult(_clip(tokens, max_new_tokens, eos_id), len(accepted), accepted, gamma, seconds)
 
 
 def target_generate(
-    target: torch.nn.Module, prompt_ids: torch.LongTensor, max_new_tokens: int, eos_id: int | None = None
+    target: torch.nn.Module,
+    prompt_ids: torch.LongTensor,
+    max_new_tokens: int,
+    eos_id: int | None = None,
+    sampler: Sampler = GREEDY,
 ) -> tuple[list[int], float]:
-    """Plain greedy decoding, one token per forward with a KV cache: (tokens, wall seconds)."""
+    """Plain decoding, one token per forward with a KV cache: (tokens, wall seconds). Greedy unless ``sampler``."""
     _check_args(prompt_ids, max_new_tokens)
     target.eval()
     start = time.perf_counter()
     with torch.inference_mode():
         cache = DynamicCache()
-        tokens = [int(forward_logits(target, prompt_ids, cache)[-1].argmax())]
+        tokens = [sampler.draw(forward_logits(target, prompt_ids, cache)[-1])[0]]
         while not _finished(tokens, max_new_tokens, eos_id):
-            tokens.append(int(forward_logits(target, torch.tensor([[tokens[-1]]]), cache)[-1].argmax()))
+            tokens.append(sampler.draw(forward_logits(target, torch.tensor([[tokens[-1]]]), cache)[-1])[0])
     return tokens, time.perf_counter() - start
 
 

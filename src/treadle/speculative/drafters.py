@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from treadle.speculative.decode import crop_cache, forward_logits
+from treadle.speculative.decode import Proposal, TargetState, crop_cache, forward_logits, forward_tree
+from treadle.speculative.sampling import Sampler
+from treadle.speculative.tree import grow_tree
 
 
 class ModelDrafter:
-    """Any HF causal LM as an independent draft model, with its own KV cache. Ignores ``target_kv``."""
+    """Any HF causal LM as an independent draft model, with its own KV cache. Ignores the target's state."""
 
     def __init__(self, model: torch.nn.Module, name: str = "lm"):
         self.model = model.eval()
@@ -22,19 +24,36 @@ class ModelDrafter:
         self._cached = 0
 
     @torch.inference_mode()
-    def propose(
-        self, context_ids: torch.LongTensor, target_kv: tuple[torch.Tensor, torch.Tensor] | None, gamma: int
-    ) -> list[int]:
+    def propose(self, context_ids: torch.LongTensor, state: TargetState | None, gamma: int,
+                sampler: Sampler) -> Proposal:
         # Everything not seen yet goes in one forward: the prompt on the first
         # call, then the bonus token (plus the last draft when all were accepted).
-        token = int(forward_logits(self.model, context_ids[:, self._cached :], self._cache)[-1].argmax())
-        draft = [token]
-        for _ in range(gamma - 1):
-            token = int(forward_logits(self.model, torch.tensor([[token]]), self._cache)[-1].argmax())
+        logits = forward_logits(self.model, context_ids[:, self._cached :], self._cache)[-1]
+        draft, qs = [], []
+        for step in range(gamma):
+            if step:
+                logits = forward_logits(self.model, torch.tensor([[draft[-1]]]), self._cache)[-1]
+            token, q = sampler.draw(logits)
             draft.append(token)
+            qs.append(q)
         # The last draft was never fed back, so the cache ends one token short.
         self._cached = context_ids.shape[1] + gamma - 1
-        return draft
+        return Proposal(draft, None if sampler.greedy else torch.stack(qs))
+
+    @torch.inference_mode()
+    def propose_tree(self, context_ids: torch.LongTensor, state: TargetState | None, branching: tuple[int, ...],
+                     sampler: Sampler) -> Proposal:
+        length = context_ids.shape[1]
+        root = forward_logits(self.model, context_ids[:, self._cached :], self._cache)[-1]
+
+        def expand(new: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            return forward_tree(self.model, tokens, parents, length, self._cache, feed=new).logits[0]
+
+        tokens, parents = grow_tree(root, branching, expand)
+        # The tree's nodes follow the context in the cache in no sequence order: only the context stays.
+        crop_cache(self._cache, length)
+        self._cached = length
+        return Proposal(tokens, parents=parents)
 
     def accept(self, n_context: int) -> None:
         # The cached drafts that were accepted stay valid; the newest accepted
@@ -56,7 +75,7 @@ def _continuation(seq: list[int], n: int, gamma: int) -> list[int] | None:
 
 
 class PromptLookupDrafter:
-    """Proposes what followed the latest earlier occurrence of the context's last n-gram. Ignores ``target_kv``.
+    """Proposes what followed the latest earlier occurrence of the context's last n-gram. Ignores the target's state.
 
     A match is only usable with a full ``gamma``-token continuation inside the
     context; inside repetitive stretches the most recent match of all is
@@ -74,10 +93,9 @@ class PromptLookupDrafter:
     def reset(self, prompt_ids: torch.LongTensor) -> None:
         pass
 
-    def propose(
-        self, context_ids: torch.LongTensor, target_kv: tuple[torch.Tensor, torch.Tensor] | None, gamma: int
-    ) -> list[int]:
-        return self.lookup(context_ids[0].tolist(), gamma)
+    def propose(self, context_ids: torch.LongTensor, state: TargetState | None, gamma: int,
+                sampler: Sampler) -> Proposal:
+        return Proposal(self.lookup(context_ids[0].tolist(), gamma))  # deterministic: one-hot q
 
     def lookup(self, seq: list[int], gamma: int) -> list[int]:
         """``propose`` on a plain list of ids."""
@@ -106,10 +124,11 @@ class RandomDrafter:
         # Re-seeded per sequence, so each sequence's proposals are reproducible.
         self._generator.manual_seed(self.seed)
 
-    def propose(
-        self, context_ids: torch.LongTensor, target_kv: tuple[torch.Tensor, torch.Tensor] | None, gamma: int
-    ) -> list[int]:
-        return torch.randint(self.vocab_size, (gamma,), generator=self._generator).tolist()
+    def propose(self, context_ids: torch.LongTensor, state: TargetState | None, gamma: int,
+                sampler: Sampler) -> Proposal:
+        # Drawn from the uniform distribution, which is then the honest q.
+        tokens = torch.randint(self.vocab_size, (gamma,), generator=self._generator).tolist()
+        return Proposal(tokens, None if sampler.greedy else torch.full((gamma, self.vocab_size), 1 / self.vocab_size))
 
     def accept(self, n_context: int) -> None:
         pass

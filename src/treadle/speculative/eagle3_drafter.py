@@ -1,4 +1,4 @@
-"""An EAGLE-3 draft as a ``Drafter`` for the speculative decoding loop (greedy chain).
+"""An EAGLE-3 draft as a ``Drafter`` for the speculative decoding loop (chains, greedy or sampled).
 
 The draft keeps the K/V of its step-0 rows: row j holds the target's feature of token j
 and the embedding of token j + 1, for every j the target has processed. Those depend
@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from treadle.models.eagle3 import Eagle3Model
+from treadle.speculative.decode import Proposal, TargetState
+from treadle.speculative.sampling import Sampler
 
 
 class Eagle3Drafter:
@@ -39,8 +41,20 @@ class Eagle3Drafter:
         rope = model.rotary(embeds, (first + q)[None])
         return model.draft_model(embeds, feature, rope, mask, past_kv=past)
 
+    def _draw(self, x: torch.Tensor, sampler: Sampler) -> tuple[int, torch.Tensor | None]:
+        """A target token id from the draft's head on ``x`` [1, 1, d], and the distribution it came from over the
+        target's vocabulary (a reduced head's rows scattered to their target ids; None when greedy)."""
+        draft = self.model.draft_model
+        token, q = sampler.draw(draft.logits(x)[0, -1].float())
+        target_id = int(draft.to_target_ids(torch.tensor([token], device=x.device)))
+        if q is None:
+            return target_id, None
+        ids = draft.to_target_ids(torch.arange(q.shape[0], device=q.device))
+        full = q.new_zeros(self.model.target.get_input_embeddings().num_embeddings)
+        return target_id, full.index_copy_(0, ids, q)
+
     @torch.inference_mode()
-    def propose(self, context_ids: torch.Tensor, state, gamma: int) -> list[int]:
+    def propose(self, context_ids: torch.Tensor, state: TargetState, gamma: int, sampler: Sampler) -> Proposal:
         features = getattr(state, "hidden", None)
         if features is None:
             raise ValueError("an EAGLE-3 draft needs the target's hidden states (state.hidden)")
@@ -57,12 +71,15 @@ class Eagle3Drafter:
         self.rows = last + 1
         x = x[:, -1:]
         past = self.kv
-        proposals = [int(draft.to_target_ids(draft.logits(x).argmax(-1)))]
+        token, q = self._draw(x, sampler)
+        tokens, qs = [token], [q]
         for link in range(1, gamma):
-            x, (k, v) = self._step(context_ids.new_tensor([[proposals[-1]]]), x, last + link, past)
+            x, (k, v) = self._step(context_ids.new_tensor([[tokens[-1]]]), x, last + link, past)
             past = (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
-            proposals.append(int(draft.to_target_ids(draft.logits(x).argmax(-1))))
-        return proposals
+            token, q = self._draw(x, sampler)
+            tokens.append(token)
+            qs.append(q)
+        return Proposal(tokens, None if sampler.greedy else torch.stack(qs))
 
     def accept(self, n_context: int) -> None:
         pass  # step-0 rows cover accepted tokens only; the next state brings the newly processed tokens' features

@@ -1,9 +1,13 @@
-"""``treadle spec-eval``: measure a drafter against a target with greedy speculative decoding.
+"""``treadle spec-eval``: measure a drafter against a target with speculative decoding.
 
-For each prompt the target first decodes greedily on its own (the baseline for
-tokens/s and the reference output), then speculatively with the drafter. The
-speculative output must equal the reference token for token ("lossless");
-otherwise the command names the prompt and position and exits 1.
+For each prompt the target first decodes on its own (the baseline for tokens/s
+and, greedy, the reference output), then speculatively with the drafter, as a
+chain of ``--gamma`` drafts or a ``--tree``. Greedy, the speculative output must
+equal the reference token for token ("lossless"); otherwise the command names the
+prompt and position and exits 1. Sampled (``--temperature`` > 0), outputs differ
+run to run by design: speculative sampling keeps the target's distribution
+(tests/test_spec_sampling.py checks it statistically) and only tau and speed are
+reported.
 """
 
 from __future__ import annotations
@@ -37,7 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", required=True, metavar="prompt-lookup|DIR",
                         help="'prompt-lookup'; a treadle draft export (a draft run's draft/) or draft run directory; "
                              "or a Hugging Face causal-LM directory sharing the target's tokenizer")
-    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per verification call (default: 4)")
+    parser.add_argument("--gamma", type=int, default=None,
+                        help="draft tokens per verification call (default: 4; with --tree, its depth)")
+    parser.add_argument("--tree", metavar="B1,B2,...", default=None,
+                        help="draft a static tree, branching B1 at depth 1, B2 at depth 2, ... (e.g. 4,2,2,1), verified "
+                             "in one target forward; greedy only; drafters that cannot branch propose a chain")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (default); > 0 = speculative sampling at this temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass with --temperature (default: 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling with --temperature (default: 0)")
     parser.add_argument("--prompts", type=Path, metavar="FILE.jsonl",
                         help="JSONL rows with a 'prompt' (or 'text') field (default: the built-in corpus' held-out split)")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts to use, the first ones of --prompts (default: 8)")
@@ -108,15 +120,6 @@ def first_mismatch(reference: list[int], other: list[int]) -> int | None:
     return None if len(reference) == len(other) else min(len(reference), len(other))
 
 
-def _warm_up(target: torch.nn.Module, drafter: Drafter, prompt: torch.Tensor, gamma: int, eos_id: int | None) -> None:
-    # The first forwards of a process pay one-off costs (allocator, kernel
-    # selection) that would otherwise land on whichever side is timed first.
-    from treadle.speculative.decode import speculative_generate, target_generate
-
-    target_generate(target, prompt, _WARMUP_TOKENS, eos_id)
-    speculative_generate(target, drafter, prompt, gamma, _WARMUP_TOKENS, eos_id)
-
-
 def evaluate_drafter(
     target: torch.nn.Module,
     drafter: Drafter,
@@ -124,24 +127,41 @@ def evaluate_drafter(
     gamma: int,
     max_new_tokens: int,
     eos_id: int | None,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    tree: tuple[int, ...] | None = None,
 ) -> dict:
-    """Target-alone and speculative greedy decoding of every prompt: acceptance, speed, losslessness."""
+    """Target-alone and speculative decoding of every prompt: acceptance, speed and (greedy) losslessness.
+
+    ``tree`` (greedy only): branching per depth, ``gamma`` its depth. ``lossless`` is None when sampled.
+    """
     import torch
 
     from treadle.speculative.decode import speculative_generate, summarize, target_generate
+    from treadle.speculative.sampling import Sampler
 
     if not prompts:
         raise ValueError("evaluate_drafter: no prompts")
-    _warm_up(target, drafter, torch.tensor([prompts[0]]), gamma, eos_id)
+    sampler = Sampler(temperature, top_p, torch.Generator().manual_seed(seed))
+
+    def decode(prompt_ids, new_tokens):
+        return speculative_generate(target, drafter, prompt_ids, gamma, new_tokens, eos_id, sampler, tree)
+
+    # The first forwards of a process pay one-off costs (allocator, kernel
+    # selection) that would otherwise land on whichever side is timed first.
+    target_generate(target, torch.tensor([prompts[0]]), _WARMUP_TOKENS, eos_id, sampler)
+    decode(torch.tensor([prompts[0]]), _WARMUP_TOKENS)
     results, target_tokens, target_seconds, mismatches = [], 0, 0.0, []
     for index, prompt in enumerate(prompts):
         prompt_ids = torch.tensor([prompt])
-        reference, seconds = target_generate(target, prompt_ids, max_new_tokens, eos_id)
+        reference, seconds = target_generate(target, prompt_ids, max_new_tokens, eos_id, sampler)
         target_tokens += len(reference)
         target_seconds += seconds
-        result = speculative_generate(target, drafter, prompt_ids, gamma, max_new_tokens, eos_id)
+        result = decode(prompt_ids, max_new_tokens)
         results.append(result)
-        position = first_mismatch(reference, result.tokens)
+        position = first_mismatch(reference, result.tokens) if sampler.greedy else None
         if position is not None:
             mismatches.append({"prompt": index, "position": position})
     spec_tokens = sum(len(r.tokens) for r in results)
@@ -153,14 +173,41 @@ def evaluate_drafter(
         max_new_tokens=max_new_tokens,
         tokens_per_s_spec=spec_tokens / spec_seconds,
         tokens_per_s_target=target_tokens / target_seconds,
-        lossless=not mismatches,
+        lossless=not mismatches if sampler.greedy else None,
         mismatches=mismatches,
+        temperature=temperature,
+        top_p=top_p,
+        tree=list(tree) if tree is not None else None,
     )
     summary["speedup"] = summary["tokens_per_s_spec"] / summary["tokens_per_s_target"]
     return summary
 
 
 # --------------------------------------------------------------------------- command
+
+
+def parse_tree(text: str) -> tuple[int, ...]:
+    """``--tree 4,2,2,1`` -> (4, 2, 2, 1); anything else is one line naming what is accepted."""
+    try:
+        branching = tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        branching = ()
+    if not branching or min(branching) < 1:
+        raise UserError(f"--tree {text}: accepted: branching factors >= 1 per depth, comma-separated, e.g. 4,2,2,1")
+    return branching
+
+
+def _check_sampling(temperature: float, top_p: float, tree: tuple[int, ...] | None, gamma: int | None) -> None:
+    if not temperature >= 0:
+        raise UserError(f"--temperature {temperature}: must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--top-p {top_p}: must be in (0, 1]")
+    if tree is not None and temperature > 0:
+        raise UserError(f"--tree with --temperature {temperature}: tree verification is greedy only; "
+                        "accepted: --temperature 0, or a chain (--gamma) for sampling")
+    if tree is not None and gamma is not None and gamma != len(tree):
+        raise UserError(f"--gamma {gamma} with --tree {','.join(map(str, tree))}: the tree's depth is "
+                        f"{len(tree)}; leave --gamma out or give {len(tree)}")
 
 
 def _check_args(gamma: int, num_prompts: int, prompt_len: int, max_new_tokens: int, threads: int,
@@ -199,13 +246,24 @@ def _print_report(result: dict, target_dir: Path) -> None:
     table.add_column(style="bold")
     table.add_column()
     table.add_row("prompts", f"{result['num_prompts']} ({result['generated_tokens']:,} tokens generated, "
-                             f"{result['verify_calls']:,} verification calls, gamma {gamma})")
+                             f"{result['verify_calls']:,} verification calls)")
+    if result["tree"]:
+        from treadle.speculative.tree import tree_size
+
+        table.add_row("draft", f"tree {','.join(map(str, result['tree']))}: "
+                               f"{tree_size(tuple(result['tree']))} nodes, depth {gamma}")
+    else:
+        table.add_row("draft", f"chain of gamma {gamma}")
     table.add_row("tau", f"{_rate(result['tau'])} tokens per target verification call, bonus token included "
                          f"(at most {gamma + 1})")
     table.add_row("speculative", f"{result['tokens_per_s_spec']:,.1f} tokens/s")
     table.add_row("target alone", f"{result['tokens_per_s_target']:,.1f} tokens/s")
     table.add_row("speedup", f"{result['speedup']:.2f}x")
-    table.add_row("lossless", "yes" if result["lossless"] else "NO: output differs from the target's greedy output")
+    if result["lossless"] is None:
+        table.add_row("lossless", f"not compared (sampled at temperature {result['temperature']}, top-p "
+                                  f"{result['top_p']}: the output keeps the target's distribution, not its tokens)")
+    else:
+        table.add_row("lossless", "yes" if result["lossless"] else "NO: output differs from the target's greedy output")
 
     acceptance = Table(title="acceptance per draft position k (n = drafts accepted in a call)")
     acceptance.add_column("k", justify="right")
@@ -219,11 +277,16 @@ def _print_report(result: dict, target_dir: Path) -> None:
     console.print(acceptance)
 
 
-def spec_eval(target: Path, draft: str, *, gamma: int = 4, prompts: Path | None = None, num_prompts: int = 8,
-              prompt_len: int = 64, max_new_tokens: int = 64, json_path: Path | None = None, threads: int = 0) -> dict:
+def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Path | None = None, num_prompts: int = 8,
+              prompt_len: int = 64, max_new_tokens: int = 64, json_path: Path | None = None, threads: int = 0,
+              tree: str | tuple[int, ...] | None = None, temperature: float = 0.0, top_p: float = 1.0,
+              seed: int = 0) -> dict:
     """Speculative decoding of ``target`` with ``draft``: the result record (``--json`` writes it, with
     ``written_by``). The keywords are the command's flags; its defaults are theirs (a test compares them)."""
     json_path = Path(json_path) if json_path is not None else None
+    branching = None if tree is None else parse_tree(",".join(map(str, tree)) if isinstance(tree, tuple) else tree)
+    _check_sampling(temperature, top_p, branching, gamma)
+    gamma = len(branching) if branching is not None else 4 if gamma is None else gamma
     _check_args(gamma, num_prompts, prompt_len, max_new_tokens, threads, json_path)
     import torch
 
@@ -241,7 +304,8 @@ def spec_eval(target: Path, draft: str, *, gamma: int = 4, prompts: Path | None 
     target_model = load_causal_lm(target_dir, "--target")
     drafter = load_drafter(str(draft), target_model, tokenizer)
 
-    result = evaluate_drafter(target_model, drafter, prompt_ids, gamma, max_new_tokens, tokenizer.eos_token_id)
+    result = evaluate_drafter(target_model, drafter, prompt_ids, gamma, max_new_tokens, tokenizer.eos_token_id,
+                              temperature=temperature, top_p=top_p, seed=seed, tree=branching)
     record = {"written_by": WRITTEN_BY, **result, "target": str(target_dir)}
     if json_path is not None:
         write_atomic(json_path, json.dumps(record, indent=2) + "\n")
@@ -249,12 +313,13 @@ def spec_eval(target: Path, draft: str, *, gamma: int = 4, prompts: Path | None 
 
 
 def run(args: argparse.Namespace) -> int:
-    """The spec-eval command: 0 when lossless, 1 when the speculative output differs from the target's."""
+    """The spec-eval command: 0 when lossless (or sampled), 1 when the greedy output differs from the target's."""
     result = spec_eval(args.target, args.draft, gamma=args.gamma, prompts=args.prompts, num_prompts=args.num_prompts,
                        prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, json_path=args.json,
-                       threads=args.threads)
+                       threads=args.threads, tree=args.tree, temperature=args.temperature, top_p=args.top_p,
+                       seed=args.seed)
     _print_report(result, Path(result["target"]))
     for m in result["mismatches"]:
         print(f"treadle: not lossless: prompt {m['prompt']} differs from the target's greedy output "
               f"at generated token {m['position']}", file=sys.stderr)
-    return 0 if result["lossless"] else 1
+    return 1 if result["lossless"] is False else 0

@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 
 from treadle.models.glide import GlideModel, attention_mask
+from treadle.speculative.decode import Proposal, TargetState
+from treadle.speculative.sampling import Sampler
+from treadle.speculative.tree import ancestor_mask, grow_tree, node_depths
 
 
 class GlideDrafter:
@@ -26,28 +29,65 @@ class GlideDrafter:
         self.kv, self.seen = None, 0
 
     @torch.inference_mode()
-    def _feed(self, tokens: torch.Tensor, target_kv: tuple[torch.Tensor, torch.Tensor]) -> int:
-        """Run the draft over ``tokens`` (indices seen..seen+n), extend the cache, return the last argmax."""
-        model, device = self.model, tokens.device
-        q_idx = torch.arange(self.seen, self.seen + tokens.shape[1], device=device)[None]
-        k_idx = torch.arange(0, self.seen + tokens.shape[1], device=device)[None]
-        t_idx = torch.arange(target_kv[0].shape[2], device=device)[None]
-        self_mask = attention_mask(q_idx, k_idx, window=model.draft_model.window)
+    def _run(self, tokens: torch.Tensor, q_idx: torch.Tensor, self_mask: torch.Tensor,
+             target_kv: tuple[torch.Tensor, torch.Tensor], past_kv) -> tuple[torch.Tensor, tuple]:
+        """The draft over ``tokens`` [1, n] at sequence indices ``q_idx`` [1, n]: (logits [n, V], their K/V)."""
+        model = self.model
+        t_idx = torch.arange(target_kv[0].shape[2], device=tokens.device)[None]
         cross_mask = attention_mask(q_idx, t_idx, min_gap=1)
         embeds = model.target.get_input_embeddings()(tokens)
         rope = model.rotary(embeds, q_idx)
-        hidden, (k, v) = model.draft_model(embeds, rope, target_kv, self_mask, cross_mask, past_kv=self.kv)
+        hidden, kv = model.draft_model(embeds, rope, target_kv, self_mask, cross_mask, past_kv=past_kv)
+        return model.target.get_output_embeddings()(hidden[0]), kv
+
+    def _feed(self, tokens: torch.Tensor, target_kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Run the draft over ``tokens`` (indices seen..seen+n), extend the cache, return the last logits [V]."""
+        device = tokens.device
+        q_idx = torch.arange(self.seen, self.seen + tokens.shape[1], device=device)[None]
+        k_idx = torch.arange(0, self.seen + tokens.shape[1], device=device)[None]
+        self_mask = attention_mask(q_idx, k_idx, window=self.model.draft_model.window)
+        logits, (k, v) = self._run(tokens, q_idx, self_mask, target_kv, self.kv)
         self.kv = (k, v) if self.kv is None else (torch.cat((self.kv[0], k), 2), torch.cat((self.kv[1], v), 2))
         self.seen += tokens.shape[1]
-        return int(model.target.get_output_embeddings()(hidden[:, -1]).argmax(-1))
+        return logits[-1]
 
-    def propose(self, context_ids: torch.Tensor, target_kv, gamma: int) -> list[int]:
-        if target_kv is None:
+    def propose(self, context_ids: torch.Tensor, state: TargetState, gamma: int, sampler: Sampler) -> Proposal:
+        if state is None:
             raise ValueError("a GLIDE draft needs the target's last-layer K/V")
-        proposals = [self._feed(context_ids[:, self.seen:], target_kv)]
-        for _ in range(gamma - 1):
-            proposals.append(self._feed(context_ids.new_tensor([[proposals[-1]]]), target_kv))
-        return proposals
+        tokens, qs = [], []
+        for step in range(gamma):
+            fresh = context_ids[:, self.seen:] if not step else context_ids.new_tensor([[tokens[-1]]])
+            token, q = sampler.draw(self._feed(fresh, state.kv))
+            tokens.append(token)
+            qs.append(q)
+        return Proposal(tokens, None if sampler.greedy else torch.stack(qs))
+
+    def propose_tree(self, context_ids: torch.Tensor, state: TargetState, branching: tuple[int, ...],
+                     sampler: Sampler) -> Proposal:
+        """A static tree: nodes attend to the cached context and their ancestors (kept apart from the cache), at
+        index context + depth - 1, so each path sees exactly what a chain along it would."""
+        root = self._feed(context_ids[:, self.seen:], state.kv)
+        length, window = self.seen, self.model.draft_model.window
+        node_kv: list[tuple] = []  # K/V of the fed nodes, in index order
+
+        def expand(new: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            depths = node_depths(parents)
+            index = torch.tensor([length - 1 + d for d in depths])
+            q_idx = index[new][None]
+            past_mask = attention_mask(q_idx, torch.arange(length)[None], window=window)
+            fed = list(range(new[0])) + new
+            mask = ancestor_mask(parents)[new][:, fed][None, None]
+            if window:
+                mask &= (q_idx[0, :, None] - index[fed][None]) < window
+            past = (torch.cat([self.kv[0], *(k for k, _ in node_kv)], 2),
+                    torch.cat([self.kv[1], *(v for _, v in node_kv)], 2))
+            logits, kv = self._run(context_ids.new_tensor([[tokens[i] for i in new]]), q_idx,
+                                   torch.cat([past_mask, mask], -1), state.kv, past)
+            node_kv.append(kv)
+            return logits
+
+        tokens, parents = grow_tree(root, branching, expand)
+        return Proposal(tokens, parents=parents)
 
     def accept(self, n_context: int) -> None:
         # The newest accepted token (the bonus) differs from the draft at that index, so
