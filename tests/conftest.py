@@ -7,6 +7,16 @@ from treadle import corpus
 from treadle.data.prepare import prepare
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on 2 shared cores a second thread only waits (3x slower).
+    A module uses it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory):
     """A 512-token BPE and train/val shards made from a few stdlib files."""

@@ -221,6 +221,7 @@ def test_eagle3_run_resumes_bit_for_bit(shards, target_dir, tmp_path):
     (("--draft.kind=eagle3", "--draft.vocab_size=9999"), "draft.vocab_size"),
     (("--draft.kind=eagle3", "--draft.window=8"), "draft.window"),
     (("--draft.kind=eagle3", "--model.loss_chunk_tokens=16"), "model.loss_chunk_tokens"),
+    (("--draft.kind=eagle3", "--distributed.context_parallel=2"), "distributed.context_parallel"),
 ])
 def test_bad_eagle3_settings_are_one_line(shards, target_dir, tmp_path, capsys, bad, key):
     assert main(draft_args(shards, target_dir, tmp_path / "run", "--train.max_steps=2", *bad)) == 2

@@ -19,6 +19,8 @@ from treadle.model_dirs import model_fingerprint
 from treadle.models.hf import load_causal_lm
 from treadle.speculative.decode import target_generate
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = Path(__file__).resolve().parents[1]
 NEW = 48
 SUMMARY = re.compile(r"^generate: (\d+) input rows: (\d+) succeeded, (\d+) failed, (\d+) skipped \(already in .*?\)"
@@ -89,14 +91,6 @@ def out_rows(path: Path) -> dict[int, dict]:
     by_index = {r["index"]: r for r in rows}
     assert len(by_index) == len(rows), "an index appears twice"
     return by_index
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models gain nothing from threads
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

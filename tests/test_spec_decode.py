@@ -18,18 +18,11 @@ from treadle.speculative.prompts import heldout_prompts, load_prompts_jsonl
 from treadle.speculative.sampling import Sampler
 from treadle.tokenizer import load_backend_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 GAMMA = 4
 NEW = 24
 VOCAB = 128
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on 2 shared cores a second thread only waits (3x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_llama(vocab_size=VOCAB, seed=0):
@@ -160,21 +153,26 @@ class FeatureSpy(Spy):
         return self.inner.propose(context_ids, state, gamma, sampler)
 
 
+def assert_hidden_rows_tile_the_sequence(calls, target, full: list[int]) -> None:
+    """Each call's hidden rows start where the last call's ended and equal a fresh target forward over ``full``
+    (the accepted sequence), the feature layers concatenated in the drafter's order."""
+    with torch.inference_mode():
+        fresh = target(input_ids=torch.tensor([full]), output_hidden_states=True).hidden_states
+    want = torch.cat([fresh[i] for i in FeatureSpy.feature_layers], dim=-1)
+    covered = 0
+    for length, start, hidden in calls:
+        assert start == covered and start + hidden.shape[1] == length - 1
+        torch.testing.assert_close(hidden, want[:, start:length - 1], atol=1e-4, rtol=1e-4)
+        covered = length - 1
+
+
 def test_feature_layers_get_the_accepted_positions_hidden_states_once(target, prompts, noisy_copy):
     """The contract EAGLE-3 builds on: over a sequence the hidden rows tile positions 0.. exactly once, each equal to
     a fresh target forward over the accepted sequence, layers concatenated in the drafter's order."""
     spy = FeatureSpy(ModelDrafter(noisy_copy))
     result = run_all(target, spy, prompts[:1], max_new_tokens=32)[0]
     assert len(set(result.accepted_per_call)) >= 2  # partial acceptances cut the hidden rows
-    full = prompts[0][0].tolist() + result.tokens
-    with torch.inference_mode():
-        fresh = target(input_ids=torch.tensor([full]), output_hidden_states=True).hidden_states
-    want = torch.cat([fresh[i] for i in FeatureSpy.feature_layers], dim=-1)
-    covered = 0
-    for length, start, hidden in spy.calls:
-        assert start == covered and start + hidden.shape[1] == length - 1
-        torch.testing.assert_close(hidden, want[:, start:length - 1], atol=1e-4, rtol=1e-4)
-        covered = length - 1
+    assert_hidden_rows_tile_the_sequence(spy.calls, target, prompts[0][0].tolist() + result.tokens)
     assert spy.calls[0][2].shape[1] == prompts[0].shape[1]  # the first call: the whole prompt
 
 
@@ -490,12 +488,4 @@ def test_tree_hands_feature_layers_the_accepted_path(target, prompts, noisy_copy
 
     spy = TreeFeatureSpy(ModelDrafter(noisy_copy))
     result = tree_run(target, spy, prompts[:1], TREE, max_new_tokens=32)[0]
-    full = prompts[0][0].tolist() + result.tokens
-    with torch.inference_mode():
-        fresh = target(input_ids=torch.tensor([full]), output_hidden_states=True).hidden_states
-    want = torch.cat([fresh[i] for i in FeatureSpy.feature_layers], dim=-1)
-    covered = 0
-    for length, start, hidden in spy.calls:
-        assert start == covered
-        torch.testing.assert_close(hidden, want[:, start:length - 1], atol=1e-4, rtol=1e-4)
-        covered = length - 1
+    assert_hidden_rows_tile_the_sequence(spy.calls, target, prompts[0][0].tolist() + result.tokens)

@@ -11,17 +11,11 @@ from treadle.speculative.decode import speculative_generate, target_generate
 from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
 from treadle.speculative.sampling import Sampler
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 4
 K = 3  # first-K generated tokens: the prefill's token, then a round's drafts (accepted, or resampled from the residual)
 PROMPT = torch.tensor([[0, 1, 2, 3, 1]])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny(seed):

@@ -418,6 +418,9 @@ class Config(Section):
         if cp > 1 and self.data.seq_len % cp:
             raise ValueError(f"data.seq_len = {self.data.seq_len} cannot be split into distributed.context_parallel = "
                              f"{cp} equal parts; accepted: a multiple of {cp}")
+        if cp > 1 and self.draft.kind == "eagle3":
+            raise ValueError(f"distributed.context_parallel = {cp} is not built for eagle3 draft runs yet (GLIDE's "
+                             "are); accepted: context_parallel = 1, or draft.kind = 'glide'")
         if cp > 1 and self.distributed.pipeline_parallel > 1:
             raise ValueError(f"distributed.context_parallel = {cp} with distributed.pipeline_parallel = "
                              f"{self.distributed.pipeline_parallel} is not supported yet; accepted: one of them > 1")

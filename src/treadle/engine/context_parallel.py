@@ -47,7 +47,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import find_packed_sequence_indices
 
 from treadle.errors import UserError
-from treadle.models.glide import GlideModel
+from treadle.models.glide import DraftRunModel, GlideModel
 
 ATTENTION_NAME = "treadle_context_parallel"
 
@@ -72,7 +72,7 @@ def check_model(config, cp: int) -> None:
 
 def split_model_config(model: nn.Module):
     """The config whose attention context parallelism splits: a draft run's target, else the model's own."""
-    return model.target.config if isinstance(model, GlideModel) else model.config
+    return model.target.config if isinstance(model, DraftRunModel) else model.config
 
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:

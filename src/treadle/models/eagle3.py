@@ -41,8 +41,8 @@ from transformers.activations import ACT2FN
 from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
 from treadle.models.glide import (
-    GlideShape, attention_mask, causal_document_mask, checked_target, document_ids, read_draft_config, rotate, sdpa,
-    target_config_fingerprint,
+    DraftRunModel, GlideShape, attention_mask, causal_document_mask, checked_export, checked_target, document_ids,
+    init_linears, rotate, sdpa,
 )
 from treadle.models.hf import decoder_layers, greedy_continuations
 
@@ -138,12 +138,7 @@ class Eagle3Draft(nn.Module):
         self.act = ACT2FN[s.hidden_act]
         self.final_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
         self.lm_head = nn.Linear(d, self.vocab_size, bias=False)
-        std = getattr(target_config, "initializer_range", 0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears(self, target_config)
         if self.reduced:  # filled by set_vocabulary (a run) or load_state_dict (a checkpoint, an export)
             self.register_buffer("d2t", torch.zeros(self.vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(self.target_vocab_size, dtype=torch.bool))
@@ -225,22 +220,12 @@ class Eagle3Output:
     target_logits: torch.Tensor  # the frozen target's [B, T, V] on the same input
 
 
-class Eagle3Model(nn.Module):
-    """What an eagle3 draft run trains: a frozen target and a trainable ``draft_model`` (as ``GlideModel``)."""
+class Eagle3Model(DraftRunModel):
+    """What an eagle3 draft run trains: a frozen target and a trainable ``draft_model`` on its fused features.
+    ``loss_chunk_tokens`` stays 0: the chunked loss is not built for eagle3 (run.py refuses it)."""
 
     def __init__(self, target, draft_model: Eagle3Draft):
-        super().__init__()
-        self.target = target
-        self.draft_model = draft_model
-        target.requires_grad_(False)
-        target.eval()
-        self.rotary = type(target.model.rotary_emb)(config=target.config)  # buffers only, not saved
-        self.loss_chunk_tokens = 0  # the chunked loss is not built for eagle3 (run.py refuses it)
-
-    def train(self, mode: bool = True) -> Eagle3Model:
-        super().train(mode)
-        self.target.eval()
-        return self
+        super().__init__(target, draft_model)
 
     # Methods evaluations call directly: a sharding engine gathers parameters around them (see GlideModel).
     fsdp_forward_methods = ("chain_guesses", "continue_greedily")
@@ -330,13 +315,7 @@ def load_eagle3(draft_dir, target) -> Eagle3Model:
     """An exported eagle3 draft attached to ``target``, which must be the architecture it was trained for."""
     from safetensors.torch import load_file
 
-    config = read_draft_config(draft_dir)
-    if config is None or config["treadle_draft_kind"] != KIND:
-        raise UserError(f"{draft_dir} is not an eagle3 draft export (config.json with treadle_draft_kind = 'eagle3')")
-    want, have = config["target"]["config_fingerprint"], target_config_fingerprint(target.config)
-    if want != have:
-        raise UserError(f"draft {draft_dir} was trained for a target with config fingerprint {want} "
-                        f"({config['target']['path']}); this target has {have}")
+    config = checked_export(draft_dir, target, KIND, "an eagle3")
     draft = Eagle3Draft(target.config, tuple(config["feature_layers"]), config["vocab_size"])
     weights = load_file(str(Path(draft_dir) / "model.safetensors"))
     if draft.reduced and not {"d2t", "t2d"} <= weights.keys():

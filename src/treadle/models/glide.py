@@ -175,12 +175,7 @@ class GlideDraft(nn.Module):
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
         self.act = ACT2FN[s.hidden_act]
         self.final_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
-        std = getattr(target_config, "initializer_range", 0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears(self, target_config)
 
     def export_config(self) -> dict:
         """What ``load_glide`` needs besides the weights (export.py writes it to config.json)."""
@@ -306,14 +301,24 @@ class GlideOutput:
     target_token_ce: torch.Tensor | None = None  # the target's CE on the labels
 
 
-class GlideModel(nn.Module):
-    """What a draft run trains: a frozen target and a trainable ``draft_model``.
+def init_linears(module: nn.Module, target_config) -> None:
+    """A new draft's linear layers drawn as its target's were initialized (normal, the target's std; zero bias)."""
+    std = getattr(target_config, "initializer_range", 0.02)
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+class DraftRunModel(nn.Module):
+    """What a draft run trains: a frozen target and a trainable ``draft_model`` (GLIDE's, EAGLE-3's).
 
     Only ``draft_model.*`` parameters require grad, so checkpoints (which skip frozen
     parameters) and the optimizer never hold a target tensor.
     """
 
-    def __init__(self, target, draft_model: GlideDraft):
+    def __init__(self, target, draft_model: nn.Module):
         super().__init__()
         self.target = target
         self.draft_model = draft_model
@@ -321,14 +326,21 @@ class GlideModel(nn.Module):
         target.eval()
         self.rotary = type(target.model.rotary_emb)(config=target.config)  # buffers only, not saved
         self.loss_chunk_tokens = 0  # > 0: forward(labels=...) scores chunk by chunk (model.loss_chunk_tokens)
-        # What ``forward`` is handed: whole sequences, or (context parallelism) a slice of each. The evaluation
-        # methods below always take whole sequences (acceptance runs the same prompts on every rank).
-        self.sequences = WHOLE
 
-    def train(self, mode: bool = True) -> GlideModel:
+    def train(self, mode: bool = True):
         super().train(mode)
         self.target.eval()  # frozen means frozen: no dropout, whatever the loop asks of the wrapper
         return self
+
+
+class GlideModel(DraftRunModel):
+    """A GLIDE draft run's model: the draft cross-attends to the frozen target's last-layer K/V."""
+
+    def __init__(self, target, draft_model: GlideDraft):
+        super().__init__(target, draft_model)
+        # What ``forward`` is handed: whole sequences, or (context parallelism) a slice of each. The evaluation
+        # methods below always take whole sequences (acceptance runs the same prompts on every rank).
+        self.sequences = WHOLE
 
     # Evaluations call these methods directly (not through forward); a sharding engine (FSDP2)
     # must gather the parameters around them as around forward, so they are declared here.
@@ -429,17 +441,24 @@ def read_draft_config(draft_dir) -> dict | None:
     return config if isinstance(config, dict) and "treadle_draft_kind" in config else None
 
 
-def load_glide(draft_dir, target) -> GlideModel:
-    """An exported GLIDE draft attached to ``target``, which must be the architecture it was trained for."""
-    from safetensors.torch import load_file
-
+def checked_export(draft_dir, target, kind: str, title: str) -> dict:
+    """The config.json of a ``kind`` draft export in ``draft_dir``, refused in one line unless it is one and was
+    trained for ``target``'s architecture."""
     config = read_draft_config(draft_dir)
-    if config is None or config["treadle_draft_kind"] != KIND:
-        raise UserError(f"{draft_dir} is not a GLIDE draft export (config.json with treadle_draft_kind = 'glide')")
+    if config is None or config["treadle_draft_kind"] != kind:
+        raise UserError(f"{draft_dir} is not {title} draft export (config.json with treadle_draft_kind = '{kind}')")
     want, have = config["target"]["config_fingerprint"], target_config_fingerprint(target.config)
     if want != have:
         raise UserError(f"draft {draft_dir} was trained for a target with config fingerprint {want} "
                         f"({config['target']['path']}); this target has {have}")
+    return config
+
+
+def load_glide(draft_dir, target) -> GlideModel:
+    """An exported GLIDE draft attached to ``target``, which must be the architecture it was trained for."""
+    from safetensors.torch import load_file
+
+    config = checked_export(draft_dir, target, KIND, "a GLIDE")
     draft = GlideDraft(target.config, window=config["window"])
     draft.load_state_dict(load_file(str(Path(draft_dir) / "model.safetensors")))
     return GlideModel(target, draft).eval()
