@@ -140,6 +140,11 @@ def check_sinks_installed(sinks: list[str]) -> None:
                             f"pip install '{extra}', or leave {name!r} out of metrics.sinks")
 
 
+def _dropped(name: str, what: str, exc: Exception, then: str) -> str:
+    message = str(exc).splitlines()[0] if str(exc) else ""
+    return f"treadle: warning: the {name} sink {what} ({type(exc).__name__}: {message}); {then}"
+
+
 class Sinks:
     """metrics.jsonl and the optional sinks (TensorBoard, W&B); rank 0's.
 
@@ -169,8 +174,7 @@ class Sinks:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - a sink is a side channel: whatever it raises, training goes on
             self.optional.remove(sink)
-            self.warn(f"treadle: warning: the {sink.name} sink failed ({type(exc).__name__}: "
-                       f"{str(exc).splitlines()[0] if str(exc) else ''}); it is dropped, training goes on")
+            self.warn(_dropped(sink.name, "failed", exc, "it is dropped, training goes on"))
             if fn != sink.close:
                 with contextlib.suppress(Exception):
                     sink.close()
@@ -211,5 +215,4 @@ def open_optional_sinks(sinks: Sinks, cfg, out: Path, resumed_step: int | None) 
             try:
                 sinks.add(opener())
             except Exception as exc:  # noqa: BLE001 - see Sinks: a sink never stops training
-                sinks.warn(f"treadle: warning: the {name} sink could not start ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''}); training goes on without it")
+                sinks.warn(_dropped(name, "could not start", exc, "training goes on without it"))
