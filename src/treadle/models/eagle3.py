@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
@@ -42,7 +41,7 @@ from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
 from treadle.models.glide import (
     DraftRunModel, GlideShape, attention_mask, causal_document_mask, checked_export, checked_target, document_ids,
-    init_linears, rotate, sdpa,
+    init_linears, sdpa, self_attention_inputs,
 )
 from treadle.models.hf import decoder_layers, greedy_continuations
 
@@ -191,12 +190,7 @@ class Eagle3Draft(nn.Module):
     def _block(self, embeds, feature, rope, mask, past_kv):
         cos, sin = rope
         h = torch.cat((self.embed_norm(embeds), self.feature_norm(feature)), dim=-1)
-        q = rotate(self._heads(self.q_proj(h)), cos, sin)
-        k = rotate(self._heads(self.k_proj(h)), cos, sin)
-        v = self._heads(self.v_proj(h))
-        new_kv = (k, v)
-        if past_kv is not None:
-            k, v = torch.cat((past_kv[0], k), dim=2), torch.cat((past_kv[1], v), dim=2)
+        q, k, v, new_kv = self_attention_inputs(self, h, cos, sin, past_kv)
         x = feature + self.o_proj(sdpa(q, k, v, mask).transpose(1, 2).flatten(2))
         h = self.mlp_norm(x)
         return x + self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h)), new_kv

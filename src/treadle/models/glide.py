@@ -212,12 +212,7 @@ class GlideDraft(nn.Module):
     def _block(self, embeds, rope, target_kv, self_mask, cross_mask, past_kv, gather=None):
         cos, sin = rope
         h = self.self_norm(embeds)
-        q = rotate(self._heads(self.q_proj(h)), cos, sin)
-        k = rotate(self._heads(self.k_proj(h)), cos, sin)
-        v = self._heads(self.v_proj(h))
-        new_kv = (k, v)
-        if past_kv is not None:
-            k, v = torch.cat((past_kv[0], k), dim=2), torch.cat((past_kv[1], v), dim=2)
+        q, k, v, new_kv = self_attention_inputs(self, h, cos, sin, past_kv)
         if gather is not None:  # every rank's keys (their gradients flow back to the rank that made them)
             k, v = gather(k, 2), gather(v, 2)
         x = embeds + self.o_proj(self._merge(sdpa(q, k, v, self_mask)))
@@ -299,6 +294,18 @@ class GlideOutput:
     token_ce: torch.Tensor | None = None  # the draft's CE on the labels
     token_kl: torch.Tensor | None = None  # KL(target || draft), 0 where the label is ignored
     target_token_ce: torch.Tensor | None = None  # the target's CE on the labels
+
+
+def self_attention_inputs(block: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_kv):
+    """A draft block's rotated queries and its keys / values with ``past_kv`` (its cache) in front, plus the new
+    keys / values alone (what the caller appends to its cache). ``block`` has q/k/v_proj and ``_heads``."""
+    q = rotate(block._heads(block.q_proj(h)), cos, sin)
+    k = rotate(block._heads(block.k_proj(h)), cos, sin)
+    v = block._heads(block.v_proj(h))
+    new_kv = (k, v)
+    if past_kv is not None:
+        k, v = torch.cat((past_kv[0], k), dim=2), torch.cat((past_kv[1], v), dim=2)
+    return q, k, v, new_kv
 
 
 def init_linears(module: nn.Module, target_config) -> None:

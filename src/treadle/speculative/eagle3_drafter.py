@@ -24,6 +24,9 @@ class Eagle3Drafter:
     def __init__(self, model: Eagle3Model):
         self.model = model.eval()
         self.feature_layers = model.draft_model.feature_layers  # the decode loop hands over these layers' outputs
+        draft = model.draft_model
+        # Draft-vocabulary index -> target id: where a sampled q row's entries go in the target's vocabulary.
+        self._target_ids = draft.to_target_ids(torch.arange(draft.vocab_size, device=draft.lm_head.weight.device))
         self.reset(None)
 
     def reset(self, prompt_ids) -> None:
@@ -46,12 +49,11 @@ class Eagle3Drafter:
         target's vocabulary (a reduced head's rows scattered to their target ids; None when greedy)."""
         draft = self.model.draft_model
         token, q = sampler.draw(draft.logits(x)[0, -1].float())
-        target_id = int(draft.to_target_ids(torch.tensor([token], device=x.device)))
+        target_id = int(self._target_ids[token])
         if q is None:
             return target_id, None
-        ids = draft.to_target_ids(torch.arange(q.shape[0], device=q.device))
-        full = q.new_zeros(self.model.target.get_input_embeddings().num_embeddings)
-        return target_id, full.index_copy_(0, ids, q)
+        full = q.new_zeros(draft.target_vocab_size)
+        return target_id, full.index_copy_(0, self._target_ids.to(q.device), q)
 
     @torch.inference_mode()
     def propose(self, context_ids: torch.Tensor, state: TargetState, gamma: int, sampler: Sampler) -> Proposal:
