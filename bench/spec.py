@@ -20,7 +20,9 @@ projected speedup = tau / that.
 
 ``glide-kl-regen`` (not in the default list) trains GLIDE-kl on *regenerated* data: prompts cut from the
 built-in corpus' train split, answered greedily by the target itself (``treadle generate``), trained as SFT.
-Results go to stdout as a table and to ``runs/bench-spec/results.json``.
+Results go to stdout as a table and to ``runs/bench-spec/results.json``; rows of earlier invocations with the same
+settings stay in it (the table can be built over several ``--only`` runs), and ``--reuse-trained`` decodes with the
+drafters an earlier invocation trained.
 """
 
 from __future__ import annotations
@@ -41,14 +43,18 @@ from transformers import AutoTokenizer
 
 from treadle.config import load_config
 from treadle.corpus import corpus_files, split_of
+from treadle.models.eagle3 import load_eagle3
 from treadle.models.glide import load_glide
 from treadle.model_dirs import resolve_model_dir
 from treadle.models.hf import load_causal_lm
+from treadle.speculative.acceptance import lookup_tau
 from treadle.speculative.decode import target_generate
 from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
+from treadle.speculative.eagle3_drafter import Eagle3Drafter
 from treadle.speculative.evaluate import evaluate_drafter
 from treadle.speculative.glide_drafter import GlideDrafter
 from treadle.speculative.prompts import heldout_prompts
+from treadle.speculative.sampling import Sampler
 from treadle.train.run import run_training
 
 BENCH_TARGET = Path("configs/bench-target.toml")
@@ -66,6 +72,10 @@ TARGET_8B = 32 * _LAYER_8B + _D * _V  # 7.5B read per step (the input embedding 
 COST_8B = {
     # GLIDE at 8B: one such layer plus cross-attention q/o, and the target's LM head.
     "glide": _LAYER_8B + 2 * _D * _D + _D * _V,
+    # EAGLE-3 at 8B: one decoder layer whose q/k/v read [embedding ; feature] (2d wide), the fc fusing three
+    # target layers (3d -> d; counted on every step although only the first link of a chain runs it), and its
+    # own head over a 32k draft vocabulary (EAGLE-3's choice for Llama-3).
+    "eagle3": 2 * _D * (_D + 2 * _KV) + _D * _D + 3 * _D * _FF + 3 * _D * _D + _D * 32000,
     # An independent draft for an 8B target: a Llama-3.2-1B-like model (16 layers of d 2048, tied 128k head).
     "lm": 16 * (2048 * (2 * 2048 + 2 * 512) + 3 * 2048 * 8192) + 2048 * _V,
     "prompt-lookup": 0,
@@ -76,8 +86,7 @@ COST_8B = {
 class Recipe:
     """One drafter of the bench: how to train it (None: nothing to train) and how to load it for decoding.
 
-    ``family`` keys COST_8B (the draft's step cost for an 8B target). The eagle3 rows join here after the
-    eagle branch merges: Recipe("eagle3", eagle3_args, eagle3_drafter, "eagle3") with COST_8B["eagle3"].
+    ``family`` keys COST_8B (the draft's step cost for an 8B target).
     """
 
     name: str
@@ -91,6 +100,13 @@ def _glide_args(loss: str, regen: bool = False):
         return [*_data_args(args, regen), "--draft.kind=glide", f"--draft.target={args.target}",
                 f"--draft.loss={loss}", f"--draft.gamma={args.gamma}"]
     return args_for
+
+
+def _eagle3_args(args) -> list[str]:
+    # A 2048-token head (the bench target's 8192 cut to the most frequent training tokens) and an unroll as long
+    # as the gamma-4 chain it is judged on, as configs/demo-eagle3.toml.
+    return [*_data_args(args, False), "--draft.kind=eagle3", f"--draft.target={args.target}", "--draft.loss=kl",
+            f"--draft.gamma={args.gamma}", "--draft.vocab_size=2048", f"--draft.ttt_steps={args.gamma}"]
 
 
 def _lm_args(args) -> list[str]:
@@ -111,10 +127,11 @@ RECIPES = [
     Recipe("glide-kl", _glide_args("kl"), _glide, "glide"),
     Recipe("glide-ce", _glide_args("ce"), _glide, "glide"),
     Recipe("glide-kl-regen", _glide_args("kl", regen=True), _glide, "glide"),
+    Recipe("eagle3", _eagle3_args, lambda run, target: Eagle3Drafter(load_eagle3(run / "draft", target)), "eagle3"),
     Recipe("lm", _lm_args, lambda run, target: ModelDrafter(load_causal_lm(run / "hf", "lm draft"), name="lm"), "lm"),
     Recipe("prompt-lookup", None, lambda run, target: PromptLookupDrafter(), "prompt-lookup"),
 ]
-DEFAULT = "glide-kl,glide-ce,lm,prompt-lookup"
+DEFAULT = "glide-kl,glide-ce,eagle3,lm,prompt-lookup"
 MODES = {"chain": dict(), "tree": dict(tree=TREE), "t1": dict(temperature=1.0)}
 
 
@@ -191,6 +208,8 @@ def params_read(model: torch.nn.Module) -> int:
 def draft_step_params(recipe: Recipe, drafter, target) -> int:
     if recipe.family == "glide":
         return sum(p.numel() for p in drafter.model.draft_model.parameters()) + target.get_output_embeddings().weight.numel()
+    if recipe.family == "eagle3":
+        return sum(p.numel() for p in drafter.model.draft_model.parameters())  # own head; the embedding is one row
     if recipe.family == "lm":
         return params_read(drafter.model)
     return 0
@@ -204,6 +223,47 @@ def distinct_n(outputs: list[list[int]], n: int) -> float:
         if grams:
             rates.append(len(set(grams)) / len(grams))
     return sum(rates) / len(rates)
+
+
+def real_continuations(tokenizer, prompts: list[list[int]], length: int) -> list[list[int]]:
+    """What follows each held-out prompt in its val file: the text a target that does not loop should resemble."""
+    docs = [tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
+            for rel, path in corpus_files() if split_of(rel) == "val"]
+    found = []
+    for prompt in prompts:
+        for ids in docs:
+            at = next((s for s in range(len(ids) - len(prompt) + 1) if ids[s : s + len(prompt)] == prompt), None)
+            if at is not None:
+                found.append(ids[at + len(prompt) : at + len(prompt) + length])
+                break
+    return found
+
+
+def repetition(prompts: list[list[int]], outputs: list[list[int]], gamma: int) -> dict:
+    """distinct-1/2/3 of ``outputs`` and prompt lookup's tau over them (model-free: how much repetition a drafter
+    could exploit without learning anything)."""
+    n = min(map(len, outputs))
+    texts = torch.tensor([p + o[:n] for p, o in zip(prompts, outputs)])
+    return {**{f"distinct_{k}": distinct_n(outputs, k) for k in (1, 2, 3)},
+            "lookup_tau": lookup_tau(texts, len(prompts[0]), gamma)}
+
+
+def settings(args) -> dict:
+    """What makes rows of two invocations comparable (one table)."""
+    return {k: str(getattr(args, k)) for k in ("target", "data", "train_seconds", "gamma", "prompts", "prompt_len",
+                                               "max_new_tokens")}
+
+
+def merged(args, rows: list[dict], names: list[str]) -> list[dict]:
+    """``rows`` plus the rows of runs/bench-spec/results.json for other drafters, when its settings are the same:
+    the table grows over several ``--only`` invocations. Sorted as RECIPES and MODES."""
+    path = args.out / "results.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    if old.get("settings") == settings(args):
+        rows = [r for r in old["rows"] if r["drafter"] not in names] + rows
+    order = {r.name: i for i, r in enumerate(RECIPES)}
+    return sorted(rows, key=lambda r: (order.get(r["drafter"], len(order)), list(MODES).index(r["mode"])
+                                       if r["mode"] in MODES else len(MODES)))
 
 
 def projected(tau: float, depth: int, c: float) -> float:
@@ -225,6 +285,8 @@ def main() -> int:
     parser.add_argument("--regen-prompts", type=int, default=512, help="glide-kl-regen: prompts the target answers")
     parser.add_argument("--regen-new-tokens", type=int, default=192, help="glide-kl-regen: tokens per answer")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-spec"))
+    parser.add_argument("--reuse-trained", action="store_true",
+                        help="decode with drafters an earlier invocation trained (same --out) instead of retraining")
     args = parser.parse_args()
     recipes = {r.name: r for r in RECIPES}
     names, modes = args.only.split(","), args.modes.split(",")
@@ -232,20 +294,31 @@ def main() -> int:
         if name not in recipes:
             parser.error(f"--only {name}: not a recipe ({', '.join(recipes)})")
     torch.set_num_threads(2)
+    args.out.mkdir(parents=True, exist_ok=True)
 
     bench_target(args)
     args.regen = regenerate(args) if any(n.endswith("-regen") for n in names) else None
     trained = {}
     for name in names:
-        recipe = recipes[name]
-        trained[name] = train(args, recipe) if recipe.train_args else {
-            "trainable_params": 0, "train_s": 0.0, "wall_s": 0.0, "steps": 0, "train_tokens_per_s": None, "run": None}
+        recipe, record = recipes[name], args.out / f"{name}.train.json"
+        if args.reuse_trained and record.is_file():
+            trained[name] = json.loads(record.read_text())  # decode again (e.g. in new modes) without retraining
+        elif recipe.train_args:
+            trained[name] = train(args, recipe)
+            record.write_text(json.dumps(trained[name]) + "\n")
+        else:
+            trained[name] = {"trainable_params": 0, "train_s": 0.0, "wall_s": 0.0, "steps": 0,
+                             "train_tokens_per_s": None, "run": None}
 
     target = load_causal_lm(Path(args.target), "--target")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(Path(args.target), "--target"))
     prompts = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
     greedy = [target_generate(target, torch.tensor([p]), args.max_new_tokens, tokenizer.eos_token_id)[0] for p in prompts]
-    loops = {f"distinct_{n}": distinct_n(greedy, n) for n in (1, 2, 3)}
+    sampled = [target_generate(target, torch.tensor([p]), args.max_new_tokens, tokenizer.eos_token_id,
+                               Sampler(1.0, generator=torch.Generator().manual_seed(i)))[0]
+               for i, p in enumerate(prompts)]
+    loops = {"target": repetition(prompts, greedy, args.gamma), "target_t1": repetition(prompts, sampled, args.gamma),
+             "real": repetition(prompts, real_continuations(tokenizer, prompts, args.max_new_tokens), args.gamma)}
     target_params = params_read(target)
     rows = []
     for name in names:
@@ -264,8 +337,13 @@ def main() -> int:
                          **{k: got[k] for k in ("tau", "acceptance_conditional", "acceptance_unconditional",
                                                 "tokens_per_s_spec", "tokens_per_s_target", "speedup", "lossless")}})
 
-    print(f"\nspec bench: target {args.target}, greedy outputs distinct-1/2/3 "
-          f"{loops['distinct_1']:.2f} / {loops['distinct_2']:.2f} / {loops['distinct_3']:.2f}; gamma {args.gamma}, "
+    rows = merged(args, rows, names)
+    print(f"\nspec bench: target {args.target}; " + "; ".join(
+          f"{who}: distinct-1/2/3 {r['distinct_1']:.2f} / {r['distinct_2']:.2f} / {r['distinct_3']:.2f}, "
+          f"lookup tau {r['lookup_tau']:.2f}" for who, r in (("its greedy outputs", loops["target"]),
+                                                              ("its T = 1 samples", loops["target_t1"]),
+                                                              ("the real continuations", loops["real"]))))
+    print(f"gamma {args.gamma}, "
           f"tree {','.join(map(str, TREE))}, {args.prompts} held-out prompts x {args.max_new_tokens} new tokens; "
           f"{args.train_seconds:.0f} s of training per drafter (8 x 256 tokens per step); "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -279,8 +357,8 @@ def main() -> int:
               f"{r['tau']:.2f} | {acc} | {r['tokens_per_s_spec']:.0f} | {r['tokens_per_s_target']:.0f} | "
               f"{r['speedup']:.2f}x | {r['cost_ratio']:.3f} | {r['projected_speedup']:.2f}x | {r['cost_ratio_8b']:.3f} | "
               f"{r['projected_speedup_8b']:.2f}x | {lossless} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"target_loops": loops, "rows": rows}, indent=2) + "\n")
+    (args.out / "results.json").write_text(json.dumps({"settings": settings(args), "target_loops": loops,
+                                                       "rows": rows}, indent=2) + "\n")
     return 0 if all(r["lossless"] is not False for r in rows) else 1
 
 
