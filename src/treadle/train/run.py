@@ -42,7 +42,8 @@ from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, 
 from treadle.models.drafts import build_draft
 from treadle.train.auto import resolve_auto
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
-from treadle.train.eagle3 import TTTAccuracyCallback, eagle3_setup
+from treadle.train.eagle3 import eagle3_setup
+from treadle.train.ttt import TTTAccuracyCallback, ttt_steps
 from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
@@ -205,6 +206,14 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     step_callbacks = []
     if cfg.draft.kind == "eagle3":
         objective = eagle3_setup(cfg, model, [o.dataset for o in data.sources])
+        step_callbacks.append(TTTAccuracyCallback())
+    elif ttt_steps(cfg.draft) > 1:  # GLIDE's training-time test scores whole logits per step (no chunked loss)
+        chunk = cfg.model.loss_chunk_tokens
+        if chunk != "auto" and int(chunk) > 0:
+            raise UserError(f"model.loss_chunk_tokens = {chunk} with draft.ttt_steps = {cfg.draft.ttt_steps}: the "
+                            "chunked loss is not built for the GLIDE training-time test; accepted: 0 or auto (off), "
+                            "or draft.ttt_steps = 1")
+        objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
         step_callbacks.append(TTTAccuracyCallback())
     else:
         # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward).
