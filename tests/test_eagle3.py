@@ -218,7 +218,6 @@ def test_eagle3_run_resumes_bit_for_bit(shards, target_dir, tmp_path):
 @pytest.mark.parametrize("bad, key", [
     (("--draft.kind=glide", "--draft.vocab_size=100"), "draft.vocab_size"),
     (("--draft.kind=glide", "--draft.ttt_steps=3", "--model.loss_chunk_tokens=16"), "model.loss_chunk_tokens"),
-    (("--draft.kind=glide", "--draft.ttt_steps=3", "--distributed.context_parallel=2"), "distributed.context_parallel"),
     (("--draft.kind=eagle3", "--draft.feature_layers=[0,2]"), "draft.feature_layers"),  # the target has 2 layers
     (("--draft.kind=eagle3", "--draft.vocab_size=9999"), "draft.vocab_size"),
     (("--draft.kind=eagle3", "--draft.window=8"), "draft.window"),

@@ -215,6 +215,17 @@ def test_ttt_steps_one_draws_todays_lags():
     assert set(lags(ttt_steps=3)) == {1, 2} and set(lags(ttt_steps=4)) == set(lags(ttt_steps=9)) == {1}
 
 
+def test_glide_ttt_with_context_parallelism_is_refused_in_one_line():
+    from treadle.config import load_config
+    from treadle.errors import UserError
+
+    args = ["--data.train=builtin", "--draft.kind=glide", "--draft.target=x", "--distributed.context_parallel=2"]
+    load_config(None, args)  # GLIDE runs with context parallelism; the unroll is not built for it
+    with pytest.raises(UserError, match="draft.ttt_steps = 3") as got:
+        load_config(None, [*args, "--draft.ttt_steps=3"])
+    assert len(str(got.value).splitlines()) == 1
+
+
 def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_path, capsys):
     from treadle.checkpoint.safety import read_metadata
     from treadle.config import load_config
