@@ -9,7 +9,7 @@ from treadle.data.packed import IGNORE_INDEX
 from treadle.models.glide import anchored_positions
 from treadle.train.draft import GlideObjective
 from treadle.train.step import Batch
-from treadle.train.ttt import DraftVocabulary, ttt_steps, unrolled_losses
+from treadle.train.ttt import DraftVocabulary, refuse_chunked_loss, ttt_steps, unrolled_losses
 
 
 class Eagle3Objective(GlideObjective):
@@ -44,13 +44,10 @@ def eagle3_setup(cfg, model, datasets) -> Eagle3Objective:
     and its objective. The chunked loss is not built for it: an explicit ``model.loss_chunk_tokens`` is refused."""
     import numpy as np
 
-    from treadle.errors import UserError
     from treadle.models.eagle3 import frequent_tokens
 
-    chunk = cfg.model.loss_chunk_tokens
-    if chunk != "auto" and int(chunk) > 0:
-        raise UserError(f"model.loss_chunk_tokens = {chunk} with draft.kind = 'eagle3': the chunked loss is not "
-                        "built for eagle3 drafts (draft.vocab_size shrinks its head instead); accepted: 0 or auto")
+    refuse_chunked_loss(cfg.model.loss_chunk_tokens, "draft.kind = 'eagle3'",
+                        "and draft.vocab_size to shrink its head instead")
     draft = model.draft_model
     if draft.reduced:
         counts = sum(np.asarray(ds.token_counts(draft.target_vocab_size)) for ds in datasets)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX
+from treadle.errors import UserError
 from treadle.models.glide import document_ids
 from treadle.train.callbacks import Callback
 from treadle.train.step import StepResult
@@ -28,6 +29,13 @@ DEFAULT_TTT_STEPS = {"eagle3": 7, "glide": 1}  # glide: 1 = the teacher-forced p
 
 def ttt_steps(cfg: DraftConfig) -> int:
     return cfg.ttt_steps or DEFAULT_TTT_STEPS[cfg.kind]
+
+
+def refuse_chunked_loss(setting: int | str, what: str, otherwise: str) -> None:
+    """An unroll scores whole logits per step: an explicit ``model.loss_chunk_tokens`` is refused in one line."""
+    if setting != "auto" and int(setting) > 0:
+        raise UserError(f"model.loss_chunk_tokens = {setting} with {what}: the chunked loss is not built for a "
+                        f"training-time-test unroll; accepted: 0 or auto (off), {otherwise}")
 
 
 def scored_rows(position_ids: torch.Tensor, labels: torch.Tensor, step: int, lead: int = 1) -> torch.Tensor:
