@@ -20,7 +20,7 @@ from treadle.speculative.acceptance import chain_acceptance
 from treadle.speculative.decode import TargetState
 from treadle.speculative.sampling import Sampler
 from treadle.speculative.eagle3_drafter import Eagle3Drafter
-from treadle.train.eagle3 import scored_rows
+from treadle.train.ttt import scored_rows
 
 EAGLE = ("--draft.kind=eagle3", "--draft.vocab_size=200", "--draft.ttt_steps=3")
 
@@ -216,7 +216,8 @@ def test_eagle3_run_resumes_bit_for_bit(shards, target_dir, tmp_path):
 
 
 @pytest.mark.parametrize("bad, key", [
-    (("--draft.kind=glide", "--draft.ttt_steps=3"), "draft.ttt_steps"),
+    (("--draft.kind=glide", "--draft.vocab_size=100"), "draft.vocab_size"),
+    (("--draft.kind=glide", "--draft.ttt_steps=3", "--model.loss_chunk_tokens=16"), "model.loss_chunk_tokens"),
     (("--draft.kind=eagle3", "--draft.feature_layers=[0,2]"), "draft.feature_layers"),  # the target has 2 layers
     (("--draft.kind=eagle3", "--draft.vocab_size=9999"), "draft.vocab_size"),
     (("--draft.kind=eagle3", "--draft.window=8"), "draft.window"),

@@ -142,6 +142,90 @@ def test_glide_speculative_decoding_is_lossless(window):
     assert narrow.accepted_per_call == got.accepted_per_call and max(got.accepted_per_call) > 0
 
 
+@pytest.mark.parametrize("loss, window, lag", [("ce", 0, 1), ("kl", 0, 2), ("kl", 3, 1)])
+def test_ttt_unroll_equals_a_naive_chain_per_row(loss, window, lag):
+    """draft.ttt_steps for GLIDE: step k's row t is the draft fed its own chain (argmaxes of steps < k) after token t
+    of its document, read at index t + k with lag ``lag`` + k, scored against index t + k's label or target
+    distribution, weighted decay**k; the objective equals this written as plain per-row loops over each document
+    alone, and with lag 1 the decode drafter proposes exactly the unroll's chain."""
+    from treadle.config import DraftConfig
+    from treadle.train.draft import GlideObjective
+
+    model = glide(window=window)
+    for p in model.draft_model.parameters():  # sharp attention and logits: a wrong mask or position changes argmaxes
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.3)
+    K, decay = 3, 0.5
+    cfg = DraftConfig(kind="glide", target="x", loss=loss, ttt_steps=K, ttt_decay=decay, window=window)
+    docs = [(0, 7), (7, 6)]  # (start, length): two packed documents
+    pos = torch.tensor([[*range(7), *range(6)]])
+    torch.manual_seed(3)
+    ids = torch.randint(0, 512, (1, 13))
+    labels = torch.cat((ids[:, 1:], torch.tensor([[7]])), 1)
+    labels[0, 6] = labels[0, 12] = labels[0, 3] = -100  # document ends, and one unlabelled token inside
+    batch = {"input_ids": ids, "labels": labels, "position_ids": pos}
+    with torch.no_grad():
+        got, side = GlideObjective(cfg, 512, 13).losses(model, batch, lag=lag, offset=0, train=True)
+        out = model(ids, pos, lag=lag, steps=K)
+        assert torch.equal(out.logits, model(ids, pos, lag=lag).logits)  # step 0 is today's teacher-forced pass
+    want, hits, rows = 0.0, [0] * K, [0] * K
+    drafter = GlideDrafter(model)
+    for start, n in docs:
+        text = ids[:, start:start + n]
+        with torch.no_grad():
+            target_logits, kv = model.target_forward(text, torch.arange(n)[None])
+        for t in range(n):
+            chain = []
+            for k in range(min(K, n - t)):
+                fed = torch.cat((text[0, :t + 1], torch.tensor(chain, dtype=torch.long)))[None]
+                length = fed.shape[1]  # t + k + 1: the fed token stands at index t + k
+                with torch.no_grad():
+                    logits = model.draft_logits(fed, torch.arange(length)[None],
+                                                (kv[0][:, :, :length], kv[1][:, :, :length]), lag=lag + k)[0, -1]
+                label = int(labels[0, start + t + k])
+                if label != -100:
+                    log_q = torch.log_softmax(logits, -1)
+                    p = torch.softmax(target_logits[0, t + k], -1)
+                    value = -log_q[label] if loss == "ce" else (p * (p.log() - log_q)).sum()
+                    want += decay ** k * float(value)
+                    rows[k] += 1
+                    hits[k] += int(logits.argmax() == target_logits[0, t + k].argmax())
+                chain.append(int(logits.argmax()))
+            if lag == 1 and t >= 1:  # decoding after the bonus at t: the target has processed tokens < t
+                drafter.reset(text[:, :1])
+                state = TargetState((kv[0][:, :, :t], kv[1][:, :, :t]))
+                assert drafter.propose(text[:, :t + 1], state, len(chain), Sampler()).tokens == chain, t
+    assert float(got.sum()) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    for k in range(K):
+        assert float(side[f"ttt_rows_{k + 1}"]) == rows[k] and float(side[f"ttt_hits_{k + 1}"]) == hits[k], k
+    assert rows == [10, 8, 6]  # the label mask moved along: 10 labelled tokens, each chain stops at its document's end
+
+
+def test_ttt_steps_one_draws_todays_lags():
+    """draft.ttt_steps = K trains chain links lag..lag + K - 1: lags are drawn in [1, gamma - K + 1], and K = 1
+    (glide's default) keeps today's draws in [1, gamma], micro-batch by micro-batch."""
+    from treadle.config import DraftConfig
+    from treadle.train.draft import GlideObjective
+
+    def lags(**kw):
+        objective = GlideObjective(DraftConfig(kind="glide", target="x", gamma=4, **kw), 512, 32)
+        return [objective._draw({"order_position": torch.tensor([i])})[0] for i in range(200)]
+
+    assert lags() == lags(ttt_steps=1) and set(lags()) == {1, 2, 3, 4}
+    assert set(lags(ttt_steps=3)) == {1, 2} and set(lags(ttt_steps=4)) == set(lags(ttt_steps=9)) == {1}
+
+
+def test_glide_ttt_with_context_parallelism_is_refused_in_one_line():
+    from treadle.config import load_config
+    from treadle.errors import UserError
+
+    args = ["--data.train=builtin", "--draft.kind=glide", "--draft.target=x", "--distributed.context_parallel=2"]
+    load_config(None, args)  # GLIDE runs with context parallelism; the unroll is not built for it
+    with pytest.raises(UserError, match="draft.ttt_steps = 3") as got:
+        load_config(None, [*args, "--draft.ttt_steps=3"])
+    assert len(str(got.value).splitlines()) == 1
+
+
 def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_path, capsys):
     from treadle.checkpoint.safety import read_metadata
     from treadle.config import load_config
@@ -218,14 +302,19 @@ def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_
     assert 1.0 <= got["tau"] <= 5.0 and len(got["acceptance_conditional"]) == 4
 
 
-def test_draft_run_resumes_bit_for_bit(shards, target_dir, tmp_path):
+@pytest.mark.parametrize("ttt", [(), ("--draft.ttt_steps=3",)])
+def test_draft_run_resumes_bit_for_bit(shards, target_dir, tmp_path, ttt):
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(draft_args(shards, target_dir, a, "--train.max_steps=4", "--checkpoint.every=2",
-                            "--draft.loss=mix")) == 0
-    assert main(draft_args(shards, target_dir, b, "--train.max_steps=4", "--draft.loss=mix",
+                            "--draft.loss=mix", *ttt)) == 0
+    assert main(draft_args(shards, target_dir, b, "--train.max_steps=4", "--draft.loss=mix", *ttt,
                             f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 0
     la, lb = records(a), records(b)
     assert [la[s] for s in (3, 4)] == [lb[s] for s in (3, 4)]
+    if ttt:  # the training-time test logs each step's accuracy, resumed identically
+        assert set(records(a, "acc_3")) == {1, 2, 3, 4} and records(a, "acc_3")[4] == records(b, "acc_3")[4]
+    else:
+        assert not records(a, "acc_1")
     wa, wb = load_file(a / "draft" / "model.safetensors"), load_file(b / "draft" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 

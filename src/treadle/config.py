@@ -298,9 +298,9 @@ class DraftConfig(Section):
                                              "output, < N); unset = EAGLE-3's (2, N/2, N - 3)")
     vocab_size: int | None = Field(None, ge=1, description="eagle3: the draft head's vocabulary, the most frequent "
                                    "training tokens; unset = the target's whole vocabulary")
-    ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3: training-time-test unroll steps (the draft "
-                                  "fed its own outputs); unset = 7")
-    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: weight of unroll step k's loss is ttt_decay**k")
+    ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3, glide: training-time-test unroll steps (the "
+                                  "draft fed its own outputs); unset = 7 (eagle3), 1 (glide: no unroll)")
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3, glide: weight of unroll step k's loss is ttt_decay**k")
 
 
 class DistributedConfig(Section):
@@ -404,7 +404,7 @@ class Config(Section):
             raise ValueError("draft.kind is set but draft.target is not; accepted: a Hugging Face model directory or a treadle run directory")
         if self.draft.kind != "eagle3":
             for key in ("feature_layers", "vocab_size", "ttt_steps"):
-                if getattr(self.draft, key) is not None:
+                if getattr(self.draft, key) is not None and not (key == "ttt_steps" and self.draft.kind == "glide"):
                     raise ValueError(f"draft.{key} is set but draft.kind = {self.draft.kind!r}; accepted: draft.kind = "
                                      "'eagle3', or leave it unset")
         elif self.draft.window:
@@ -421,6 +421,10 @@ class Config(Section):
         if cp > 1 and self.draft.kind == "eagle3":
             raise ValueError(f"distributed.context_parallel = {cp} is not built for eagle3 draft runs yet (GLIDE's "
                              "are); accepted: context_parallel = 1, or draft.kind = 'glide'")
+        if cp > 1 and self.draft.kind == "glide" and (self.draft.ttt_steps or 1) > 1:
+            raise ValueError(f"distributed.context_parallel = {cp} with draft.ttt_steps = {self.draft.ttt_steps}: the "
+                             "GLIDE training-time test is not built for sliced sequences; accepted: context_parallel = "
+                             "1, or draft.ttt_steps = 1")
         if cp > 1 and self.distributed.pipeline_parallel > 1:
             raise ValueError(f"distributed.context_parallel = {cp} with distributed.pipeline_parallel = "
                              f"{self.distributed.pipeline_parallel} is not supported yet; accepted: one of them > 1")

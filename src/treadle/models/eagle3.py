@@ -41,7 +41,7 @@ from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
 from treadle.models.glide import (
     DraftRunModel, GlideShape, attention_mask, causal_document_mask, checked_export, checked_target, document_ids,
-    init_linears, sdpa, self_attention_inputs,
+    init_linears, sdpa, self_attention_inputs, ttt_mask,
 )
 from treadle.models.hf import decoder_layers, greedy_continuations
 
@@ -90,20 +90,6 @@ class FeatureTap:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
-
-
-def ttt_mask(doc: torch.Tensor, step: int) -> torch.Tensor:
-    """[B, 1, T, T * (step + 1)]: what TTT step ``step``'s row t attends to among the keys of steps 0..step.
-
-    Step 0's rows s <= t of t's document (the context a decode has accepted), and row t of each later step
-    (the chain a decode proposes from t). Key blocks are in step order.
-    """
-    T = doc.shape[-1]
-    idx = torch.arange(T, device=doc.device).expand_as(doc)
-    blocks = [attention_mask(idx, idx, q_doc=doc, k_doc=doc)]
-    diagonal = torch.eye(T, dtype=torch.bool, device=doc.device).expand(doc.shape[0], 1, T, T)
-    blocks += [diagonal] * step
-    return torch.cat(blocks, dim=-1)
 
 
 # ----------------------------------------------------------------------------- the draft block

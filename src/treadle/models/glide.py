@@ -16,6 +16,13 @@ Time alignment (the KV lag): at decode time the target has processed every token
 except the newest ("bonus") one, so the draft token at sequence index i may read
 target K/V only at indices <= i - lag with lag >= 1, and the k-th token of a draft
 chain sees lag k. Training draws lag in [1, gamma] so every chain position is trained.
+
+Training-time test (``draft.ttt_steps = K > 1``): the training pass unrolls the chain as
+decoding runs it. Step 0 is the teacher-forced pass with a lag L; step k >= 1 feeds, at
+row t, the draft's own argmax of step k - 1 as the token at index t + k (RoPE position
+t + k), its self-attention reading step 0's rows <= t and its own chain (``ttt_mask``),
+its cross-attention reading target K/V <= t - L, i.e. lag L + k, as link L + k of a decode
+chain does. L is drawn in [1, gamma - K + 1] (1 once K >= gamma), so links 1..gamma stay trained.
 """
 
 from __future__ import annotations
@@ -65,6 +72,22 @@ def attention_mask(q_idx: torch.Tensor, k_idx: torch.Tensor, *, min_gap: int = 0
     if q_doc is not None:
         allowed = allowed & (q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2))
     return allowed.unsqueeze(1)
+
+
+def ttt_mask(doc: torch.Tensor, step: int, window: int = 0) -> torch.Tensor:
+    """[B, 1, T, T * (step + 1)]: what training-time-test step ``step``'s row t attends to among the keys of steps
+    0..step (GLIDE's and EAGLE-3's unrolls; key blocks in step order).
+
+    Row t of step ``step`` stands at index t + step of a decode chain started after token t: it sees step 0's rows
+    s <= t of t's document (the context a decode has accepted) and row t of each later step (the chain proposed
+    from t), all within ``window`` tokens of t + step (0 = unlimited), as a decode's causal window would.
+    """
+    T = doc.shape[-1]
+    idx = torch.arange(T, device=doc.device).expand_as(doc)
+    blocks = [attention_mask(idx + step, idx, min_gap=step, window=window, q_doc=doc, k_doc=doc)]
+    diagonal = torch.eye(T, dtype=torch.bool, device=doc.device).expand(doc.shape[0], 1, T, T)
+    blocks += [diagonal if not window or step - j < window else torch.zeros_like(diagonal) for j in range(1, step + 1)]
+    return torch.cat(blocks, dim=-1)
 
 
 def anchored_positions(position_ids: torch.Tensor, anchor: int, offset: int) -> torch.Tensor:
@@ -294,6 +317,9 @@ class GlideOutput:
     token_ce: torch.Tensor | None = None  # the draft's CE on the labels
     token_kl: torch.Tensor | None = None  # KL(target || draft), 0 where the label is ignored
     target_token_ce: torch.Tensor | None = None  # the target's CE on the labels
+    # Training-time test (forward with steps > 1): logits of unroll steps 1..steps-1, each [B, T, V]; row t of step
+    # k guesses token t + k + 1 (``logits`` is step 0's).
+    chain_logits: list[torch.Tensor] | None = None
 
 
 def self_attention_inputs(block: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_kv):
@@ -412,8 +438,33 @@ class GlideModel(DraftRunModel):
         hidden, _ = self.draft_model(embeds, rope, target_kv, self_mask, cross_mask, gather=seq.gather)
         return hidden
 
+    def _unroll_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                       target_kv: tuple[torch.Tensor, torch.Tensor], lag: int, steps: int,
+                       doc_position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Draft logits of training-time-test steps 0..steps-1 (see the module docstring), each [B, T, V]."""
+        doc = document_ids(position_ids if doc_position_ids is None else doc_position_ids)
+        idx = torch.arange(doc.shape[1], device=input_ids.device).expand_as(doc)
+        # Row t of every step reads target K/V <= t - lag: link lag + k of a chain started after token t.
+        cross_mask = attention_mask(idx, idx, min_gap=lag, q_doc=doc, k_doc=doc)
+        embed, head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
+        tokens, keys, out = input_ids, None, []
+        for k in range(steps):
+            embeds = embed(tokens)
+            rope = self.rotary(embeds, position_ids + k)
+            hidden, (nk, nv) = self.draft_model(embeds, rope, target_kv, ttt_mask(doc, k, self.draft_model.window),
+                                                cross_mask, past_kv=keys)
+            keys = (nk, nv) if keys is None else (torch.cat((keys[0], nk), 2), torch.cat((keys[1], nv), 2))
+            out.append(head(hidden))
+            tokens = out[-1].detach().argmax(-1)  # the draft's own guess is the next step's input; no gradient
+        return out
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lag: int = 1,
-                doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> GlideOutput:
+                doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                steps: int = 1) -> GlideOutput:
+        if steps > 1:  # training-time test: whole logits per step (run.py refuses the chunked loss and slices)
+            target_logits, target_kv = self._target_forward(input_ids, position_ids)
+            logits = self._unroll_logits(input_ids, position_ids, target_kv, lag, steps, doc_position_ids)
+            return GlideOutput(logits=logits[0], target_logits=target_logits, chain_logits=logits[1:])
         if labels is not None and self.loss_chunk_tokens:
             # Both models' final hidden states through the shared head a chunk at a time (here, inside forward:
             # a sharding engine holds the head's weight gathered only now).

@@ -21,6 +21,7 @@ from treadle.models.glide import anchored_positions
 from treadle.speculative.acceptance import chain_acceptance, lookup_tau
 from treadle.train.callbacks import Callback, EvalCallback
 from treadle.train.step import Batch, row_cross_entropy
+from treadle.train.ttt import ttt_steps, unrolled_losses
 
 if TYPE_CHECKING:
     from treadle.train.trainer import Trainer
@@ -51,7 +52,9 @@ class GlideObjective:
         """
         first = int(batch["order_position"][0]) if "order_position" in batch else 0
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + first)
-        lag = int(torch.randint(1, self.cfg.gamma + 1, (), generator=g)) if self.cfg.kv_lag else 1
+        # A training-time test of K steps trains links lag..lag + K - 1 of a chain: lags up to gamma - K + 1 start it.
+        top = max(1, self.cfg.gamma - ttt_steps(self.cfg) + 1) if self.cfg.kind == "glide" else self.cfg.gamma
+        lag = int(torch.randint(1, top + 1, (), generator=g)) if self.cfg.kv_lag else 1
         offset = int(torch.randint(0, self.max_offset + 1, (), generator=g)) if self.max_offset else 0
         return lag, offset
 
@@ -67,6 +70,13 @@ class GlideObjective:
         positions = batch["position_ids"]
         shifted = anchored_positions(positions, self.cfg.anchor_positions, offset)
         labels = batch["labels"]
+        steps = ttt_steps(self.cfg) if train else 1  # evaluation: the teacher-forced CE, comparable across runs
+        if steps > 1:  # training-time test (models/glide.py): step k scored at row t's token t + k + 1
+            out = model(input_ids=batch["input_ids"], position_ids=shifted, lag=lag, doc_position_ids=positions,
+                        steps=steps)
+            loss, side = unrolled_losses(self.cfg, [out.logits, *out.chain_logits], out.target_logits, positions,
+                                         labels, lead=0)
+            return loss, {"target_loss": row_cross_entropy(out.target_logits, labels).sum(), **side}
         out = model(input_ids=batch["input_ids"], position_ids=shifted, lag=lag, doc_position_ids=positions,
                     labels=labels)
         if out.logits is None:  # a chunked loss (model.loss_chunk_tokens): per-token scores, logits never whole

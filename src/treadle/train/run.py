@@ -42,7 +42,8 @@ from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, 
 from treadle.models.drafts import build_draft
 from treadle.train.auto import resolve_auto
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
-from treadle.train.eagle3 import TTTAccuracyCallback, eagle3_setup
+from treadle.train.eagle3 import eagle3_setup
+from treadle.train.ttt import TTTAccuracyCallback, refuse_chunked_loss, ttt_steps
 from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
@@ -207,8 +208,13 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
         objective = eagle3_setup(cfg, model, [o.dataset for o in data.sources])
         step_callbacks.append(TTTAccuracyCallback())
     else:
-        # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward).
-        model.loss_chunk_tokens = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
+        if ttt_steps(cfg.draft) > 1:  # GLIDE's training-time test scores whole logits per step
+            refuse_chunked_loss(cfg.model.loss_chunk_tokens, f"draft.ttt_steps = {cfg.draft.ttt_steps}",
+                                "or draft.ttt_steps = 1")
+            step_callbacks.append(TTTAccuracyCallback())
+        else:
+            # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward).
+            model.loss_chunk_tokens = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
         objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
     check_token_ids(prompts, model.target.config.vocab_size, lambda: f"the draft's eval prompts ({(val_ds or train_ds).where})")

@@ -1,0 +1,118 @@
+"""A training-time-test unroll scored against the target, step by step (EAGLE-3's and GLIDE's ``draft.ttt_steps``).
+
+Alignment: step 0's row t is scored ``lead`` indices ahead (EAGLE-3: 1, its row t holds the
+embedding of token t + 1 and guesses token t + 2; GLIDE: 0, row t holds token t and guesses
+t + 1), step k's row t at index t + lead + k: against the target's distribution there, or the
+data label there. Row t is scored at step k iff that index exists, lies in row t's document
+and has a label: the loss mask moves with the unroll (the bug class of SpecForge#885 is a mask that does not). Normalization:
+every scored row adds ``ttt_decay**k`` times its loss to the micro-batch's sum, which the
+loop divides by the step's label tokens like any loss, so the result does not depend on how
+the step is split into micro-batches or ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from treadle.config import DraftConfig
+from treadle.data.packed import IGNORE_INDEX
+from treadle.errors import UserError
+from treadle.models.glide import document_ids
+from treadle.train.callbacks import Callback
+from treadle.train.step import StepResult
+
+DEFAULT_TTT_STEPS = {"eagle3": 7, "glide": 1}  # glide: 1 = the teacher-forced pass alone (no unroll)
+
+
+def ttt_steps(cfg: DraftConfig) -> int:
+    return cfg.ttt_steps or DEFAULT_TTT_STEPS[cfg.kind]
+
+
+def refuse_chunked_loss(setting: int | str, what: str, otherwise: str) -> None:
+    """An unroll scores whole logits per step: an explicit ``model.loss_chunk_tokens`` is refused in one line."""
+    if setting != "auto" and int(setting) > 0:
+        raise UserError(f"model.loss_chunk_tokens = {setting} with {what}: the chunked loss is not built for a "
+                        f"training-time-test unroll; accepted: 0 or auto (off), {otherwise}")
+
+
+def scored_rows(position_ids: torch.Tensor, labels: torch.Tensor, step: int, lead: int = 1) -> torch.Tensor:
+    """[B, T - lead - step] bool: rows t whose step-``step`` guess is scored (index t + lead + step in t's
+    document, labelled)."""
+    doc = document_ids(position_ids)
+    ahead = lead + step
+    return (doc[:, : doc.shape[1] - ahead] == doc[:, ahead:]) & (labels[:, ahead:] != IGNORE_INDEX)
+
+
+@dataclass
+class DraftVocabulary:
+    """A draft head over part of the target's vocabulary (EAGLE-3's ``draft.vocab_size``): maps between the two."""
+
+    to_draft: torch.Tensor  # [target vocab] draft id of each target id, -1 outside
+    in_vocab: torch.Tensor  # [target vocab] bool
+    from_draft: torch.Tensor  # [draft vocab] target id of each draft id
+
+
+def unrolled_losses(cfg: DraftConfig, step_logits: list[torch.Tensor], target_logits: torch.Tensor,
+                    positions: torch.Tensor, labels: torch.Tensor, vocab: DraftVocabulary | None = None,
+                    lead: int = 1):
+    """(per-row summed loss [B], side sums) of an unroll's ``step_logits`` (ce / kl / mix as for GLIDE).
+
+    Side sums: ``draft_ce`` / ``draft_kl`` (step 0's), and per step ``ttt_hits_k`` / ``ttt_rows_k`` that
+    ``TTTAccuracyCallback`` turns into ``acc_k``. A reduced ``vocab`` scores within the draft's vocabulary
+    (EAGLE-3's rule: labels and teacher argmaxes outside it are not scored). ``lead``: see the module docstring.
+    """
+    T = labels.shape[1]
+    loss = labels.new_zeros(labels.shape[0], dtype=torch.float32)
+    side: dict[str, torch.Tensor] = {}
+    for k, logits in enumerate(step_logits):
+        ahead = lead + k
+        if ahead >= T:
+            break
+        rows = scored_rows(positions, labels, k, lead)
+        logits = logits[:, : T - ahead].float()
+        label = labels[:, ahead:]
+        teacher = target_logits[:, ahead:].float()
+        best = teacher.argmax(-1)  # the target's greedy token: what acceptance compares with
+        ce_rows, kl_rows = rows, rows
+        if vocab is not None:
+            label = vocab.to_draft[label.clamp_min(0)]
+            ce_rows = rows & (label >= 0)
+            kl_rows = rows & vocab.in_vocab[best]
+            teacher = teacher[..., vocab.from_draft]
+        log_q = F.log_softmax(logits, -1)
+        ce = (F.nll_loss(log_q.transpose(1, 2), label.clamp_min(0), reduction="none") * ce_rows).sum(-1)
+        kl = (F.kl_div(log_q, F.log_softmax(teacher, -1), log_target=True, reduction="none").sum(-1)
+              * kl_rows).sum(-1)
+        if cfg.loss == "mix":
+            step_loss = (1.0 - cfg.kl_weight) * ce + cfg.kl_weight * kl
+        else:
+            step_loss = ce if cfg.loss == "ce" else kl
+        loss = loss + cfg.ttt_decay ** k * step_loss
+        if k == 0:
+            side["draft_ce"], side["draft_kl"] = ce.detach().sum(), kl.detach().sum()
+        guess = logits.argmax(-1)
+        if vocab is not None:
+            guess = vocab.from_draft[guess]
+        side[f"ttt_hits_{k + 1}"] = ((guess == best) & rows).sum().double()
+        side[f"ttt_rows_{k + 1}"] = rows.sum().double()
+    return loss, side
+
+
+class TTTAccuracyCallback(Callback):
+    """After each step: ``acc_k``, the share of scored rows whose step-k guess is the target's greedy token.
+
+    The objective reports hits and rows summed over the step's micro-batches and ranks (divided by the same label
+    count, which cancels here); runs before the metrics callback, which logs ``acc_k`` in their place.
+    """
+
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        m = result.metrics
+        k = 1
+        while f"ttt_rows_{k}" in m:
+            hits, rows = m.pop(f"ttt_hits_{k}"), m.pop(f"ttt_rows_{k}")
+            if rows > 0:
+                m[f"acc_{k}"] = hits / rows
+            k += 1
