@@ -95,10 +95,10 @@ class Recipe:
     family: str
 
 
-def _glide_args(loss: str, regen: bool = False):
+def _glide_args(loss: str, regen: bool = False, ttt_steps: int = 1):
     def args_for(args) -> list[str]:
         return [*_data_args(args, regen), "--draft.kind=glide", f"--draft.target={args.target}",
-                f"--draft.loss={loss}", f"--draft.gamma={args.gamma}"]
+                f"--draft.loss={loss}", f"--draft.gamma={args.gamma}", f"--draft.ttt_steps={ttt_steps}"]
     return args_for
 
 
@@ -126,12 +126,13 @@ def _glide(run, target):
 RECIPES = [
     Recipe("glide-kl", _glide_args("kl"), _glide, "glide"),
     Recipe("glide-ce", _glide_args("ce"), _glide, "glide"),
+    Recipe("glide-kl-ttt", _glide_args("kl", ttt_steps=3), _glide, "glide"),  # the training-time test, 3 steps
     Recipe("glide-kl-regen", _glide_args("kl", regen=True), _glide, "glide"),
     Recipe("eagle3", _eagle3_args, lambda run, target: Eagle3Drafter(load_eagle3(run / "draft", target)), "eagle3"),
     Recipe("lm", _lm_args, lambda run, target: ModelDrafter(load_causal_lm(run / "hf", "lm draft"), name="lm"), "lm"),
     Recipe("prompt-lookup", None, lambda run, target: PromptLookupDrafter(), "prompt-lookup"),
 ]
-DEFAULT = "glide-kl,glide-ce,eagle3,lm,prompt-lookup"
+DEFAULT = "glide-kl,glide-ce,glide-kl-ttt,eagle3,lm,prompt-lookup"
 MODES = {"chain": dict(), "tree": dict(tree=TREE), "t1": dict(temperature=1.0)}
 
 
@@ -179,6 +180,9 @@ def _train(args, recipe: Recipe, name: str, steps: int, eval_every: int) -> obje
         "--data.seq_len=256", "--train.threads=2", f"--train.log_every={max(1, steps // 4)}",
         f"--train.eval_every={eval_every}", "--train.eval_batches=4", "--schedule.warmup_proportion=0.1",
         "--optim.lr=3e-3", "--checkpoint.resume=none", "--checkpoint.every_minutes=0",
+        # compile = auto would decide per run length: off for the short probe, maybe on for the real run, whose
+        # step time would then not be the one the budget was sized with.
+        "--model.compile=false",
     ]
     return run_training(load_config(None, common + recipe.train_args(args)), live=False)
 
