@@ -352,6 +352,11 @@ def test_spec_eval_tree_and_sampled(run_dir, tmp_path, capsys, monkeypatch):
     r = json.loads(out.read_text())
     assert r["lossless"] is None and r["temperature"] == 0.8 and r["tau"] >= 1
     assert "not compared (sampled at temperature 0.8" in capsys.readouterr().out
+    # A sampled tree: the draft's q is the target's p at every node, so the first child is (almost surely) accepted.
+    assert spec_eval("--target", str(run_dir), "--draft", str(run_dir), "--tree", "2,2,1", "--temperature", "1",
+                     "--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
+    r = json.loads(out.read_text())
+    assert r["tree"] == [2, 2, 1] and r["temperature"] == 1 and r["lossless"] is None and r["tau"] > 3.5
 
 
 def test_spec_eval_reports_a_lossy_decoder(run_dir, monkeypatch, capsys):
@@ -382,7 +387,6 @@ def test_spec_eval_bad_input(run_dir, tmp_path):
     for flags, message in [(["--tree", "4,x"], "--tree 4,x: accepted: branching factors >= 1"),
                            (["--tree", "2,0"], "--tree 2,0: accepted"),
                            (["--tree", "2,2", "--gamma", "4"], "--gamma 4 with --tree 2,2: the tree's depth is 2"),
-                           (["--tree", "2,2", "--temperature", "1"], "tree verification is greedy only"),
                            (["--temperature", "-1"], "--temperature -1.0: must be >= 0"),
                            (["--temperature", "1", "--top-p", "0"], r"--top-p 0.0: must be in \(0, 1\]")]:
         with pytest.raises(UserError, match=message):
@@ -474,8 +478,8 @@ def test_greedy_tree_is_lossless_and_beats_the_chain(target, prompts, noisy_copy
 def test_tree_falls_back_to_a_chain_for_drafters_without_trees(target, prompts):
     tree_run(target, PromptLookupDrafter(), prompts, TREE)
     tree_run(target, RandomDrafter(VOCAB, seed=0), prompts, TREE)
-    with pytest.raises(ValueError, match="needs greedy sampling"):
-        speculative_generate(target, PromptLookupDrafter(), prompts[0], 4, 8, tree=TREE, sampler=Sampler(1.0))
+    with pytest.raises(ValueError, match="gamma == its depth"):
+        speculative_generate(target, PromptLookupDrafter(), prompts[0], 3, 8, tree=TREE)
 
 
 def test_tree_hands_feature_layers_the_accepted_path(target, prompts, noisy_copy):

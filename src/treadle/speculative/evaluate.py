@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft tokens per verification call (default: 4; with --tree, its depth)")
     parser.add_argument("--tree", metavar="B1,B2,...", default=None,
                         help="draft a static tree, branching B1 at depth 1, B2 at depth 2, ... (e.g. 4,2,2,1), verified "
-                             "in one target forward; greedy only; drafters that cannot branch propose a chain")
+                             "in one target forward (greedy, or sampled with --temperature); drafters that cannot branch "
+                             "propose a chain")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (default); > 0 = speculative sampling at this temperature")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass with --temperature (default: 1)")
@@ -135,7 +136,7 @@ def evaluate_drafter(
 ) -> dict:
     """Target-alone and speculative decoding of every prompt: acceptance, speed and (greedy) losslessness.
 
-    ``tree`` (greedy only): branching per depth, ``gamma`` its depth. ``lossless`` is None when sampled.
+    ``tree``: branching per depth, ``gamma`` its depth. ``lossless`` is None when sampled.
     """
     import torch
 
@@ -202,9 +203,6 @@ def _check_sampling(temperature: float, top_p: float, tree: tuple[int, ...] | No
         raise UserError(f"--temperature {temperature}: must be >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
         raise UserError(f"--top-p {top_p}: must be in (0, 1]")
-    if tree is not None and temperature > 0:
-        raise UserError(f"--tree with --temperature {temperature}: tree verification is greedy only; "
-                        "accepted: --temperature 0, or a chain (--gamma) for sampling")
     if tree is not None and gamma is not None and gamma != len(tree):
         raise UserError(f"--gamma {gamma} with --tree {','.join(map(str, tree))}: the tree's depth is "
                         f"{len(tree)}; leave --gamma out or give {len(tree)}")
