@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from treadle.speculative.sampling import Sampler, verify_sampled
-from treadle.speculative.tree import additive, ancestor_mask, node_depths
+from treadle.speculative.tree import DynamicTree, additive, ancestor_mask, node_depths
 
 GREEDY = Sampler()
 
@@ -84,9 +84,9 @@ class Drafter(Protocol):
     the target with ``output_hidden_states=True`` and fills ``TargetState.hidden``.
 
     Optional method ``propose_tree(context_ids, state, branching, sampler) -> Proposal``:
-    a tree (``Proposal.parents`` set) of the static shape ``branching`` (``tree.py``),
-    sampled children drawn without replacement. Under ``tree=...`` a drafter without
-    it proposes a chain of the tree's depth.
+    a tree (``Proposal.parents`` set) of the shape ``branching`` (``tree.py``: static, its
+    sampled children drawn without replacement, or a greedy ``DynamicTree``). Under
+    ``tree=...`` a drafter without it proposes a chain of the tree's depth.
     """
 
     name: str
@@ -279,16 +279,20 @@ def speculative_generate(
     max_new_tokens: int,
     eos_id: int | None = None,
     sampler: Sampler = GREEDY,
-    tree: tuple[int, ...] | None = None,
+    tree: tuple[int, ...] | DynamicTree | None = None,
 ) -> SpecResult:
     """Speculative decoding of one prompt: greedy, the tokens equal ``target_generate``'s; sampled, their
     distribution equals ``target_generate``'s with the same ``sampler`` settings.
 
-    ``tree``: branching per depth; ``gamma`` must be its depth. A drafter with
-    ``propose_tree`` proposes such a tree, one without it a chain of that depth.
+    ``tree``: branching per depth, or a ``DynamicTree`` (greedy only); ``gamma`` must be
+    its depth. A drafter with ``propose_tree`` proposes such a tree, one without it a
+    chain of that depth.
     """
     _check_args(prompt_ids, max_new_tokens, gamma)
-    if tree is not None and (len(tree) != gamma or min(tree) < 1):
+    if isinstance(tree, DynamicTree):
+        if min(tree.top_k, tree.depth, tree.nodes) < 1 or tree.depth != gamma or not sampler.greedy:
+            raise ValueError(f"tree {tree}: needs K, D, N >= 1, gamma == D ({gamma}) and greedy sampling")
+    elif tree is not None and (len(tree) != gamma or min(tree) < 1):
         raise ValueError(f"tree {tree}: needs branchings >= 1 and gamma == its depth ({gamma})")
     grow = getattr(drafter, "propose_tree", None) if tree is not None else None
     target.eval()
