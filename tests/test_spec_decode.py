@@ -358,8 +358,8 @@ def test_spec_eval_tree_and_sampled(run_dir, tmp_path, capsys, monkeypatch):
     r = json.loads(out.read_text())
     assert r["tree"] == [2, 2, 1] and r["temperature"] == 1 and r["lossless"] is None and r["tau"] > 3.5
     # 2 + 4 + 4 candidates, all kept: the greedy path is among them.
-    assert spec_eval("--target", str(run_dir), "--draft", str(run_dir), "--tree", "dynamic:2,3,10", "--num-prompts", "2",
-                     "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
+    assert spec_eval("--target", str(run_dir), "--draft", str(run_dir), "--tree", "dynamic:2,3,10",
+                     "--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
     r = json.loads(out.read_text())
     assert r["tree"] == "dynamic:2,3,10" and r["gamma"] == 3 and r["lossless"] is True and r["tau"] == 4
     assert "tree dynamic:2,3,10: EAGLE-2 dynamic tree, depth 3" in capsys.readouterr().out
@@ -395,8 +395,8 @@ def test_spec_eval_bad_input(run_dir, tmp_path):
                            (["--tree", "2,2", "--gamma", "4"], "--gamma 4 with --tree 2,2: the tree's depth is 2"),
                            (["--tree", "dynamic:4,4"], "--tree dynamic:4,4: accepted: .* or dynamic:K,D,N"),
                            (["--tree", "dynamic:4,0,8"], "--tree dynamic:4,0,8: accepted"),
-                           (["--tree", "dynamic:2,3,6", "--gamma", "4"], "--gamma 4 with --tree dynamic:2,3,6: the tree's "
-                                                                          "depth is 3"),
+                           (["--tree", "dynamic:2,3,6", "--gamma", "4"],
+                            "--gamma 4 with --tree dynamic:2,3,6: the tree's depth is 3"),
                            (["--tree", "dynamic:2,3,6", "--temperature", "1"], "dynamic trees are greedy only"),
                            (["--temperature", "-1"], "--temperature -1.0: must be >= 0"),
                            (["--temperature", "1", "--top-p", "0"], r"--top-p 0.0: must be in \(0, 1\]")]:
