@@ -120,6 +120,66 @@ def test_eagle3_speculative_decoding_is_lossless_and_chain_acceptance_is_consist
     assert acc["tau_sim"] == pytest.approx(1 + sum(acc["acceptance_unconditional"]))
 
 
+def test_eagle3_tree_nodes_are_the_top_k_of_their_chain_unrolls():
+    """Each tree node is among the top-k of the chain unroll (``_step``, the code ``propose`` runs) fed its path:
+    a node's feature (its parent's output), token, position and mask are the chain's along that path."""
+    from treadle.speculative.tree import node_depths
+
+    model, branching = eagle3(vocab=64), (3, 2, 2)
+    context = torch.randint(0, 512, (1, 9))
+    with torch.no_grad(), capture_features(model.target, model.draft_model.feature_layers) as tap:
+        model.target(input_ids=context[:, :-1])
+        features = tap.take()
+    drafter = Eagle3Drafter(model)
+    drafter.reset(context)
+    tree = drafter.propose_tree(context, TargetState(None, features), branching, Sampler())
+    assert len(tree.tokens) == 3 + 6 + 12 and drafter.rows == 8  # the tree's rows never join the step-0 rows
+    draft, to_draft = model.draft_model, model.draft_model.target_to_draft()
+    for node, depth in enumerate(node_depths(tree.parents)):
+        path, p = [], tree.parents[node]
+        while p >= 0:
+            path, p = [tree.tokens[p], *path], tree.parents[p]
+        chain = Eagle3Drafter(model)
+        x, last = chain._absorb(context, TargetState(None, features))
+        past = chain.kv
+        for link, token in enumerate(path, start=1):
+            x, (k, v) = chain._step(torch.tensor([[token]]), x, last + link, past)
+            past = (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
+        top = draft.logits(x)[0, -1].topk(branching[depth - 1]).indices.tolist()
+        assert int(to_draft[tree.tokens[node]]) in top, node
+    # Sampled: q rows over the target's vocabulary, each sibling's row without the tokens drawn before it.
+    drafter.reset(context)
+    tree = drafter.propose_tree(context, TargetState(None, features), branching,
+                                Sampler(1.0, generator=torch.Generator().manual_seed(0)))
+    assert tree.q.shape == (len(tree.tokens), 512) and torch.allclose(tree.q.sum(-1), torch.ones(len(tree.tokens)))
+    for node, token in enumerate(tree.tokens):
+        assert float(tree.q[node, token]) > 0
+        earlier = [i for i in range(node) if tree.parents[i] == tree.parents[node]]
+        assert all(float(tree.q[node, tree.tokens[i]]) == 0 for i in earlier)
+
+
+def test_eagle3_tree_decoding_is_lossless_and_a_width_1_tree_is_the_chain():
+    """Greedy tree decoding equals the target's greedy output, token for token, and a width-1 tree accepts exactly
+    what the chain does, call for call. The draft vocabulary is the target's greedy output's tokens, so that even
+    an untrained draft gets some drafts accepted (partial paths: the features handed back are the accepted ones)."""
+    from treadle.speculative.decode import speculative_generate, target_generate
+
+    torch.manual_seed(2)
+    prompt = torch.randint(0, 512, (1, 8))
+    want, _ = target_generate(eagle3().target, prompt, 24)
+    ids = sorted(set(want))
+    model = eagle3(vocab=len(ids))  # the same target (seeded), a draft that can only say those tokens
+    model.draft_model.set_vocabulary(torch.tensor(ids))
+    chain = speculative_generate(model.target, Eagle3Drafter(model), prompt, gamma=4, max_new_tokens=24)
+    tree = speculative_generate(model.target, Eagle3Drafter(model), prompt, gamma=4, max_new_tokens=24,
+                                tree=(3, 2, 1, 1))
+    narrow = speculative_generate(model.target, Eagle3Drafter(model), prompt, gamma=4, max_new_tokens=24,
+                                  tree=(1,) * 4)
+    assert chain.tokens == want and tree.tokens == want and narrow.tokens == want
+    assert narrow.accepted_per_call == chain.accepted_per_call and max(chain.accepted_per_call) > 0
+    assert max(tree.accepted_per_call) > 0
+
+
 def test_frequent_tokens_pick_the_most_counted_ids():
     counts = torch.tensor([5, 0, 9, 9, 1, 7])
     assert frequent_tokens(counts, 3).tolist() == [2, 3, 5]

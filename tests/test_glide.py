@@ -140,6 +140,15 @@ def test_glide_speculative_decoding_is_lossless(window):
     assert tree.tokens == want
     narrow = speculative_generate(model.target, GlideDrafter(model), prompt, gamma=4, max_new_tokens=24, tree=(1,) * 4)
     assert narrow.accepted_per_call == got.accepted_per_call and max(got.accepted_per_call) > 0
+    # EAGLE-2 dynamic trees too; one that keeps the top 1 per depth is the chain.
+    from treadle.speculative.tree import DynamicTree
+
+    dynamic = speculative_generate(model.target, GlideDrafter(model), prompt, gamma=4, max_new_tokens=24,
+                                   tree=DynamicTree(3, 4, 10))
+    assert dynamic.tokens == want
+    narrow = speculative_generate(model.target, GlideDrafter(model), prompt, gamma=4, max_new_tokens=24,
+                                  tree=DynamicTree(1, 4, 4))
+    assert narrow.accepted_per_call == got.accepted_per_call
 
 
 @pytest.mark.parametrize("loss, window, lag", [("ce", 0, 1), ("kl", 0, 2), ("kl", 3, 1)])

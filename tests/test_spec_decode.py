@@ -352,6 +352,17 @@ def test_spec_eval_tree_and_sampled(run_dir, tmp_path, capsys, monkeypatch):
     r = json.loads(out.read_text())
     assert r["lossless"] is None and r["temperature"] == 0.8 and r["tau"] >= 1
     assert "not compared (sampled at temperature 0.8" in capsys.readouterr().out
+    # A sampled tree: the draft's q is the target's p at every node, so the first child is (almost surely) accepted.
+    assert spec_eval("--target", str(run_dir), "--draft", str(run_dir), "--tree", "2,2,1", "--temperature", "1",
+                     "--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
+    r = json.loads(out.read_text())
+    assert r["tree"] == [2, 2, 1] and r["temperature"] == 1 and r["lossless"] is None and r["tau"] > 3.5
+    # 2 + 4 + 4 candidates, all kept: the greedy path is among them.
+    assert spec_eval("--target", str(run_dir), "--draft", str(run_dir), "--tree", "dynamic:2,3,10",
+                     "--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
+    r = json.loads(out.read_text())
+    assert r["tree"] == "dynamic:2,3,10" and r["gamma"] == 3 and r["lossless"] is True and r["tau"] == 4
+    assert "tree dynamic:2,3,10: EAGLE-2 dynamic tree, depth 3" in capsys.readouterr().out
 
 
 def test_spec_eval_reports_a_lossy_decoder(run_dir, monkeypatch, capsys):
@@ -382,7 +393,11 @@ def test_spec_eval_bad_input(run_dir, tmp_path):
     for flags, message in [(["--tree", "4,x"], "--tree 4,x: accepted: branching factors >= 1"),
                            (["--tree", "2,0"], "--tree 2,0: accepted"),
                            (["--tree", "2,2", "--gamma", "4"], "--gamma 4 with --tree 2,2: the tree's depth is 2"),
-                           (["--tree", "2,2", "--temperature", "1"], "tree verification is greedy only"),
+                           (["--tree", "dynamic:4,4"], "--tree dynamic:4,4: accepted: .* or dynamic:K,D,N"),
+                           (["--tree", "dynamic:4,0,8"], "--tree dynamic:4,0,8: accepted"),
+                           (["--tree", "dynamic:2,3,6", "--gamma", "4"],
+                            "--gamma 4 with --tree dynamic:2,3,6: the tree's depth is 3"),
+                           (["--tree", "dynamic:2,3,6", "--temperature", "1"], "dynamic trees are greedy only"),
                            (["--temperature", "-1"], "--temperature -1.0: must be >= 0"),
                            (["--temperature", "1", "--top-p", "0"], r"--top-p 0.0: must be in \(0, 1\]")]:
         with pytest.raises(UserError, match=message):
@@ -449,11 +464,45 @@ def test_model_drafter_tree_nodes_are_the_top_k_of_their_paths(prompts, noisy_co
     assert drafter._cache.get_seq_length() == context.shape[1]
 
 
+def test_dynamic_tree_keeps_the_likeliest_nodes_of_top_k_expansions(prompts, noisy_copy):
+    """EAGLE-2's dynamic tree equals a naive reference run on fresh forwards of context + path: per depth the K
+    likeliest candidates (cumulative draft log-prob) get their top-K children, and the N likeliest candidates of
+    all are kept."""
+    from treadle.speculative.tree import DynamicTree
+
+    k, depth, n = 3, 4, 10
+    draft = copy.deepcopy(noisy_copy)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(30)  # peaked, uneven distributions: deep nodes outrank shallow ones, or not
+    drafter, context = ModelDrafter(draft), prompts[0]
+    drafter.reset(context)
+    proposal = drafter.propose_tree(context, None, DynamicTree(k, depth, n), Sampler())
+    assert proposal.q is None and drafter._cache.get_seq_length() == context.shape[1]
+
+    def children(path, score):
+        with torch.inference_mode():
+            ids = torch.cat([context, torch.tensor([path], dtype=torch.long)], 1)
+            top = draft(input_ids=ids).logits[0, -1].log_softmax(-1).topk(k)
+        return [((*path, int(t)), score + float(v)) for v, t in zip(top.values, top.indices)]
+
+    level = children((), 0.0)
+    candidates = list(level)
+    for _ in range(depth - 1):
+        chosen = sorted(level, key=lambda c: -c[1])[:k]
+        level = [child for path, score in chosen for child in children(path, score)]
+        candidates += level
+    want = {path for path, _ in sorted(candidates, key=lambda c: -c[1])[:n]}
+    got = {tuple(path_to(node, proposal.tokens, proposal.parents)) for node in range(len(proposal.tokens))}
+    assert got == want and max(map(len, got)) == depth and len({len(p) for p in got}) == depth  # every depth kept
+
+
 def tree_run(target, drafter, prompts, tree, max_new_tokens=NEW):
+    from treadle.speculative.tree import tree_depth
+
     results = []
     for prompt in prompts:
         reference, _ = target_generate(target, prompt, max_new_tokens)
-        result = speculative_generate(target, drafter, prompt, len(tree), max_new_tokens, tree=tree)
+        result = speculative_generate(target, drafter, prompt, tree_depth(tree), max_new_tokens, tree=tree)
         assert result.tokens == reference  # lossless
         results.append(result)
     return results
@@ -469,13 +518,20 @@ def test_greedy_tree_is_lossless_and_beats_the_chain(target, prompts, noisy_copy
     narrow = tree_run(target, ModelDrafter(noisy_copy), prompts, (1,) * GAMMA, max_new_tokens=32)
     chained = run_all(target, ModelDrafter(noisy_copy), prompts, max_new_tokens=32)
     assert [r.accepted_per_call for r in narrow] == [r.accepted_per_call for r in chained]
+    # EAGLE-2 dynamic trees: lossless, better than the chain, and the chain when they keep the top 1 per depth.
+    from treadle.speculative.tree import DynamicTree
+
+    dynamic = tree_run(target, ModelDrafter(noisy_copy), prompts, DynamicTree(3, GAMMA, 12), max_new_tokens=32)
+    assert summarize(dynamic, GAMMA)["tau"] > chain
+    narrow = tree_run(target, ModelDrafter(noisy_copy), prompts, DynamicTree(1, GAMMA, GAMMA), max_new_tokens=32)
+    assert [r.accepted_per_call for r in narrow] == [r.accepted_per_call for r in chained]
 
 
 def test_tree_falls_back_to_a_chain_for_drafters_without_trees(target, prompts):
     tree_run(target, PromptLookupDrafter(), prompts, TREE)
     tree_run(target, RandomDrafter(VOCAB, seed=0), prompts, TREE)
-    with pytest.raises(ValueError, match="needs greedy sampling"):
-        speculative_generate(target, PromptLookupDrafter(), prompts[0], 4, 8, tree=TREE, sampler=Sampler(1.0))
+    with pytest.raises(ValueError, match="gamma == its depth"):
+        speculative_generate(target, PromptLookupDrafter(), prompts[0], 3, 8, tree=TREE)
 
 
 def test_tree_hands_feature_layers_the_accepted_path(target, prompts, noisy_copy):

@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from treadle.speculative.decode import speculative_generate, target_generate
 from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
+from treadle.speculative import sampling
 from treadle.speculative.sampling import Sampler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,10 +59,10 @@ def critical(dof, z=3.29):
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
-def speculative_counts(target, drafter, sampler, runs, gamma=2):
+def speculative_counts(target, drafter, sampler, runs, gamma=2, tree=None):
     counts = {}
     for _ in range(runs):
-        seq = tuple(speculative_generate(target, drafter, PROMPT, gamma, K, sampler=sampler).tokens)
+        seq = tuple(speculative_generate(target, drafter, PROMPT, gamma, K, sampler=sampler, tree=tree).tokens)
         counts[seq] = counts.get(seq, 0) + 1
     return counts
 
@@ -108,6 +109,38 @@ def test_a_broken_acceptance_rule_fails_the_same_test():
     dist = exact_distribution(target, Sampler(1.0))
     broken = AlwaysAccept(1.0, generator=torch.Generator().manual_seed(0))
     counts = speculative_counts(target, ModelDrafter(tiny(1)), broken, RUNS)
+    stat, dof = chi_square(counts, dist, RUNS)
+    assert stat > critical(dof)
+    assert total_variation(counts, dist, RUNS) > 2 * sampling_noise_tv(dist, RUNS)
+
+
+TREE = (2, 2)  # 2 + 4 nodes over a 4-token vocabulary: siblings are often rejected in turn
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
+def test_sampled_tree_verification_has_the_targets_distribution(temperature, top_p):
+    """The same test for a sampled tree: an LM draft draws each node's children without replacement (renormalized
+    q rows), recursive rejection sampling verifies; with top-p some nodes get a single child."""
+    target = tiny(0)
+    sampler = Sampler(temperature, top_p, torch.Generator().manual_seed(0))
+    dist = exact_distribution(target, sampler)
+    counts = speculative_counts(target, ModelDrafter(tiny(1)), sampler, RUNS, gamma=len(TREE), tree=TREE)
+    stat, dof = chi_square(counts, dist, RUNS)
+    assert stat < critical(dof), (stat, dof)
+    assert total_variation(counts, dist, RUNS) < 2 * sampling_noise_tv(dist, RUNS)
+
+
+def p_kept_after_a_rejection(p, x, q_row):
+    """The broken rule: a rejected child leaves p as it was, instead of the normalized max(0, p - q)."""
+    return p
+
+
+def test_a_sampled_tree_that_keeps_p_after_a_rejected_sibling_fails_the_same_test(monkeypatch):
+    target = tiny(0)
+    sampler = Sampler(1.0, generator=torch.Generator().manual_seed(0))
+    dist = exact_distribution(target, sampler)
+    monkeypatch.setattr(sampling, "residual", p_kept_after_a_rejection)
+    counts = speculative_counts(target, ModelDrafter(tiny(1)), sampler, RUNS, gamma=len(TREE), tree=TREE)
     stat, dof = chi_square(counts, dist, RUNS)
     assert stat > critical(dof)
     assert total_variation(counts, dist, RUNS) > 2 * sampling_noise_tv(dist, RUNS)

@@ -6,7 +6,8 @@ drafts that equal the target's argmax are kept, followed by the target's own tok
 at the first mismatch (or after the last draft), so the output is exactly the
 target's greedy output whatever the drafter proposes. Sampled (temperature > 0):
 speculative sampling (``sampling.verify_sampled``), so the output has exactly the
-target's own sampling distribution.
+target's own sampling distribution. A tree (``tree=``) is verified the same ways, in
+one forward, keeping the longest accepted path.
 
 Cache invariant (target and ``ModelDrafter`` alike): the KV cache covers the
 accepted sequence minus its last token, the newest "bonus" token, which no
@@ -23,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from treadle.speculative.sampling import Sampler, verify_sampled
-from treadle.speculative.tree import additive, ancestor_mask, node_depths
+from treadle.speculative.tree import DynamicTree, additive, ancestor_mask, node_depths
 
 GREEDY = Sampler()
 
@@ -83,9 +84,9 @@ class Drafter(Protocol):
     the target with ``output_hidden_states=True`` and fills ``TargetState.hidden``.
 
     Optional method ``propose_tree(context_ids, state, branching, sampler) -> Proposal``:
-    a tree (``Proposal.parents`` set) of the static shape ``branching`` (``tree.py``),
-    greedy only for now. Under ``tree=...`` a drafter without it proposes a chain
-    of the tree's depth.
+    a tree (``Proposal.parents`` set) of the shape ``branching`` (``tree.py``: static, its
+    sampled children drawn without replacement, or a greedy ``DynamicTree``). Under
+    ``tree=...`` a drafter without it proposes a chain of the tree's depth.
     """
 
     name: str
@@ -227,37 +228,47 @@ def _verify_chain(logits: torch.Tensor, proposal: Proposal, sampler: Sampler) ->
         choice = logits.argmax(-1).tolist()
         n = leading_matches(proposal.tokens, choice)
         return n, choice[n]
-    return verify_sampled(sampler.probs(logits), proposal.tokens, proposal.q, sampler)
+    path, bonus = verify_sampled(sampler.probs(logits), proposal.tokens, proposal.q, sampler)
+    return len(path), bonus
 
 
 def _verify_tree(
-    target: torch.nn.Module, cache: DynamicCache, bonus: int, proposal: Proposal, layers: tuple[int, ...]
+    target: torch.nn.Module, cache: DynamicCache, bonus: int, proposal: Proposal, layers: tuple[int, ...],
+    sampler: Sampler,
 ) -> tuple[list[int], int, torch.Tensor | None]:
-    """Greedy verification of a draft tree in one target forward: (accepted drafts, next token, hidden rows).
+    """Verification of a draft tree in one target forward: (accepted drafts, next token, hidden rows).
 
     The bonus and the tree go in together, each node attending to the cache, its
-    ancestors and itself at position prefix + depth. The longest path whose every
-    token is the target's argmax after its parent is kept, and the cache compacted
+    ancestors and itself at position prefix + depth. Greedy: the longest path whose
+    every token is the target's argmax after its parent is kept; sampled: the path
+    recursive rejection sampling accepts (``verify_sampled``). The cache is compacted
     to prefix + bonus + that path, as if the path alone had been verified as a chain.
     """
     parents = [-1] + [p + 1 for p in proposal.parents]  # node 0 is the bonus, the root
     past = cache.get_seq_length()
     out = forward_tree(target, [bonus, *proposal.tokens], parents, past, cache, bool(layers))
-    choice = out.logits[0].argmax(-1).tolist()
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents[1:], start=1):
-        children.setdefault(parent, []).append(node)
-    path = [0]
-    while True:
-        match = [c for c in children.get(path[-1], []) if proposal.tokens[c - 1] == choice[path[-1]]]
-        if not match:
-            break
-        path.append(match[0])
+    logits = out.logits[0]
+    if sampler.greedy:
+        choice = logits.argmax(-1).tolist()
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(parents[1:], start=1):
+            children.setdefault(parent, []).append(node)
+        path = [0]
+        while True:
+            match = [c for c in children.get(path[-1], []) if proposal.tokens[c - 1] == choice[path[-1]]]
+            if not match:
+                break
+            path.append(match[0])
+        next_token = choice[path[-1]]
+    else:
+        accepted, next_token = verify_sampled(sampler.probs(logits), proposal.tokens, proposal.q, sampler,
+                                              proposal.parents)
+        path = [0] + [node + 1 for node in accepted]
     keep = torch.cat([torch.arange(past), torch.tensor(path) + past])
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.index_select(-2, keep), layer.values.index_select(-2, keep)
     hidden = torch.cat([out.hidden_states[i] for i in layers], dim=-1)[:, path] if layers else None
-    return [proposal.tokens[c - 1] for c in path[1:]], choice[path[-1]], hidden
+    return [proposal.tokens[c - 1] for c in path[1:]], next_token, hidden
 
 
 def speculative_generate(
@@ -268,17 +279,21 @@ def speculative_generate(
     max_new_tokens: int,
     eos_id: int | None = None,
     sampler: Sampler = GREEDY,
-    tree: tuple[int, ...] | None = None,
+    tree: tuple[int, ...] | DynamicTree | None = None,
 ) -> SpecResult:
     """Speculative decoding of one prompt: greedy, the tokens equal ``target_generate``'s; sampled, their
     distribution equals ``target_generate``'s with the same ``sampler`` settings.
 
-    ``tree`` (greedy only): branching per depth; ``gamma`` must be its depth. A drafter
-    with ``propose_tree`` proposes such a tree, one without it a chain of that depth.
+    ``tree``: branching per depth, or a ``DynamicTree`` (greedy only); ``gamma`` must be
+    its depth. A drafter with ``propose_tree`` proposes such a tree, one without it a
+    chain of that depth.
     """
     _check_args(prompt_ids, max_new_tokens, gamma)
-    if tree is not None and (len(tree) != gamma or min(tree) < 1 or not sampler.greedy):
-        raise ValueError(f"tree {tree}: needs greedy sampling, branchings >= 1 and gamma == its depth ({gamma})")
+    if isinstance(tree, DynamicTree):
+        if min(tree.top_k, tree.depth, tree.nodes) < 1 or tree.depth != gamma or not sampler.greedy:
+            raise ValueError(f"tree {tree}: needs K, D, N >= 1, gamma == D ({gamma}) and greedy sampling")
+    elif tree is not None and (len(tree) != gamma or min(tree) < 1):
+        raise ValueError(f"tree {tree}: needs branchings >= 1 and gamma == its depth ({gamma})")
     grow = getattr(drafter, "propose_tree", None) if tree is not None else None
     target.eval()
     layers = feature_layers(drafter)
@@ -298,7 +313,7 @@ def speculative_generate(
             state = TargetState(_last_layer_kv(cache, len(context) - 1), hidden)
             if grow is not None:
                 proposal = grow(torch.tensor([context]), state, tree, sampler)
-                path, bonus, hidden = _verify_tree(target, cache, tokens[-1], proposal, layers)
+                path, bonus, hidden = _verify_tree(target, cache, tokens[-1], proposal, layers, sampler)
                 n = len(path)
                 tokens += path + [bonus]
             else:

@@ -28,6 +28,8 @@ from treadle.model_dirs import resolve_model_dir
 if TYPE_CHECKING:
     import torch
 
+    from treadle.speculative.tree import DynamicTree
+
     from treadle.speculative.decode import Drafter
 
 _WARMUP_TOKENS = 4
@@ -44,8 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gamma", type=int, default=None,
                         help="draft tokens per verification call (default: 4; with --tree, its depth)")
     parser.add_argument("--tree", metavar="B1,B2,...", default=None,
-                        help="draft a static tree, branching B1 at depth 1, B2 at depth 2, ... (e.g. 4,2,2,1), verified "
-                             "in one target forward; greedy only; drafters that cannot branch propose a chain")
+                        help="draft a static tree, branching B1 at depth 1, B2 at depth 2, ... (e.g. 4,2,2,1), "
+                             "verified in one target forward (greedy, or sampled with --temperature); or "
+                             "dynamic:K,D,N (EAGLE-2, greedy: top K per depth, depth D, N nodes kept); drafters that "
+                             "cannot branch propose a chain")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (default); > 0 = speculative sampling at this temperature")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass with --temperature (default: 1)")
@@ -131,11 +135,11 @@ def evaluate_drafter(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    tree: tuple[int, ...] | None = None,
+    tree: tuple[int, ...] | DynamicTree | None = None,
 ) -> dict:
     """Target-alone and speculative decoding of every prompt: acceptance, speed and (greedy) losslessness.
 
-    ``tree`` (greedy only): branching per depth, ``gamma`` its depth. ``lossless`` is None when sampled.
+    ``tree``: branching per depth or a ``DynamicTree``, ``gamma`` its depth. ``lossless`` is None when sampled.
     """
     import torch
 
@@ -177,7 +181,7 @@ def evaluate_drafter(
         mismatches=mismatches,
         temperature=temperature,
         top_p=top_p,
-        tree=list(tree) if tree is not None else None,
+        tree=None if tree is None else list(tree) if isinstance(tree, tuple) else str(tree),
     )
     summary["speedup"] = summary["tokens_per_s_spec"] / summary["tokens_per_s_target"]
     return summary
@@ -186,28 +190,41 @@ def evaluate_drafter(
 # --------------------------------------------------------------------------- command
 
 
-def parse_tree(text: str) -> tuple[int, ...]:
-    """``--tree 4,2,2,1`` -> (4, 2, 2, 1); anything else is one line naming what is accepted."""
+def parse_tree(text: str) -> tuple[int, ...] | DynamicTree:
+    """``--tree 4,2,2,1`` -> (4, 2, 2, 1); ``--tree dynamic:K,D,N`` -> ``DynamicTree(K, D, N)``; anything else is
+    one line naming what is accepted."""
+    from treadle.speculative.tree import DynamicTree
+
+    text = str(text)
+    dynamic = text.startswith("dynamic:")
     try:
-        branching = tuple(int(part) for part in str(text).split(","))
+        numbers = tuple(int(part) for part in text.removeprefix("dynamic:").split(","))
     except ValueError:
-        branching = ()
-    if not branching or min(branching) < 1:
-        raise UserError(f"--tree {text}: accepted: branching factors >= 1 per depth, comma-separated, e.g. 4,2,2,1")
-    return branching
+        numbers = ()
+    if not numbers or min(numbers) < 1 or (dynamic and len(numbers) != 3):
+        raise UserError(f"--tree {text}: accepted: branching factors >= 1 per depth, comma-separated, e.g. 4,2,2,1; "
+                        "or dynamic:K,D,N (top K per depth, depth D, N nodes kept; each >= 1), e.g. dynamic:4,4,16")
+    return DynamicTree(*numbers) if dynamic else numbers
 
 
-def _check_sampling(temperature: float, top_p: float, tree: tuple[int, ...] | None, gamma: int | None) -> None:
+def _check_sampling(temperature: float, top_p: float, tree: tuple[int, ...] | DynamicTree | None,
+                    gamma: int | None) -> None:
     if not temperature >= 0:
         raise UserError(f"--temperature {temperature}: must be >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
         raise UserError(f"--top-p {top_p}: must be in (0, 1]")
-    if tree is not None and temperature > 0:
-        raise UserError(f"--tree with --temperature {temperature}: tree verification is greedy only; "
-                        "accepted: --temperature 0, or a chain (--gamma) for sampling")
-    if tree is not None and gamma is not None and gamma != len(tree):
-        raise UserError(f"--gamma {gamma} with --tree {','.join(map(str, tree))}: the tree's depth is "
-                        f"{len(tree)}; leave --gamma out or give {len(tree)}")
+    from treadle.speculative.tree import DynamicTree, tree_depth
+
+    if isinstance(tree, DynamicTree) and temperature > 0:
+        raise UserError(f"--tree {tree} with --temperature {temperature}: dynamic trees are greedy only; "
+                        "accepted: --temperature 0, or a static tree (e.g. --tree 4,2,2,1) for sampling")
+    if tree is not None and gamma is not None and gamma != tree_depth(tree):
+        raise UserError(f"--gamma {gamma} with --tree {_tree_text(tree)}: the tree's depth is "
+                        f"{tree_depth(tree)}; leave --gamma out or give {tree_depth(tree)}")
+
+
+def _tree_text(tree: tuple[int, ...] | DynamicTree) -> str:
+    return ",".join(map(str, tree)) if isinstance(tree, tuple) else str(tree)
 
 
 def _check_args(gamma: int, num_prompts: int, prompt_len: int, max_new_tokens: int, threads: int,
@@ -250,8 +267,11 @@ def _print_report(result: dict, target_dir: Path) -> None:
     if result["tree"]:
         from treadle.speculative.tree import tree_size
 
-        table.add_row("draft", f"tree {','.join(map(str, result['tree']))}: "
-                               f"{tree_size(tuple(result['tree']))} nodes, depth {gamma}")
+        if isinstance(result["tree"], str):
+            table.add_row("draft", f"tree {result['tree']}: EAGLE-2 dynamic tree, depth {gamma}")
+        else:
+            table.add_row("draft", f"tree {','.join(map(str, result['tree']))}: "
+                                   f"{tree_size(tuple(result['tree']))} nodes, depth {gamma}")
     else:
         table.add_row("draft", f"chain of gamma {gamma}")
     table.add_row("tau", f"{_rate(result['tau'])} tokens per target verification call, bonus token included "
@@ -279,14 +299,18 @@ def _print_report(result: dict, target_dir: Path) -> None:
 
 def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Path | None = None, num_prompts: int = 8,
               prompt_len: int = 64, max_new_tokens: int = 64, json_path: Path | None = None, threads: int = 0,
-              tree: str | tuple[int, ...] | None = None, temperature: float = 0.0, top_p: float = 1.0,
+              tree: str | tuple[int, ...] | DynamicTree | None = None, temperature: float = 0.0, top_p: float = 1.0,
               seed: int = 0) -> dict:
     """Speculative decoding of ``target`` with ``draft``: the result record (``--json`` writes it, with
     ``written_by``). The keywords are the command's flags; its defaults are theirs (a test compares them)."""
     json_path = Path(json_path) if json_path is not None else None
-    branching = None if tree is None else parse_tree(",".join(map(str, tree)) if isinstance(tree, tuple) else tree)
+    branching = None if tree is None else parse_tree(_tree_text(tree))
     _check_sampling(temperature, top_p, branching, gamma)
-    gamma = len(branching) if branching is not None else 4 if gamma is None else gamma
+    if branching is not None:
+        from treadle.speculative.tree import tree_depth
+
+        gamma = tree_depth(branching)
+    gamma = 4 if gamma is None else gamma
     _check_args(gamma, num_prompts, prompt_len, max_new_tokens, threads, json_path)
     import torch
 

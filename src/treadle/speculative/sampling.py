@@ -74,28 +74,54 @@ def _widen(rows: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(rows, (0, width - rows.shape[-1]))
 
 
-def verify_sampled(
-    p: torch.Tensor, draft: list[int], q: torch.Tensor | None, sampler: Sampler
-) -> tuple[int, int]:
-    """Speculative sampling over one chain: (drafts accepted, the target's next token).
+def residual(p: torch.Tensor, x: int, q_row: torch.Tensor | None) -> torch.Tensor:
+    """The normalized max(0, p - q) that replaces ``p`` after draft token ``x`` (drawn from ``q_row``) was rejected;
+    ``q_row`` None: one-hot at ``x``, so p without x."""
+    if q_row is None:
+        rest = p.clone()
+        if x < rest.shape[0]:
+            rest[x] = 0.0
+    else:
+        rest = (p - q_row).clamp_min(0.0)
+    total = float(rest.sum())
+    # A zero residual means p == q, where rejection has probability 0; rounding can still get here.
+    return rest / total if total > 0 else p
 
-    ``p`` [len(draft) + 1, V]: the target's distribution after each prefix of the
-    chain (row i follows draft[:i]); ``q`` [len(draft), V]: the distribution each draft
-    token was drawn from (None: each one-hot at its token).
+
+def verify_sampled(
+    p: torch.Tensor, draft: list[int], q: torch.Tensor | None, sampler: Sampler, parents: list[int] | None = None
+) -> tuple[list[int], int]:
+    """Speculative sampling over a chain or a tree: (accepted draft indices, root to leaf, the target's next token).
+
+    ``p`` [len(draft) + 1, V]: the target's distribution after the bonus (row 0) and
+    after each draft node (row i + 1 follows draft[i] and its ancestors); ``q``
+    [len(draft), V]: the distribution each draft token was drawn from (None: each
+    one-hot at its token). ``parents`` as in ``tree.py``; None: a chain.
+
+    Recursive rejection sampling (SpecInfer; EAGLE's evaluation): at a node, its children
+    are tried in the order they were drawn; child x with row q is accepted with
+    probability min(1, p(x) / q(x)); a rejection replaces p with the normalized
+    max(0, p - q) for the next sibling; the first acceptance descends into that child
+    with the target's distribution there; when every child is rejected (or at a leaf)
+    the next token is drawn from the current p. Siblings drawn without replacement
+    (``tree.draw_children``) carry their renormalized rows, which keeps this exact.
     """
-    for i, x in enumerate(draft):
-        q_row = _widen(q[i], p.shape[-1]) if q is not None else None
-        q_x = float(q_row[x]) if q_row is not None else 1.0
-        p_x = float(p[i, x]) if x < p.shape[-1] else 0.0
-        if sampler.accepts(p_x, q_x):
-            continue
-        if q_row is None:
-            residual = p[i].clone()
-            if x < residual.shape[0]:
-                residual[x] = 0.0  # max(0, p - onehot(x)): p without x
+    parents = list(range(-1, len(draft) - 1)) if parents is None else parents
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    path: list[int] = []
+    node, p_now = -1, p[0]
+    while True:
+        for child in children.get(node, []):
+            x = draft[child]
+            q_row = _widen(q[child], p.shape[-1]) if q is not None else None
+            q_x = float(q_row[x]) if q_row is not None else 1.0
+            p_x = float(p_now[x]) if x < p.shape[-1] else 0.0
+            if sampler.accepts(p_x, q_x):
+                path.append(child)
+                node, p_now = child, p[child + 1]
+                break
+            p_now = residual(p_now, x, q_row)
         else:
-            residual = (p[i] - q_row).clamp_min(0.0)
-        total = float(residual.sum())
-        # A zero residual means p == q, where rejection has probability 0; rounding can still get here.
-        return i, sampler.sample(residual / total if total > 0 else p[i])
-    return len(draft), sampler.sample(p[len(draft)])
+            return path, sampler.sample(p_now)

@@ -1,10 +1,17 @@
-"""Draft trees: a static shape given as branching per depth, grown greedily, and the masks that score one.
+"""Draft trees: a static shape given as branching per depth, grown greedily or sampled, and the masks that score one.
 
 A tree is a list of nodes in topological order, each a token and the index of its
 parent node (-1: a child of the newest accepted token, the bonus). ``branching``
 ``(4, 2, 2, 1)`` gives the bonus its 4 most likely children, each of those its 2 most
 likely, and so on: 4 + 8 + 16 + 16 = 44 nodes, a depth of 4. A chain of gamma is
-``(1,) * gamma``.
+``(1,) * gamma``. Sampled, a node's children are drawn without replacement from the
+draft's distribution (``draw_children``), so a node may get fewer when fewer tokens
+have mass (top-p).
+
+``DynamicTree(top_k, depth, nodes)`` is EAGLE-2's shape instead (greedy only): per depth
+the ``top_k`` likeliest frontier nodes (by cumulative draft log-probability) are
+expanded into their ``top_k`` children each, and after ``depth`` levels the ``nodes``
+likeliest of all are kept (a node never outranks its ancestors, so the kept ones form a tree).
 
 A model scores a whole tree in one forward when each node attends to the cached
 prefix, its ancestors and itself (``ancestor_mask``), at position prefix + depth.
@@ -12,9 +19,28 @@ prefix, its ancestors and itself (``ancestor_mask``), at position prefix + depth
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from treadle.speculative.sampling import Sampler
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's dynamic tree (module docstring): ``spec-eval --tree dynamic:K,D,N``."""
+
+    top_k: int
+    depth: int
+    nodes: int
+
+    def __str__(self) -> str:
+        return f"dynamic:{self.top_k},{self.depth},{self.nodes}"
+
+
+def tree_depth(shape: "tuple[int, ...] | DynamicTree") -> int:
+    return shape.depth if isinstance(shape, DynamicTree) else len(shape)
 
 
 def tree_size(branching: tuple[int, ...]) -> int:
@@ -51,28 +77,109 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
 
 
+def draw_children(logits: torch.Tensor, width: int, sampler: Sampler) -> tuple[list[int], list[torch.Tensor]]:
+    """A node's children from the draft's ``logits`` [V]: (tokens, the q row each was drawn from).
+
+    Greedy: the ``width`` most likely tokens, no rows. Sampled: ``width`` sequential draws
+    without replacement: after each, its token is removed from q and q renormalized for
+    the next sibling, whose row that is. Recursive rejection sampling
+    (``sampling.verify_sampled``) needs exactly these rows to keep the output exact.
+    Stops early when q has no mass left (top-p kept fewer than ``width`` tokens).
+    """
+    if sampler.greedy:
+        return logits.topk(width).indices.tolist(), []
+    q = sampler.probs(logits)
+    tokens, rows = [], []
+    for _ in range(width):
+        token = sampler.sample(q)
+        tokens.append(token)
+        rows.append(q)
+        q = q.clone()
+        q[token] = 0.0
+        total = float(q.sum())
+        if total <= 0:
+            break
+        q = q / total
+    return tokens, rows
+
+
 def grow_tree(
     root_logits: torch.Tensor,
     branching: tuple[int, ...],
     expand: Callable[[list[int], list[int], list[int]], torch.Tensor],
-) -> tuple[list[int], list[int]]:
-    """Greedy static tree: (tokens, parents). Each node's children are its ``branching[depth]`` most likely tokens.
+    sampler: Sampler,
+) -> tuple[list[int], list[int], torch.Tensor | None]:
+    """A static tree: (tokens, parents, q). Each node's children come from ``draw_children`` (greedy: its
+    ``branching[depth]`` most likely tokens). A ``DynamicTree`` ``branching`` grows that instead (``grow_dynamic``).
 
     ``root_logits`` [V]: the draft's logits after the bonus. ``expand(new, tokens, parents)``
     feeds the nodes ``new`` (indices into the growing ``tokens``/``parents``; their
     ancestors were fed earlier) and returns their logits [len(new), V]. The deepest
-    level is never fed.
+    level is never fed. ``q`` [len(tokens), V]: each node's q row, None when greedy.
     """
+    if isinstance(branching, DynamicTree):
+        if not sampler.greedy:
+            raise ValueError(f"tree {branching}: dynamic trees are greedy only")
+        return (*grow_dynamic(root_logits, branching, expand), None)
     tokens: list[int] = []
     parents: list[int] = []
+    rows: list[torch.Tensor] = []
     frontier, frontier_logits = [-1], root_logits[None]
     for depth, width in enumerate(branching):
         new = []
         for parent, logits in zip(frontier, frontier_logits):
-            for token in logits.topk(width).indices.tolist():
+            children, q = draw_children(logits, width, sampler)
+            rows += q
+            for token in children:
                 new.append(len(tokens))
                 tokens.append(token)
                 parents.append(parent)
         if depth + 1 < len(branching):
             frontier, frontier_logits = new, expand(new, tokens, parents)
-    return tokens, parents
+    return tokens, parents, (torch.stack(rows) if rows else None)
+
+
+def grow_dynamic(
+    root_logits: torch.Tensor, shape: DynamicTree, expand: Callable[[list[int], list[int], list[int]], torch.Tensor]
+) -> tuple[list[int], list[int]]:
+    """EAGLE-2's greedy dynamic tree: (tokens, parents), ``expand`` as in ``grow_tree``.
+
+    Candidates are scored by cumulative draft log-probability. Only expanded candidates
+    are fed, in their own index order (``expand`` sees that fed tree, so its contract
+    holds); the kept ``nodes`` are then renumbered in candidate order, parents first.
+    """
+    k = shape.top_k
+    tokens: list[int] = []
+    parents: list[int] = []  # candidate index of the parent, -1: a child of the bonus
+    scores: list[float] = []
+    fed_tokens: list[int] = []
+    fed_parents: list[int] = []
+    fed_of: dict[int, int] = {}  # candidate index -> fed index
+
+    def add_children(parent: int, logits: torch.Tensor) -> list[int]:
+        top = logits.float().log_softmax(-1).topk(k)
+        base = scores[parent] if parent >= 0 else 0.0
+        new = list(range(len(tokens), len(tokens) + k))
+        tokens.extend(top.indices.tolist())
+        parents.extend([parent] * k)
+        scores.extend(base + s for s in top.values.tolist())
+        return new
+
+    def rank(candidates: list[int]) -> list[int]:
+        # Ties go to the lower index: a parent (scored >= its children) always ranks before them.
+        return sorted(candidates, key=lambda c: (-scores[c], c))
+
+    level = add_children(-1, root_logits)
+    for _ in range(shape.depth - 1):
+        chosen = rank(level)[:k]
+        new = []
+        for c in chosen:
+            fed_of[c] = len(fed_tokens)
+            new.append(len(fed_tokens))
+            fed_tokens.append(tokens[c])
+            fed_parents.append(fed_of[parents[c]] if parents[c] >= 0 else -1)
+        logits = expand(new, fed_tokens, fed_parents)
+        level = [child for c, row in zip(chosen, logits) for child in add_children(c, row)]
+    keep = sorted(rank(list(range(len(tokens))))[: shape.nodes])
+    index = {c: i for i, c in enumerate(keep)}
+    return [tokens[c] for c in keep], [index[parents[c]] if parents[c] >= 0 else -1 for c in keep]
