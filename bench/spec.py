@@ -7,7 +7,8 @@ checked for loops (distinct n-grams) and prompt lookup's tau says how much repet
 Every trainable drafter in ``RECIPES`` gets the same training wall time (``--train-seconds``), not the same
 steps: a short probe run measures each recipe's step time, and its cosine schedule is sized to the budget.
 Then each drafter decodes the same held-out prompts against the frozen target, in every mode of ``MODES``:
-a greedy chain of gamma drafts, a greedy tree, and a sampled chain (T = 1). Greedy rows must be lossless.
+a greedy chain of gamma drafts, a greedy static tree, a greedy EAGLE-2 dynamic tree, and a sampled chain and
+static tree (T = 1). Greedy rows must be lossless.
 
 Beside measured tokens/s (this CPU, where a draft step of the tiny target costs a large share of a target step),
 a cost model projects the speedup a real target would give: batch-1 decoding reads every weight once per
@@ -16,7 +17,7 @@ with c = draft step / target step, a chain of gamma costs 1 + gamma c target ste
 (the verify forward of gamma + 1 tokens about one step: memory-bound) and a tree costs 1 + depth c;
 projected speedup = tau / that.
 
-    python bench/spec.py [--train-seconds 150] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,t1]
+    python bench/spec.py [--train-seconds 150] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1] [--reuse-trained]
 
 ``glide-kl-regen`` (not in the default list) trains GLIDE-kl on *regenerated* data: prompts cut from the
 built-in corpus' train split, answered greedily by the target itself (``treadle generate``), trained as SFT.
@@ -55,10 +56,12 @@ from treadle.speculative.evaluate import evaluate_drafter
 from treadle.speculative.glide_drafter import GlideDrafter
 from treadle.speculative.prompts import heldout_prompts
 from treadle.speculative.sampling import Sampler
+from treadle.speculative.tree import DynamicTree
 from treadle.train.run import run_training
 
 BENCH_TARGET = Path("configs/bench-target.toml")
 TREE = (2, 2, 1, 1)  # 2 + 4 + 4 + 4 = 14 nodes, depth 4: the same depth as the chain's gamma
+DYNAMIC = DynamicTree(top_k=4, depth=4, nodes=16)  # EAGLE-2's: the 16 likeliest of 4 expansions per depth
 TOKENS_PER_STEP = 8 * 256
 
 # An independent draft LM of about GLIDE's trainable size (~0.9M for the tiny target):
@@ -133,7 +136,13 @@ RECIPES = [
     Recipe("prompt-lookup", None, lambda run, target: PromptLookupDrafter(), "prompt-lookup"),
 ]
 DEFAULT = "glide-kl,glide-ce,glide-kl-ttt,eagle3,lm,prompt-lookup"
-MODES = {"chain": dict(), "tree": dict(tree=TREE), "t1": dict(temperature=1.0)}
+MODES = {
+    "chain": dict(),
+    "tree": dict(tree=TREE),
+    "dynamic": dict(tree=DYNAMIC),
+    "t1": dict(temperature=1.0),
+    "tree-t1": dict(tree=TREE, temperature=1.0),
+}
 
 
 def regenerate(args) -> Path:
@@ -258,13 +267,15 @@ def settings(args) -> dict:
                                                "max_new_tokens")}
 
 
-def merged(args, rows: list[dict], names: list[str]) -> list[dict]:
-    """``rows`` plus the rows of runs/bench-spec/results.json for other drafters, when its settings are the same:
-    the table grows over several ``--only`` invocations. Sorted as RECIPES and MODES."""
+def merged(args, rows: list[dict], retrained: set[str]) -> list[dict]:
+    """``rows`` plus the rows of runs/bench-spec/results.json that they do not replace, when its settings are the
+    same: the table grows over several invocations. A drafter trained anew drops all its old rows; one reused
+    (``--reuse-trained``) only those of the modes decoded again. Sorted as RECIPES and MODES."""
     path = args.out / "results.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
     if old.get("settings") == settings(args):
-        rows = [r for r in old["rows"] if r["drafter"] not in names] + rows
+        new = {(r["drafter"], r["mode"]) for r in rows}
+        rows = [r for r in old["rows"] if r["drafter"] not in retrained and (r["drafter"], r["mode"]) not in new] + rows
     order = {r.name: i for i, r in enumerate(RECIPES)}
     return sorted(rows, key=lambda r: (order.get(r["drafter"], len(order)), list(MODES).index(r["mode"])
                                        if r["mode"] in MODES else len(MODES)))
@@ -302,13 +313,14 @@ def main() -> int:
 
     bench_target(args)
     args.regen = regenerate(args) if any(n.endswith("-regen") for n in names) else None
-    trained = {}
+    trained, retrained = {}, set()
     for name in names:
         recipe, record = recipes[name], args.out / f"{name}.train.json"
         if args.reuse_trained and record.is_file():
             trained[name] = json.loads(record.read_text())  # decode again (e.g. in new modes) without retraining
         elif recipe.train_args:
             trained[name] = train(args, recipe)
+            retrained.add(name)
             record.write_text(json.dumps(trained[name]) + "\n")
         else:
             trained[name] = {"trainable_params": 0, "train_s": 0.0, "wall_s": 0.0, "steps": 0,
@@ -341,14 +353,14 @@ def main() -> int:
                          **{k: got[k] for k in ("tau", "acceptance_conditional", "acceptance_unconditional",
                                                 "tokens_per_s_spec", "tokens_per_s_target", "speedup", "lossless")}})
 
-    rows = merged(args, rows, names)
+    rows = merged(args, rows, retrained)
     print(f"\nspec bench: target {args.target}; " + "; ".join(
           f"{who}: distinct-1/2/3 {r['distinct_1']:.2f} / {r['distinct_2']:.2f} / {r['distinct_3']:.2f}, "
           f"lookup tau {r['lookup_tau']:.2f}" for who, r in (("its greedy outputs", loops["target"]),
                                                               ("its T = 1 samples", loops["target_t1"]),
                                                               ("the real continuations", loops["real"]))))
     print(f"gamma {args.gamma}, "
-          f"tree {','.join(map(str, TREE))}, {args.prompts} held-out prompts x {args.max_new_tokens} new tokens; "
+          f"tree {','.join(map(str, TREE))}, dynamic tree {DYNAMIC}, {args.prompts} held-out prompts x {args.max_new_tokens} new tokens; "
           f"{args.train_seconds:.0f} s of training per drafter (8 x 256 tokens per step); "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| drafter | mode | trainable params | steps | train s | tau | acceptance (conditional, k=1..) | "
