@@ -36,7 +36,6 @@ class Eagle3Drafter:
     def reset(self, prompt_ids) -> None:
         self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.rows = 0  # step-0 rows in self.kv
-        self.pending: list[torch.Tensor] = []  # target features not yet turned into rows
 
     def _step(self, tokens: torch.Tensor, feature: torch.Tensor, first: int, past) -> tuple[torch.Tensor, tuple]:
         """Rows at positions first.. with these tokens and features; each sees ``past`` and the rows before it."""
@@ -70,15 +69,13 @@ class Eagle3Drafter:
         features = getattr(state, "hidden", None)
         if features is None:
             raise ValueError("an EAGLE-3 draft needs the target's hidden states (state.hidden)")
-        self.pending.append(features)
         draft = self.model.draft_model
-        new = torch.cat(self.pending, dim=1)
-        self.pending = []
         last = context_ids.shape[1] - 2  # the newest token the target processed
-        if self.rows + new.shape[1] != last + 1:
-            raise RuntimeError(f"eagle3 drafter: features for {self.rows + new.shape[1]} tokens, expected {last + 1}")
+        if self.rows + features.shape[1] != last + 1:
+            raise RuntimeError(f"eagle3 drafter: features for {self.rows + features.shape[1]} tokens, "
+                               f"expected {last + 1}")
         tokens = context_ids[:, self.rows + 1 : last + 2]  # row j reads token j + 1
-        x, (k, v) = self._step(tokens, draft.fc(new.to(draft.fc.weight.dtype)), self.rows, self.kv)
+        x, (k, v) = self._step(tokens, draft.fc(features.to(draft.fc.weight.dtype)), self.rows, self.kv)
         self.kv = (k, v) if self.kv is None else (torch.cat((self.kv[0], k), 2), torch.cat((self.kv[1], v), 2))
         self.rows = last + 1
         return x[:, -1:], last
