@@ -261,6 +261,35 @@ def repetition(prompts: list[list[int]], outputs: list[list[int]], gamma: int) -
             "lookup_tau": lookup_tau(texts, len(prompts[0]), gamma)}
 
 
+def loops_of(args, model_dir: Path):
+    """(model, tokenizer, held-out prompts, loop check): how much the model's greedy outputs and T = 1 samples
+    repeat themselves, and the real continuations of the same prompts."""
+    target = load_causal_lm(model_dir, "--target")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model_dir, "--target"))
+    prompts = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
+    greedy = [target_generate(target, torch.tensor([p]), args.max_new_tokens, tokenizer.eos_token_id)[0] for p in prompts]
+    sampled = [target_generate(target, torch.tensor([p]), args.max_new_tokens, tokenizer.eos_token_id,
+                               Sampler(1.0, generator=torch.Generator().manual_seed(i)))[0]
+               for i, p in enumerate(prompts)]
+    loops = {"target": repetition(prompts, greedy, args.gamma), "target_t1": repetition(prompts, sampled, args.gamma),
+             "real": repetition(prompts, real_continuations(tokenizer, prompts, args.max_new_tokens), args.gamma)}
+    return target, tokenizer, prompts, loops
+
+
+def loop_check(args, model_dirs: list[str]) -> int:
+    print("| model | greedy distinct-1 / 2 / 3 | greedy lookup tau | T = 1 distinct-1 / 2 / 3 | T = 1 lookup tau |")
+    print("|---|---|---|---|---|")
+    for model_dir in model_dirs:
+        loops = loops_of(args, Path(model_dir))[3]
+        cells = [f"{r['distinct_1']:.2f} / {r['distinct_2']:.2f} / {r['distinct_3']:.2f} | {r['lookup_tau']:.2f}"
+                 for r in (loops["target"], loops["target_t1"])]
+        print(f"| {model_dir} | {' | '.join(cells)} |")
+    real = loops["real"]
+    print(f"| the real continuations | {real['distinct_1']:.2f} / {real['distinct_2']:.2f} / {real['distinct_3']:.2f} "
+          f"| {real['lookup_tau']:.2f} | | |")
+    return 0
+
+
 def settings(args) -> dict:
     """What makes rows of two invocations comparable (one table)."""
     return {k: str(getattr(args, k)) for k in ("target", "data", "train_seconds", "gamma", "prompts", "prompt_len",
@@ -300,6 +329,8 @@ def main() -> int:
     parser.add_argument("--regen-prompts", type=int, default=512, help="glide-kl-regen: prompts the target answers")
     parser.add_argument("--regen-new-tokens", type=int, default=192, help="glide-kl-regen: tokens per answer")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-spec"))
+    parser.add_argument("--loop-check", nargs="+", metavar="MODEL_DIR",
+                        help="only print the loop check of these models (e.g. exported checkpoints of a target)")
     parser.add_argument("--reuse-trained", action="store_true",
                         help="decode with drafters an earlier invocation trained (same --out) instead of retraining")
     args = parser.parse_args()
@@ -310,6 +341,8 @@ def main() -> int:
             parser.error(f"--only {name}: not a recipe ({', '.join(recipes)})")
     torch.set_num_threads(2)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.loop_check:
+        return loop_check(args, args.loop_check)
 
     bench_target(args)
     args.regen = regenerate(args) if any(n.endswith("-regen") for n in names) else None
@@ -326,15 +359,7 @@ def main() -> int:
             trained[name] = {"trainable_params": 0, "train_s": 0.0, "wall_s": 0.0, "steps": 0,
                              "train_tokens_per_s": None, "run": None}
 
-    target = load_causal_lm(Path(args.target), "--target")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(Path(args.target), "--target"))
-    prompts = heldout_prompts(tokenizer, args.prompts, args.prompt_len)
-    greedy = [target_generate(target, torch.tensor([p]), args.max_new_tokens, tokenizer.eos_token_id)[0] for p in prompts]
-    sampled = [target_generate(target, torch.tensor([p]), args.max_new_tokens, tokenizer.eos_token_id,
-                               Sampler(1.0, generator=torch.Generator().manual_seed(i)))[0]
-               for i, p in enumerate(prompts)]
-    loops = {"target": repetition(prompts, greedy, args.gamma), "target_t1": repetition(prompts, sampled, args.gamma),
-             "real": repetition(prompts, real_continuations(tokenizer, prompts, args.max_new_tokens), args.gamma)}
+    target, tokenizer, prompts, loops = loops_of(args, Path(args.target))
     target_params = params_read(target)
     rows = []
     for name in names:
