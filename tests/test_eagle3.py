@@ -100,8 +100,9 @@ def test_decode_drafter_reproduces_the_training_unroll(vocab):
     # Sampled: each q row is the draft head's softmax, over the target vocabulary (zero off the draft's tokens),
     # and the drawn token is one the row gives mass to.
     x = torch.randn(1, 1, model.target.config.hidden_size)
-    token, q = drafter._draw(x, Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0)))
-    head = torch.softmax(model.draft_model.logits(x)[0, -1].float(), -1)
+    with torch.no_grad():
+        token, q = drafter._draw(x, Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0)))
+        head = torch.softmax(model.draft_model.logits(x)[0, -1].float(), -1)
     ids = model.draft_model.to_target_ids(torch.arange(head.shape[0]))
     assert q.shape == (512,) and torch.allclose(q[ids], head) and math.isclose(float(q.sum()), 1.0, rel_tol=1e-5)
     assert float(q[token]) > 0 and (vocab is None or float(q.sum() - q[ids].sum()) == 0.0)
