@@ -403,10 +403,11 @@ class Config(Section):
         if self.draft.kind is not None and self.draft.target is None:
             raise ValueError("draft.kind is set but draft.target is not; accepted: a Hugging Face model directory or a treadle run directory")
         if self.draft.kind != "eagle3":
-            for key in ("feature_layers", "vocab_size", "ttt_steps"):
-                if getattr(self.draft, key) is not None and not (key == "ttt_steps" and self.draft.kind == "glide"):
+            for key, kinds in (("feature_layers", ("eagle3",)), ("vocab_size", ("eagle3",)),
+                               ("ttt_steps", ("eagle3", "glide"))):
+                if getattr(self.draft, key) is not None and self.draft.kind not in kinds:
                     raise ValueError(f"draft.{key} is set but draft.kind = {self.draft.kind!r}; accepted: draft.kind = "
-                                     "'eagle3', or leave it unset")
+                                     f"{' or '.join(map(repr, kinds))}, or leave it unset")
         elif self.draft.window:
             raise ValueError(f"draft.window = {self.draft.window} with draft.kind = 'eagle3' (it has no windowed "
                              "self-attention); accepted: draft.window = 0")

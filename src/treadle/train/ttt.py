@@ -67,6 +67,11 @@ def unrolled_losses(cfg: DraftConfig, step_logits: list[torch.Tensor], target_lo
     T = labels.shape[1]
     loss = labels.new_zeros(labels.shape[0], dtype=torch.float32)
     side: dict[str, torch.Tensor] = {}
+    # The target's side once for all steps (each step reads it from its own offset on): its greedy token, what
+    # acceptance compares with, and its log-distribution (within the draft's vocabulary when reduced).
+    teacher = target_logits.float()
+    target_best = teacher.argmax(-1)
+    teacher_logp = F.log_softmax(teacher[..., vocab.from_draft] if vocab is not None else teacher, -1)
     for k, logits in enumerate(step_logits):
         ahead = lead + k
         if ahead >= T:
@@ -74,17 +79,15 @@ def unrolled_losses(cfg: DraftConfig, step_logits: list[torch.Tensor], target_lo
         rows = scored_rows(positions, labels, k, lead)
         logits = logits[:, : T - ahead].float()
         label = labels[:, ahead:]
-        teacher = target_logits[:, ahead:].float()
-        best = teacher.argmax(-1)  # the target's greedy token: what acceptance compares with
+        best = target_best[:, ahead:]
         ce_rows, kl_rows = rows, rows
         if vocab is not None:
             label = vocab.to_draft[label.clamp_min(0)]
             ce_rows = rows & (label >= 0)
             kl_rows = rows & vocab.in_vocab[best]
-            teacher = teacher[..., vocab.from_draft]
         log_q = F.log_softmax(logits, -1)
         ce = (F.nll_loss(log_q.transpose(1, 2), label.clamp_min(0), reduction="none") * ce_rows).sum(-1)
-        kl = (F.kl_div(log_q, F.log_softmax(teacher, -1), log_target=True, reduction="none").sum(-1)
+        kl = (F.kl_div(log_q, teacher_logp[:, ahead:], log_target=True, reduction="none").sum(-1)
               * kl_rows).sum(-1)
         if cfg.loss == "mix":
             step_loss = (1.0 - cfg.kl_weight) * ce + cfg.kl_weight * kl
