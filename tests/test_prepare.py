@@ -3,6 +3,8 @@
 import argparse
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +121,23 @@ def test_worker_count_does_not_change_output(tmp_path, small_tok, monkeypatch):
     for name in ("tokens.bin", "offsets.npy", "meta.json"):
         assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes()
     assert m1["num_documents"] == 30
+
+
+def test_prepare_from_a_script_without_a_main_guard(tmp_path, small_tok):
+    """A notebook or a short script has no ``if __name__ == "__main__":`` guard. Preparing data from it (what
+    ``fit`` does on a fresh cache) must neither re-run the script nor die (a spawn process pool did both)."""
+    files = [str(p) for _, p in corpus_files()[:30]]
+    (tmp_path / "script.py").write_text(
+        "from treadle.data import prepare as prep\n"
+        "print('script body ran', flush=True)\n"
+        "prep._MIN_CHUNK_BYTES = 1  # many chunks, so that both workers get some\n"
+        f"meta = prep.prepare({files!r}, 'out', {str(small_tok)!r}, workers=2)\n"
+        "print('documents', meta['num_documents'])\n")
+    proc = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("script body ran") == 1, proc.stdout  # the user's main module ran once, in its process
+    assert "documents 30" in proc.stdout
+    assert _read_shard(tmp_path / "out")[0]["num_documents"] == 30
 
 
 def test_no_eos(tmp_path, small_tok):

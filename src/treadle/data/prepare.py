@@ -28,9 +28,9 @@ document ends where its file or JSONL row ends, and only there does the eos go.
 A corpus that marks document boundaries with a literal ``<|endoftext|>`` inside
 one file should be split into files or rows (one document each) first.
 
-Determinism: files are deduplicated and sorted, and worker results are
+Determinism: files are deduplicated and sorted, and chunk results are
 reassembled in input order, so the output is byte-identical whatever the
-number of workers.
+number of threads.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ import concurrent.futures as cf
 import glob
 import json
 import logging
-import multiprocessing
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +59,7 @@ DIRECTORY_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".json")
 _GLOB_CHARS = set("*?[")
 # Aim for several chunks per worker so one slow chunk does not leave the
 # others idle at the end, but keep chunks big enough that the per-task
-# pickling overhead stays small.
+# overhead (a thread hand-off, a batch call into the tokenizer) stays small.
 _CHUNKS_PER_WORKER = 8
 _MIN_CHUNK_BYTES = 256 << 10
 
@@ -127,24 +127,28 @@ def _chunk(files: list[Path], workers: int) -> list[list[Path]]:
 
 
 # --------------------------------------------------------------------------- worker side
-# These run in spawned worker processes. They import only numpy and tokenizers
-# (not transformers or torch), which keeps worker start-up well under a second.
+# Chunks are tokenized on threads of the calling process, never in child processes. A process pool has to
+# start its children with spawn (the parent holds torch/tokenizers thread pools a fork would copy mid-lock),
+# and spawn re-imports the caller's ``__main__``: a notebook or a short script without an
+# ``if __name__ == "__main__":`` guard then dies with BrokenProcessPool. Threads lose nothing here: the time
+# goes to tokenizers' Rust batch encoding, which releases the GIL (the built-in corpus, 31 MB, took as long on
+# 2 threads as on 2 spawned processes: docs/architecture.md, "Data preparation").
 
-_worker_tokenizer = None
+_local = threading.local()
 
 
-def _init_worker(tokenizer_dir: str, parallel_inside: bool) -> None:
-    global _worker_tokenizer
-    # With several worker processes the processes already use the cores; a
-    # Rust thread pool inside each one would only oversubscribe them. Setting
-    # the variable explicitly also silences tokenizers' fork warning.
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel_inside else "false"
-    from treadle.tokenizer import load_backend_tokenizer
+def _tokenizer(tokenizer_dir: str):
+    """This thread's tokenizer (one each: a thread never waits on another's encoder)."""
+    tok = getattr(_local, "tokenizers", {}).get(tokenizer_dir)
+    if tok is None:
+        from treadle.tokenizer import load_backend_tokenizer
 
-    _worker_tokenizer = load_backend_tokenizer(Path(tokenizer_dir))
-    # Text is text: a document that quotes "<|endoftext|>" (code about tokenizers, a chat log) keeps those
-    # characters; documents end where files and rows end, with the eos appended below.
-    _worker_tokenizer.encode_special_tokens = True
+        tok = load_backend_tokenizer(Path(tokenizer_dir))
+        # Text is text: a document that quotes "<|endoftext|>" (code about tokenizers, a chat log) keeps those
+        # characters; documents end where files and rows end, with the eos appended below.
+        tok.encode_special_tokens = True
+        _local.tokenizers = {**getattr(_local, "tokenizers", {}), tokenizer_dir: tok}
+    return tok
 
 
 def _whole_file(path: Path) -> str:
@@ -199,14 +203,14 @@ def _read_documents(path: Path, text_field: str) -> list[str]:
     return docs
 
 
-def _tokenize_chunk(files: list[str], text_field: str, eos_id: int | None, vocab_size: int):
+def _tokenize_chunk(tokenizer_dir: str, files: list[str], text_field: str, eos_id: int | None, vocab_size: int):
     """Tokenize one chunk of files; returns (tokens uint32, per-document lengths int64, n_empty)."""
     docs: list[str] = []
     for f in files:
         docs.extend(_read_documents(Path(f), text_field))
     n_empty = sum(1 for d in docs if not d)
     docs = [d for d in docs if d]
-    encodings = _worker_tokenizer.encode_batch_fast(docs, add_special_tokens=False) if docs else []
+    encodings = _tokenizer(tokenizer_dir).encode_batch_fast(docs, add_special_tokens=False) if docs else []
     extra = 1 if eos_id is not None else 0
     lengths = np.fromiter((len(e.ids) + extra for e in encodings), dtype=np.int64, count=len(encodings))
     tokens = np.empty(int(lengths.sum()), dtype=np.uint32)
@@ -291,7 +295,7 @@ def prepare(
     if workers is None:
         workers = min(4, os.cpu_count() or 1)
     if workers < 1:
-        raise UserError(f"--workers {workers}: expected a positive number of worker processes")
+        raise UserError(f"--workers {workers}: expected a positive number of tokenizer threads")
 
     # All validation happens before anything is written.
     _check_out(out, overwrite)
@@ -315,17 +319,10 @@ def prepare(
         all_lengths: list[np.ndarray] = []
         num_tokens = num_skipped = 0
         max_token_id = None
-        # spawn, not fork: the parent may hold torch/tokenizers thread pools
-        # whose locks a forked child would inherit in an undefined state.
-        ctx = multiprocessing.get_context("spawn")
-        with cf.ProcessPoolExecutor(
-            max_workers=workers,
-            mp_context=ctx,
-            initializer=_init_worker,
-            initargs=(str(tokenizer_dir), workers == 1),
-        ) as pool, open(tmp / "tokens.bin", "wb") as fout:
+        with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="treadle-prepare") as pool, \
+                open(tmp / "tokens.bin", "wb") as fout:
             futures = [
-                pool.submit(_tokenize_chunk, [str(f) for f in chunk], text_field,
+                pool.submit(_tokenize_chunk, str(tokenizer_dir), [str(f) for f in chunk], text_field,
                             eos_id if append_eos else None, vocab_size)
                 for chunk in chunks
             ]
@@ -387,7 +384,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default="builtin", metavar="DIR|builtin",
                         help="Hugging Face tokenizer directory, or 'builtin' for treadle's own (default)")
     parser.add_argument("--text-field", default="text", help="JSONL field holding the document text (default: text)")
-    parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: min(4, cpus))")
+    parser.add_argument("--workers", type=int, default=None, help="tokenizer threads (default: min(4, cpus))")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the shard directory an earlier treadle prepare wrote at --out (never anything else)")
     parser.add_argument("--no-eos", dest="append_eos", action="store_false", help="do not append eos after each document")
