@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treadle.errors import UserError
+from treadle.models.upcast import at_least_fp32
 
 # At and above this vocabulary ``model.loss_chunk_tokens = "auto"`` turns the chunked loss on. Measured
 # (docs/benchmarks.md, bench/memory.py): at 32k the chunked step is as fast as the naive one and its loss part
@@ -62,11 +63,11 @@ class ChunkedLMHead(nn.Module):
             raise RuntimeError(f"chunked loss: hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)}")
         # fp32 whatever the model computes in: torch's chunked op returns the loss in its input's dtype
         # (bf16 would round every token's loss to 8 bits), and autocast must not lower it again.
-        weight = self.weight.float()
-        bias = self.bias.float() if self.bias is not None else None
+        weight = at_least_fp32(self.weight)
+        bias = at_least_fp32(self.bias) if self.bias is not None else None
         with torch.autocast(hidden.device.type, enabled=False):
             loss = F.linear_cross_entropy(
-                hidden.flatten(0, -2).float(), weight, labels.flatten(), linear_bias=bias, reduction="none",
+                at_least_fp32(hidden.flatten(0, -2)), weight, labels.flatten(), linear_bias=bias, reduction="none",
                 ignore_index=self.ignore_index,
                 # An explicit size: torch's "auto" sizing is ~3x slower on CPU fp32 (research/scale-apis.md 3.1).
                 options=nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=self.chunk_tokens))
@@ -163,9 +164,9 @@ def _forward_returns_head_output(model: nn.Module) -> bool:
 def _chunk_scores(hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                   ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's per-token CE, KL(teacher || student) and the teacher's CE; softmaxes in fp32."""
-    logp = F.log_softmax(F.linear(hidden, weight).float(), -1)
+    logp = F.log_softmax(at_least_fp32(F.linear(hidden, weight)), -1)
     with torch.no_grad():  # the teacher is fixed: recomputed in backward, never differentiated
-        teacher_logp = F.log_softmax(F.linear(teacher_hidden, weight).float(), -1)
+        teacher_logp = F.log_softmax(at_least_fp32(F.linear(teacher_hidden, weight)), -1)
     valid = labels != ignore_index
     ce = F.nll_loss(logp, labels, ignore_index=ignore_index, reduction="none")
     kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1) * valid

@@ -18,6 +18,7 @@ from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
 from treadle.models.glide import anchored_positions
+from treadle.models.upcast import at_least_fp32
 from treadle.speculative.acceptance import chain_acceptance, lookup_tau
 from treadle.train.callbacks import Callback, EvalCallback
 from treadle.train.step import Batch, row_cross_entropy
@@ -85,7 +86,7 @@ class GlideObjective:
             ce = row_cross_entropy(out.logits, labels)
             target_ce = row_cross_entropy(out.target_logits, labels).sum()
             if train:  # evaluation reports the CE alone
-                kl = (F.kl_div(F.log_softmax(out.logits.float(), -1), F.log_softmax(out.target_logits.float(), -1),
+                kl = (F.kl_div(F.log_softmax(at_least_fp32(out.logits), -1), F.log_softmax(at_least_fp32(out.target_logits), -1),
                                log_target=True, reduction="none").sum(-1) * (labels != IGNORE_INDEX)).sum(-1)
         if not train:
             return ce, {"target_loss": target_ce}

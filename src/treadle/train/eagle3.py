@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from treadle.data.packed import IGNORE_INDEX
 from treadle.models.glide import anchored_positions
+from treadle.models.upcast import at_least_fp32
 from treadle.train.draft import GlideObjective
 from treadle.train.step import Batch
 from treadle.train.ttt import DraftVocabulary, refuse_chunked_loss, ttt_steps, unrolled_losses
@@ -31,7 +32,7 @@ class Eagle3Objective(GlideObjective):
                     offset), steps=steps, doc_position_ids=positions)
         draft = model.draft_model
         vocab = DraftVocabulary(draft.target_to_draft(), draft.t2d, draft.draft_to_target()) if draft.reduced else None
-        target_log = F.log_softmax(out.target_logits.float(), -1)
+        target_log = F.log_softmax(at_least_fp32(out.target_logits), -1)
         target_ce = F.nll_loss(target_log.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         loss, side = unrolled_losses(self.cfg, out.logits[:steps], out.target_logits, positions, labels, vocab)
         if not train:

@@ -24,6 +24,7 @@ from torch import nn
 
 from treadle.data.packed import IGNORE_INDEX  # the data marks "no loss here"; the loss honours it
 from treadle.models.chunked_ce import chunked_head, scoring
+from treadle.models.upcast import at_least_fp32
 
 Batch = dict[str, torch.Tensor]
 # A loss function returns the loss of a micro-batch summed per row ([B]; a scalar sum is
@@ -67,7 +68,7 @@ def forward_row_ce(model: nn.Module, batch: Batch, **forward_kwargs) -> tuple[to
 
 def row_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """[B, L, V] logits, [B, L] labels -> [B] summed CE (fp32 softmax: under bf16 autocast logits are bf16)."""
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    ce = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
     return ce.view(labels.shape).sum(-1)
 
 

@@ -21,6 +21,7 @@ from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
 from treadle.models.glide import document_ids
+from treadle.models.upcast import at_least_fp32
 from treadle.train.callbacks import Callback
 from treadle.train.step import StepResult
 
@@ -65,11 +66,11 @@ def unrolled_losses(cfg: DraftConfig, step_logits: list[torch.Tensor], target_lo
     (EAGLE-3's rule: labels and teacher argmaxes outside it are not scored). ``lead``: see the module docstring.
     """
     T = labels.shape[1]
-    loss = labels.new_zeros(labels.shape[0], dtype=torch.float32)
     side: dict[str, torch.Tensor] = {}
     # The target's side once for all steps (each step reads it from its own offset on): its greedy token, what
     # acceptance compares with, and its log-distribution (within the draft's vocabulary when reduced).
-    teacher = target_logits.float()
+    teacher = at_least_fp32(target_logits)
+    loss = labels.new_zeros(labels.shape[0], dtype=teacher.dtype)
     target_best = teacher.argmax(-1)
     teacher_logp = F.log_softmax(teacher[..., vocab.from_draft] if vocab is not None else teacher, -1)
     for k, logits in enumerate(step_logits):
@@ -77,7 +78,7 @@ def unrolled_losses(cfg: DraftConfig, step_logits: list[torch.Tensor], target_lo
         if ahead >= T:
             break
         rows = scored_rows(positions, labels, k, lead)
-        logits = logits[:, : T - ahead].float()
+        logits = at_least_fp32(logits[:, : T - ahead])
         label = labels[:, ahead:]
         best = target_best[:, ahead:]
         ce_rows, kl_rows = rows, rows
