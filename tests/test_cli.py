@@ -142,7 +142,7 @@ def test_explain_covers_every_key_with_its_description_default_and_accepted_valu
 
 
 def test_accepted_values_are_read_off_the_annotation():
-    from treadle import config_doc
+    from treadle.config import doc as config_doc
 
     class Table(BaseModel):
         n: int = Field(3, ge=2, lt=5)

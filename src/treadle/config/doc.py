@@ -3,7 +3,7 @@
 Everything here is read off the models (a field's description, its annotation: Literal choices, bool, numbers
 and their ge/gt/le/lt bounds, optional = may be unset), so ``treadle config --explain`` and the "accepted: ..."
 of a config error cannot drift from what validation really accepts. It knows pydantic and TOML, not treadle's
-sections: ``treadle.config`` calls it (``to_toml(cfg, explain=True)``, config errors).
+sections: ``treadle.config`` calls it (``to_toml(cfg, explain=True)``, config errors, the reference).
 """
 
 from __future__ import annotations
