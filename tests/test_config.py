@@ -133,3 +133,42 @@ def test_deepspeed_json_is_read_and_bad_ones_are_one_line(tmp_path):
             read_deepspeed_config(str(tmp_path / name))
         assert expected in str(err.value) and "distributed.deepspeed_config" in str(err.value)
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("--optim.learning_rate=1e-4", "unknown key optim.learning_rate; treadle calls it optim.lr"),
+        ("--train.per_device_train_batch_size=4", "treadle calls it train.micro_batch_size (sequences per micro-batch per rank)"),
+        ("--train.gradient_accumulation_steps=4", "treadle calls it train.grad_accum_steps"),
+        ("--train.num_train_epochs=3", "treadle calls it train.max_steps (treadle counts optimizer steps, not epochs)"),
+        ("--schedule.warmup_ratio=0.1", "treadle calls it schedule.warmup_proportion"),
+        ("--schedule.lr_scheduler_type=linear", "treadle calls it schedule.decay"),
+        ("--model.bf16=true", 'treadle calls it model.dtype (model.dtype = "bf16")'),
+        ("--model.dtype=bfloat16", "treadle spells 'bfloat16' as 'bf16'"),
+        ("--train.max_grad_norm=1", "treadle calls it train.grad_clip"),
+    ],
+)
+def test_hugging_face_names_are_refused_naming_treadles_key(override, expected):
+    """Names users bring from transformers' TrainingArguments are not accepted (one name per setting), but the
+    error names the treadle key instead of a look-alike (optim.learning_rate once got 'did you mean weight_decay')."""
+    with pytest.raises(UserError) as err:
+        load_config(None, [override])
+    assert expected in str(err.value) and "did you mean" not in str(err.value)
+
+
+def test_hugging_face_names_without_a_section_on_the_command_line():
+    for arg, expected in [("--learning_rate=3e-4", "--learning_rate=3e-4 is not a treadle key; treadle calls it optim.lr: --optim.lr=3e-4"),
+                          ("--bfloat16=true", 'treadle calls it model.dtype (model.dtype = "bf16")'),
+                          ("--weight_decay=0", "did you mean --optim.weight_decay=0?")]:
+        proc = subprocess.run([sys.executable, "-m", "treadle", "config", arg], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+
+
+def test_every_foreign_name_points_at_a_real_key():
+    from treadle.config import FOREIGN_NAMES, Config
+    from treadle.config.messages import all_keys
+
+    keys = set(all_keys(Config))
+    assert {key for key, _ in FOREIGN_NAMES.values()} <= keys
+    assert not {name for name in FOREIGN_NAMES if any(k.endswith("." + name) for k in keys)} - {"dtype", "steps"}

@@ -45,8 +45,11 @@ def _config_and_overrides(args: argparse.Namespace, options: tuple[str, ...] = (
     for arg in overrides:
         key, eq, value = arg.partition("=")
         if "." not in key:  # --max_steps=5: a key without its section
-            from treadle.config import nearest_key
+            from treadle.config import foreign_hint, nearest_key
 
+            hint = foreign_hint(key, value if eq else None)  # --learning_rate=3e-4: a Hugging Face name
+            if hint is not None:
+                raise UserError(f"{arg} is not a treadle key; {hint}; every key: treadle config --explain")
             near = nearest_key(key.lstrip("-"))
             if near is not None and "." in near:
                 raise UserError(f"{arg} names no section; did you mean --{near}={value if eq else 'VALUE'}? "

@@ -16,6 +16,7 @@ Everything is imported from here: ``from treadle.config import Config, load_conf
 """
 
 from treadle.config.load import _explain, _set_path, explicit_tree, load_config, nearest_key, parse_override
+from treadle.config.messages import FOREIGN_NAMES, foreign_hint
 from treadle.config.render import changed_keys, flatten, save_config, show_value, to_toml
 from treadle.config.schema import (
     CallbackConfig,
@@ -38,7 +39,7 @@ from treadle.config.schema import (
 )
 
 __all__ = [
-    "CallbackConfig", "CheckpointConfig", "Config", "DataConfig", "DistributedConfig", "DraftConfig",
+    "FOREIGN_NAMES", "foreign_hint", "CallbackConfig", "CheckpointConfig", "Config", "DataConfig", "DistributedConfig", "DraftConfig",
     "MetricsConfig", "ModelConfig", "OptimConfig", "PhaseConfig", "ProfileConfig", "ResilienceConfig",
     "ScheduleConfig", "Section", "SourceConfig", "TrainConfig", "changed_keys", "explicit_tree", "flatten",
     "load_config", "nearest_key", "parse_duration", "parse_override", "save_config", "show_value", "to_toml",
