@@ -172,3 +172,46 @@ def test_every_foreign_name_points_at_a_real_key():
     keys = set(all_keys(Config))
     assert {key for key, _ in FOREIGN_NAMES.values()} <= keys
     assert not {name for name in FOREIGN_NAMES if any(k.endswith("." + name) for k in keys)} - {"dtype", "steps"}
+
+
+@pytest.mark.parametrize("word", ["none", "null", "None", '""', ""])
+def test_an_optional_key_is_unset_from_the_command_line(tmp_path, word):
+    f = tmp_path / "c.toml"
+    f.write_text('[schedule]\nwarmup_proportion = 0.1\n[train]\ntime_limit = "1h"\n')
+    cfg = load_config(f, [f"--schedule.warmup_proportion={word}", f"--train.time_limit={word}"])
+    assert cfg.schedule.warmup_proportion is None and cfg.train.time_limit is None and cfg.warmup_steps() == 0
+    assert parse_override(f"--model.path={word}") == (["model", "path"], None)
+
+
+def test_none_stays_a_value_for_keys_that_take_it():
+    """Only keys whose default is unset can be unset: elsewhere 'none' is a value (checkpoint.resume = 'none')."""
+    cfg = load_config(None, ["--checkpoint.resume=none", "--model.activation_checkpointing=none"])
+    assert cfg.checkpoint.resume == "none" and cfg.model.activation_checkpointing == "none"
+    with pytest.raises(UserError, match=r"train.max_steps = 'none' is invalid"):
+        load_config(None, ["--train.max_steps=none"])
+
+
+def test_the_accepted_words_say_how_to_unset():
+    with pytest.raises(UserError, match=r"accepted: an integer >= 0, or unset \(leave the key out; on the command line: =none\)"):
+        load_config(None, ["--schedule.warmup_steps=abc"])
+
+
+def test_an_override_of_one_of_two_exclusive_keys_replaces_the_files_other(tmp_path, capsys):
+    """Hugging Face's warmup_steps overrides warmup_ratio, and the command line beats the file: an override of one
+    of a pair drops the file's other, saying so in one line. Both on the command line stay an error."""
+    f = tmp_path / "c.toml"
+    f.write_text('[schedule]\nwarmup_proportion = 0.1\n[data]\nval_fraction = 0.05\n')
+    cfg = load_config(f, ["--schedule.warmup_steps=5", "--data.val=[]"])
+    assert cfg.schedule.warmup_steps == 5 and cfg.schedule.warmup_proportion is None and cfg.warmup_steps() == 5
+    assert cfg.data.val == [] and cfg.data.val_fraction == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"treadle: --schedule.warmup_steps=5 replaces schedule.warmup_proportion = 0.1 of {f}",
+                   f"treadle: --data.val=[] replaces data.val_fraction = 0.05 of {f}"]
+    g = tmp_path / "g.toml"
+    g.write_text('[schedule]\nwarmup_steps = 5\n')
+    assert load_config(g, ["--schedule.warmup_proportion=0.2"]).warmup_steps() == 40
+    assert "replaces schedule.warmup_steps = 5" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"not both; accepted: one of them \(an override of one replaces the file's "
+                                         r"other; --schedule.warmup_steps=none unsets it\)"):
+        load_config(f, ["--schedule.warmup_steps=5", "--schedule.warmup_proportion=0.2"])
+    assert capsys.readouterr().err == ""  # nothing said about a config that is refused

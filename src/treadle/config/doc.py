@@ -90,7 +90,7 @@ def accepted(annotation: Any, metadata: list = ()) -> str:
     if origin in (Union, types.UnionType) and type(None) in args:
         rest = [a for a in args if a is not type(None)]
         inner = accepted(rest[0] if len(rest) == 1 else Union[tuple(rest)], metadata)
-        return f"{inner}, or unset (leave the key out)"
+        return f"{inner}, or unset (leave the key out; on the command line: =none)"
     if origin in (Union, types.UnionType):
         return ", or ".join(accepted(a) for a in args)
     if origin is Literal:

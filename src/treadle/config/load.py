@@ -6,6 +6,8 @@ Bad input of any kind (a missing or broken file, an unknown key, a bad value, a 
 
 from __future__ import annotations
 
+import os
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from treadle.config import messages
+from treadle.config.render import show_value
 from treadle.config.schema import Config
 from treadle.errors import UserError
 
@@ -27,10 +30,16 @@ def nearest_key(key: str) -> str | None:
     return messages.nearest_key(Config, key)
 
 
+# What an override may write for "unset" (TOML has no null): an optional key (default: unset) goes back to unset.
+# Only optional keys: for others "none" stays a word some keys take as a value (checkpoint.resume = "none").
+UNSET_WORDS = ("none", "null", "")
+
+
 def parse_override(arg: str) -> tuple[list[str], Any]:
     """``--section.key=value`` -> (["section", "key"], value), value read as a TOML literal.
 
-    A bare word that is not valid TOML (``--model.dtype=bf16``) is taken as a string.
+    A bare word that is not valid TOML (``--model.dtype=bf16``) is taken as a string. ``none``, ``null`` or an
+    empty value for a key that may be unset (``--schedule.warmup_proportion=none``) is None: the key unset.
     """
     body = arg.removeprefix("--")
     if "=" not in body or not body.split("=", 1)[0]:
@@ -40,7 +49,15 @@ def parse_override(arg: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
-    return key.split("."), value
+    path = key.split(".")
+    if isinstance(value, str) and value.strip().lower() in UNSET_WORDS and _may_be_unset(path):
+        value = None
+    return path, value
+
+
+def _may_be_unset(path: list[str]) -> bool:
+    field = messages.field_at(Config, path)
+    return field is not None and not field.is_required() and field.get_default(call_default_factory=True) is None
 
 
 def _set_path(tree: dict, path: list[str], value: Any) -> None:
@@ -51,6 +68,27 @@ def _set_path(tree: dict, path: list[str], value: Any) -> None:
             raise UserError(f"config error: {'.'.join(path)}: {part} is a value, not a section")
         node = child
     node[path[-1]] = value
+
+
+# Keys that say one thing two ways, so a config sets one of them. An override of one replaces the file's other
+# (the command line beats the file, as for any key; Hugging Face's warmup_steps likewise overrides warmup_ratio);
+# both on the command line stay an error.
+EXCLUSIVE = (("schedule.warmup_steps", "schedule.warmup_proportion"), ("data.val", "data.val_fraction"))
+
+
+def _drop_the_other_of_a_pair(tree: dict, keypath: list[str], overridden: list[list[str]], arg: str,
+                              source: str) -> str | None:
+    """``--schedule.warmup_steps=5`` on a file that sets warmup_proportion: the file's warmup_proportion goes;
+    returns the line that says so."""
+    key = ".".join(keypath)
+    other = next((b if key == a else a for a, b in EXCLUSIVE if key in (a, b)), None)
+    if other is None or other.split(".") in overridden:
+        return None
+    section, name = other.split(".")
+    table = tree.get(section)
+    if not isinstance(table, dict) or name not in table:
+        return None
+    return f"treadle: {arg} replaces {other} = {show_value(table.pop(name))} of {source}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -68,15 +106,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise UserError(f"config file {p} cannot be read: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise UserError(f"config file {p} is not valid TOML: {exc}") from None
-    for arg in overrides:
-        keypath, value = parse_override(arg)
+    parsed = [parse_override(arg) for arg in overrides]
+    notes = []
+    for arg, (keypath, value) in zip(overrides, parsed):
+        notes.append(_drop_the_other_of_a_pair(tree, keypath, [p for p, _ in parsed], arg, source))
         _set_path(tree, keypath, value)
     if overrides:
         source = f"{source} + overrides" if source else "overrides"
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as err:
         raise _explain(err, source, tree) from None
+    for note in notes:
+        if note is not None and os.environ.get("RANK", "0") == "0":  # once under a launcher
+            print(note, file=sys.stderr)
+    return cfg
 
 
 def explicit_tree(cfg: Config) -> dict[str, Any]:

@@ -99,7 +99,8 @@ class ScheduleConfig(Section):
     @model_validator(mode="after")
     def _one_warmup(self) -> ScheduleConfig:
         if self.warmup_steps is not None and self.warmup_proportion is not None:
-            raise ValueError("set schedule.warmup_steps or schedule.warmup_proportion, not both")
+            raise ValueError("set schedule.warmup_steps or schedule.warmup_proportion, not both; accepted: one of "
+                             "them (an override of one replaces the file's other; --schedule.warmup_steps=none unsets it)")
         return self
 
 
@@ -257,7 +258,8 @@ class DataConfig(Section):
             raise ValueError("data.train and data.sources are both set; accepted: one of them (data.sources replaces data.train)")
         if self.val_fraction and self.val and "val" in self.model_fields_set:
             raise ValueError(f"data.val = {self.val} and data.val_fraction = {self.val_fraction} are both set; accepted: "
-                             "one of them (data.val_fraction holds out part of the training data as the validation set)")
+                             "one of them (data.val_fraction holds out part of the training data as the validation set; "
+                             "--data.val_fraction=0 turns it off)")
         known = names or ["train"]
         starts = [p.start_step for p in self.phases]
         if starts != sorted(set(starts)):
