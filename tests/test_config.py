@@ -215,3 +215,37 @@ def test_an_override_of_one_of_two_exclusive_keys_replaces_the_files_other(tmp_p
                                          r"other; --schedule.warmup_steps=none unsets it\)"):
         load_config(f, ["--schedule.warmup_steps=5", "--schedule.warmup_proportion=0.2"])
     assert capsys.readouterr().err == ""  # nothing said about a config that is refused
+
+
+def test_the_configuration_reference_is_generated_from_the_models():
+    """docs/configuration.md is what the models say today: a key added, renamed or re-described without
+    regenerating the page fails here, with the command that regenerates it."""
+    from pathlib import Path
+
+    from treadle.config.reference import COMMAND, reference
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    assert page.is_file() and page.read_text() == reference(), f"docs/configuration.md is out of date; run: {COMMAND}"
+    text = reference()
+    for line in ("| `max_steps` | `200` | an integer >= 1 | optimizer steps of the whole run |",
+                 "### [[data.sources]]",
+                 "| `learning_rate` | `optim.lr` |  |"):
+        assert line in text
+
+
+def test_the_reference_catches_a_changed_key(monkeypatch):
+    """The comparison above can fail: a description changed in the models changes the page."""
+    from treadle.config import TrainConfig
+    from treadle.config.reference import reference
+
+    before = reference()
+    monkeypatch.setattr(TrainConfig.model_fields["max_steps"], "description", "optimizer steps, said otherwise")
+    assert reference() != before and "optimizer steps, said otherwise" in reference()
+
+
+def test_treadle_config_reference_prints_the_page():
+    from treadle.config.reference import reference
+
+    proc = subprocess.run([sys.executable, "-m", "treadle", "config", "--reference"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout == reference()
