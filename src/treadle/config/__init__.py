@@ -19,6 +19,7 @@ from treadle.config.load import _explain, _set_path, explicit_tree, load_config,
 from treadle.config.messages import FOREIGN_NAMES, foreign_hint
 from treadle.config.render import changed_keys, flatten, save_config, show_value, to_toml
 from treadle.config.schema import (
+    OWN_DATA_VAL_FRACTION,
     CallbackConfig,
     CheckpointConfig,
     Config,
@@ -40,7 +41,7 @@ from treadle.config.schema import (
 
 __all__ = [
     "FOREIGN_NAMES", "foreign_hint", "CallbackConfig", "CheckpointConfig", "Config", "DataConfig", "DistributedConfig", "DraftConfig",
-    "MetricsConfig", "ModelConfig", "OptimConfig", "PhaseConfig", "ProfileConfig", "ResilienceConfig",
+    "MetricsConfig", "ModelConfig", "OWN_DATA_VAL_FRACTION", "OptimConfig", "PhaseConfig", "ProfileConfig", "ResilienceConfig",
     "ScheduleConfig", "Section", "SourceConfig", "TrainConfig", "changed_keys", "explicit_tree", "flatten",
     "load_config", "nearest_key", "parse_duration", "parse_override", "save_config", "show_value", "to_toml",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from treadle.config.doc import markdown_tables
 from treadle.config.load import EXCLUSIVE, UNSET_WORDS
 from treadle.config.messages import FOREIGN_NAMES
-from treadle.config.schema import Config
+from treadle.config.schema import OWN_DATA_VAL_FRACTION, Config
 
 COMMAND = "treadle config --reference > docs/configuration.md"
 
@@ -48,6 +48,9 @@ the command line. Each key takes its built-in default, unless the file sets it, 
   {pairs}.
   An override of one replaces the file's other, and says so in one line. Likewise `data.sources` replaces
   `data.train`.
+- Training data of your own (`data.train` or `data.sources` naming anything but `builtin`) with neither
+  `data.val` nor `data.val_fraction` set holds out `data.val_fraction = {OWN_DATA_VAL_FRACTION}` of it for
+  validation; the run's start line names the validation set. `data.val = []` evaluates nothing.
 
 {markdown_tables(Config)}
 

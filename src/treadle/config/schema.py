@@ -226,13 +226,21 @@ class PhaseConfig(Section):
         return v
 
 
+# data.val_fraction when the training data is the user's own and no validation set is named: eval loss then
+# measures that data, not the built-in corpus (5%, as Hugging Face's run_clm holds out by default).
+OWN_DATA_VAL_FRACTION = 0.05
+
+
 class DataConfig(Section):
     seq_len: int = Field(256, ge=8)
     train: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs / data files, or 'builtin' (one source named 'train')")
-    val: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs / data files, 'builtin', or [] for no eval")
+    val: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs / data files, 'builtin', or [] for no eval; "
+                           f"unset with training data of your own (not 'builtin'): data.val_fraction = {OWN_DATA_VAL_FRACTION} "
+                           "instead")
     val_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="hold out this fraction of every training source's "
                                 "documents (fixed by a hash of the document's index) as the validation set, instead of "
-                                "data.val; 0 = off")
+                                f"data.val; 0 = off; unset, with neither key set and training data of your own: "
+                                f"{OWN_DATA_VAL_FRACTION}")
     sources: list[SourceConfig] = Field(default_factory=list, description="a weighted mixture; replaces data.train")
     temperature: float = Field(1.0, gt=0.0, description="mixture temperature: probability ~ weight^(1/temperature)")
     phases: list[PhaseConfig] = Field(default_factory=list, description="curriculum: mixture weights and lr_scale by step")
@@ -247,6 +255,24 @@ class DataConfig(Section):
     @classmethod
     def _listify(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hold_out_own_data(cls, data: Any) -> Any:
+        """Training data of the user's own and neither data.val nor data.val_fraction set: hold out
+        OWN_DATA_VAL_FRACTION of it, rather than validate on the built-in corpus. Set here, so the resolved
+        config says so (and a saved config, which has the key, is not changed by it again)."""
+        if not isinstance(data, dict) or "val" in data or "val_fraction" in data:
+            return data
+        if data.get("sources"):
+            entries = [s.path if isinstance(s, SourceConfig) else s.get("path") if isinstance(s, dict) else None
+                       for s in data["sources"]]
+        else:
+            entries = [data.get("train", ["builtin"])]
+        paths = [p for e in entries for p in ([e] if isinstance(e, str) else e if isinstance(e, list) else [])]
+        if any(p != "builtin" for p in paths):
+            return {**data, "val_fraction": OWN_DATA_VAL_FRACTION}
+        return data
 
     @model_validator(mode="after")
     def _mixture(self) -> DataConfig:
