@@ -54,3 +54,26 @@ def test_a_run_on_a_jsonl_file_validates_on_its_held_out_documents(shards, tmp_p
     builtin = tmp_path / "builtin"
     assert main(args(shards, builtin, "--train.max_steps=2", "--data.val=[]")) == 0
     assert "no validation set (data.val = [])" in capsys.readouterr().out
+
+
+def test_a_model_path_with_only_a_config_json_trains_that_architecture_from_scratch(shards, tmp_path, capsys):
+    """--model.path at a directory holding a config.json and no weights (the usual way to say "this architecture,
+    fresh weights") builds the model from it with random weights, saying so, instead of failing on a missing
+    model.safetensors."""
+    from transformers import LlamaConfig
+
+    from tests.helpers import TARGET
+
+    arch = tmp_path / "arch"
+    LlamaConfig(**TARGET).save_pretrained(arch)
+    assert sorted(p.name for p in arch.iterdir()) == ["config.json"]
+    run = tmp_path / "run"
+    argv = [a for a in args(shards, run, "--train.max_steps=2") if not a.startswith("--model.overrides=")]
+    assert main(argv + [f"--model.path={arch}"]) == 0
+    err = capsys.readouterr().err
+    assert (f"treadle: model.path {arch} holds a config.json and no weights: a llama model built from it with random "
+            "weights (training from scratch)") in err
+    assert (run / "hf" / "model.safetensors").is_file() and len(records(run)) == 2
+    # The exported model has weights: training on from it loads them, with no such line.
+    assert main([*argv, f"--train.output_dir={tmp_path / 'again'}", f"--model.path={run / 'hf'}"]) == 0
+    assert "no weights" not in capsys.readouterr().err

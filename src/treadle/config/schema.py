@@ -135,7 +135,8 @@ class ResilienceConfig(Section):
 
 class ModelConfig(Section):
     preset: str = Field("tiny", description="built-in architecture, used when model.path is unset")
-    path: str | None = Field(None, description="local Hugging Face model directory to load")
+    path: str | None = Field(None, description="local Hugging Face model directory to load (a treadle run directory: "
+                             "its hf/); one holding a config.json and no weights: that architecture, random weights")
     dtype: Literal["auto", "fp32", "bf16", "bf16-weights"] = Field(
         "auto", description="bf16 = autocast over fp32 weights; bf16-weights = bf16 parameters and activations, the "
         "optimizer updating an fp32 master copy (local engine); auto = the fastest here: bf16 on CUDA from Ampere on, "
