@@ -10,7 +10,8 @@ The parts, each readable on its own:
 - ``load``: the TOML file and the command line's overrides, validated into a ``Config``;
 - ``messages``: what a config error says (the key as written, what is accepted, did you mean);
 - ``render``: a ``Config`` written back as TOML (``--explain``), and two configs compared;
-- ``doc``: a pydantic model's fields in words (what ``--explain``, errors and the reference say).
+- ``doc``: a pydantic model's fields in words (what ``--explain``, errors and the reference say);
+- ``reference``: docs/configuration.md (``treadle config --reference``), checked current by tests/test_config.py.
 
 Everything is imported from here: ``from treadle.config import Config, load_config``.
 """
