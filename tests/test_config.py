@@ -211,6 +211,13 @@ def test_an_override_of_one_of_two_exclusive_keys_replaces_the_files_other(tmp_p
     g.write_text('[schedule]\nwarmup_steps = 5\n')
     assert load_config(g, ["--schedule.warmup_proportion=0.2"]).warmup_steps() == 40
     assert "replaces schedule.warmup_steps = 5" in capsys.readouterr().err
+    # Unsetting one of a pair, or turning the held-out set off, keeps the file's other key.
+    assert load_config(g, ["--schedule.warmup_proportion=none"]).warmup_steps() == 5
+    v = tmp_path / "v.toml"
+    v.write_text('[data]\nval = ["mine.jsonl"]\n')
+    assert load_config(v, ["--data.val_fraction=0"]).data.val == ["mine.jsonl"]
+    assert load_config(f, ["--schedule.warmup_steps=0"]).warmup_steps() == 0  # no warmup: replaces the proportion
+    assert capsys.readouterr().err == f"treadle: --schedule.warmup_steps=0 replaces schedule.warmup_proportion = 0.1 of {f}\n"
     with pytest.raises(UserError, match=r"not both; accepted: one of them \(an override of one replaces the file's "
                                          r"other; --schedule.warmup_steps=none unsets it\)"):
         load_config(f, ["--schedule.warmup_steps=5", "--schedule.warmup_proportion=0.2"])

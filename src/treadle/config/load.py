@@ -72,14 +72,20 @@ def _set_path(tree: dict, path: list[str], value: Any) -> None:
 
 # Keys that say one thing two ways, so a config sets one of them. An override of one replaces the file's other
 # (the command line beats the file, as for any key; Hugging Face's warmup_steps likewise overrides warmup_ratio);
-# both on the command line stay an error.
+# both on the command line stay an error. What "set" means, per key: a warmup of 0 steps is one, data.val = []
+# is one (no validation), but data.val_fraction = 0 turns the held-out set off and stands beside data.val.
 EXCLUSIVE = (("schedule.warmup_steps", "schedule.warmup_proportion"), ("data.val", "data.val_fraction"))
+_IN_EFFECT = {"data.val_fraction": bool}  # the others: anything but unset (None)
 
 
-def _drop_the_other_of_a_pair(tree: dict, keypath: list[str], overridden: list[list[str]], arg: str,
+def _not_none(value: Any) -> bool:
+    return value is not None
+
+
+def _drop_the_other_of_a_pair(tree: dict, keypath: list[str], value: Any, overridden: list[list[str]], arg: str,
                               source: str) -> str | None:
     """``--schedule.warmup_steps=5`` on a file that sets warmup_proportion: the file's warmup_proportion goes;
-    returns the line that says so."""
+    returns the line that says so. An override that unsets its key (``=none``) leaves the other as it is."""
     key = ".".join(keypath)
     other = next((b if key == a else a for a, b in EXCLUSIVE if key in (a, b)), None)
     if other is None or other.split(".") in overridden:
@@ -87,6 +93,8 @@ def _drop_the_other_of_a_pair(tree: dict, keypath: list[str], overridden: list[l
     section, name = other.split(".")
     table = tree.get(section)
     if not isinstance(table, dict) or name not in table:
+        return None
+    if not _IN_EFFECT.get(key, _not_none)(value) or not _IN_EFFECT.get(other, _not_none)(table[name]):
         return None
     return f"treadle: {arg} replaces {other} = {show_value(table.pop(name))} of {source}"
 
@@ -109,7 +117,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     parsed = [parse_override(arg) for arg in overrides]
     notes = []
     for arg, (keypath, value) in zip(overrides, parsed):
-        notes.append(_drop_the_other_of_a_pair(tree, keypath, [p for p, _ in parsed], arg, source))
+        notes.append(_drop_the_other_of_a_pair(tree, keypath, value, [p for p, _ in parsed], arg, source))
         _set_path(tree, keypath, value)
     if overrides:
         source = f"{source} + overrides" if source else "overrides"
