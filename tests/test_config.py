@@ -256,3 +256,11 @@ def test_treadle_config_reference_prints_the_page():
     proc = subprocess.run([sys.executable, "-m", "treadle", "config", "--reference"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0 and proc.stdout == reference()
+
+
+def test_data_train_beside_a_files_sources_says_how_to_drop_them(tmp_path):
+    f = tmp_path / "m.toml"
+    f.write_text('[[data.sources]]\nname = "a"\npath = "builtin"\n[[data.phases]]\nstart_step = 5\nweights = { a = 1.0 }\n')
+    with pytest.raises(UserError, match=r"--data.sources=\[\] drops a file's sources, and --data.phases=\[\] its phases"):
+        load_config(f, ["--data.train=x.jsonl"])
+    assert load_config(f, ["--data.train=x.jsonl", "--data.sources=[]", "--data.phases=[]"]).data.train == ["x.jsonl"]

@@ -282,7 +282,8 @@ class DataConfig(Section):
         if dup is not None:
             raise ValueError(f"data.sources: name {dup!r} is used twice; accepted: one name per source")
         if self.sources and "train" in self.model_fields_set:
-            raise ValueError("data.train and data.sources are both set; accepted: one of them (data.sources replaces data.train)")
+            raise ValueError("data.train and data.sources are both set; accepted: one of them (data.sources replaces "
+                             "data.train; --data.sources=[] drops a file's sources, and --data.phases=[] its phases)")
         if self.val_fraction and self.val and "val" in self.model_fields_set:
             raise ValueError(f"data.val = {self.val} and data.val_fraction = {self.val_fraction} are both set; accepted: "
                              "one of them (data.val_fraction holds out part of the training data as the validation set; "
