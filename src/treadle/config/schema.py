@@ -236,12 +236,11 @@ class DataConfig(Section):
     seq_len: int = Field(256, ge=8)
     train: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs / data files, or 'builtin' (one source named 'train')")
     val: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs / data files, 'builtin', or [] for no eval; "
-                           f"unset with training data of your own (not 'builtin'): data.val_fraction = {OWN_DATA_VAL_FRACTION} "
-                           "instead")
+                           "unused while data.val_fraction > 0")
     val_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="hold out this fraction of every training source's "
                                 "documents (fixed by a hash of the document's index) as the validation set, instead of "
-                                f"data.val; 0 = off; unset, with neither key set and training data of your own: "
-                                f"{OWN_DATA_VAL_FRACTION}")
+                                f"data.val; 0 = off; when neither key is set and the training data is your own (not "
+                                f"'builtin'), {OWN_DATA_VAL_FRACTION}")
     sources: list[SourceConfig] = Field(default_factory=list, description="a weighted mixture; replaces data.train")
     temperature: float = Field(1.0, gt=0.0, description="mixture temperature: probability ~ weight^(1/temperature)")
     phases: list[PhaseConfig] = Field(default_factory=list, description="curriculum: mixture weights and lr_scale by step")
