@@ -135,14 +135,14 @@ def test_explain_covers_every_key_with_its_description_default_and_accepted_valu
         if field.description:
             assert " ".join(field.description.split()) in comments, key
     # unset keys (TOML has no null) are explained as commented-out lines
-    assert "# default: unset; accepted: a number in [0, 1), or unset (leave the key out)\n# warmup_proportion = (unset)" in text
+    assert "# default: unset; accepted: a number in [0, 1), or unset (leave the key out; on the command line: =none)\n# warmup_proportion = (unset)" in text
     assert '# default: "cosine"; accepted: one of "cosine", "linear", "constant", "wsd"\ndecay = "cosine"' in text
     assert "# default: [0.9, 0.95]; accepted: two numbers, each in [0, 1)\nbetas = [0.9, 0.95]" in text
     assert "#   name: short identifier" in text  # the keys of a [[data.sources]] entry
 
 
 def test_accepted_values_are_read_off_the_annotation():
-    from treadle import config_doc
+    from treadle.config import doc as config_doc
 
     class Table(BaseModel):
         n: int = Field(3, ge=2, lt=5)
@@ -155,7 +155,7 @@ def test_accepted_values_are_read_off_the_annotation():
 
     said = {name: config_doc.field_accepted(f) for name, f in Table.model_fields.items()}
     assert said == {
-        "n": "an integer in [2, 5)", "x": "a number > 0, or unset (leave the key out)", "flag": "true or false",
+        "n": "an integer in [2, 5)", "x": "a number > 0, or unset (leave the key out; on the command line: =none)", "flag": "true or false",
         "mode": 'one of "a", "b"', "pair": "two numbers, each in [0, 1]", "steps": "a list of integers",
         "weights": "a table of numbers",
     }

@@ -133,3 +133,134 @@ def test_deepspeed_json_is_read_and_bad_ones_are_one_line(tmp_path):
             read_deepspeed_config(str(tmp_path / name))
         assert expected in str(err.value) and "distributed.deepspeed_config" in str(err.value)
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("--optim.learning_rate=1e-4", "unknown key optim.learning_rate; treadle calls it optim.lr"),
+        ("--train.per_device_train_batch_size=4", "treadle calls it train.micro_batch_size (sequences per micro-batch per rank)"),
+        ("--train.gradient_accumulation_steps=4", "treadle calls it train.grad_accum_steps"),
+        ("--train.num_train_epochs=3", "treadle calls it train.max_steps (treadle counts optimizer steps, not epochs)"),
+        ("--schedule.warmup_ratio=0.1", "treadle calls it schedule.warmup_proportion"),
+        ("--schedule.lr_scheduler_type=linear", "treadle calls it schedule.decay"),
+        ("--model.bf16=true", 'treadle calls it model.dtype (model.dtype = "bf16")'),
+        ("--model.dtype=bfloat16", "treadle spells 'bfloat16' as 'bf16'"),
+        ("--train.max_grad_norm=1", "treadle calls it train.grad_clip"),
+    ],
+)
+def test_hugging_face_names_are_refused_naming_treadles_key(override, expected):
+    """Names users bring from transformers' TrainingArguments are not accepted (one name per setting), but the
+    error names the treadle key instead of a look-alike (optim.learning_rate once got 'did you mean weight_decay')."""
+    with pytest.raises(UserError) as err:
+        load_config(None, [override])
+    assert expected in str(err.value) and "did you mean" not in str(err.value)
+
+
+def test_hugging_face_names_without_a_section_on_the_command_line():
+    for arg, expected in [("--learning_rate=3e-4", "--learning_rate=3e-4 is not a treadle key; treadle calls it optim.lr: --optim.lr=3e-4"),
+                          ("--bfloat16=true", 'treadle calls it model.dtype (model.dtype = "bf16")'),
+                          ("--weight_decay=0", "did you mean --optim.weight_decay=0?")]:
+        proc = subprocess.run([sys.executable, "-m", "treadle", "config", arg], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+
+
+def test_every_foreign_name_points_at_a_real_key():
+    from treadle.config import FOREIGN_NAMES, Config
+    from treadle.config.messages import all_keys
+
+    keys = set(all_keys(Config))
+    assert {key for key, _ in FOREIGN_NAMES.values()} <= keys
+    assert not {name for name in FOREIGN_NAMES if any(k.endswith("." + name) for k in keys)} - {"dtype", "steps"}
+
+
+@pytest.mark.parametrize("word", ["none", "null", "None", '""', ""])
+def test_an_optional_key_is_unset_from_the_command_line(tmp_path, word):
+    f = tmp_path / "c.toml"
+    f.write_text('[schedule]\nwarmup_proportion = 0.1\n[train]\ntime_limit = "1h"\n')
+    cfg = load_config(f, [f"--schedule.warmup_proportion={word}", f"--train.time_limit={word}"])
+    assert cfg.schedule.warmup_proportion is None and cfg.train.time_limit is None and cfg.warmup_steps() == 0
+    assert parse_override(f"--model.path={word}") == (["model", "path"], None)
+
+
+def test_none_stays_a_value_for_keys_that_take_it():
+    """Only keys whose default is unset can be unset: elsewhere 'none' is a value (checkpoint.resume = 'none')."""
+    cfg = load_config(None, ["--checkpoint.resume=none", "--model.activation_checkpointing=none"])
+    assert cfg.checkpoint.resume == "none" and cfg.model.activation_checkpointing == "none"
+    with pytest.raises(UserError, match=r"train.max_steps = 'none' is invalid"):
+        load_config(None, ["--train.max_steps=none"])
+
+
+def test_the_accepted_words_say_how_to_unset():
+    with pytest.raises(UserError, match=r"accepted: an integer >= 0, or unset \(leave the key out; on the command line: =none\)"):
+        load_config(None, ["--schedule.warmup_steps=abc"])
+
+
+def test_an_override_of_one_of_two_exclusive_keys_replaces_the_files_other(tmp_path, capsys):
+    """Hugging Face's warmup_steps overrides warmup_ratio, and the command line beats the file: an override of one
+    of a pair drops the file's other, saying so in one line. Both on the command line stay an error."""
+    f = tmp_path / "c.toml"
+    f.write_text('[schedule]\nwarmup_proportion = 0.1\n[data]\nval_fraction = 0.05\n')
+    cfg = load_config(f, ["--schedule.warmup_steps=5", "--data.val=[]"])
+    assert cfg.schedule.warmup_steps == 5 and cfg.schedule.warmup_proportion is None and cfg.warmup_steps() == 5
+    assert cfg.data.val == [] and cfg.data.val_fraction == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"treadle: --schedule.warmup_steps=5 replaces schedule.warmup_proportion = 0.1 of {f}",
+                   f"treadle: --data.val=[] replaces data.val_fraction = 0.05 of {f}"]
+    g = tmp_path / "g.toml"
+    g.write_text('[schedule]\nwarmup_steps = 5\n')
+    assert load_config(g, ["--schedule.warmup_proportion=0.2"]).warmup_steps() == 40
+    assert "replaces schedule.warmup_steps = 5" in capsys.readouterr().err
+    # Unsetting one of a pair, or turning the held-out set off, keeps the file's other key.
+    assert load_config(g, ["--schedule.warmup_proportion=none"]).warmup_steps() == 5
+    v = tmp_path / "v.toml"
+    v.write_text('[data]\nval = ["mine.jsonl"]\n')
+    assert load_config(v, ["--data.val_fraction=0"]).data.val == ["mine.jsonl"]
+    assert load_config(f, ["--schedule.warmup_steps=0"]).warmup_steps() == 0  # no warmup: replaces the proportion
+    assert capsys.readouterr().err == f"treadle: --schedule.warmup_steps=0 replaces schedule.warmup_proportion = 0.1 of {f}\n"
+    with pytest.raises(UserError, match=r"not both; accepted: one of them \(an override of one replaces the file's "
+                                         r"other; --schedule.warmup_steps=none unsets it\)"):
+        load_config(f, ["--schedule.warmup_steps=5", "--schedule.warmup_proportion=0.2"])
+    assert capsys.readouterr().err == ""  # nothing said about a config that is refused
+
+
+def test_the_configuration_reference_is_generated_from_the_models():
+    """docs/configuration.md is what the models say today: a key added, renamed or re-described without
+    regenerating the page fails here, with the command that regenerates it."""
+    from pathlib import Path
+
+    from treadle.config.reference import COMMAND, reference
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    assert page.is_file() and page.read_text() == reference(), f"docs/configuration.md is out of date; run: {COMMAND}"
+    text = reference()
+    for line in ("| `max_steps` | `200` | an integer >= 1 | optimizer steps of the whole run |",
+                 "### [[data.sources]]",
+                 "| `learning_rate` | `optim.lr` |  |"):
+        assert line in text
+
+
+def test_the_reference_catches_a_changed_key(monkeypatch):
+    """The comparison above can fail: a description changed in the models changes the page."""
+    from treadle.config import TrainConfig
+    from treadle.config.reference import reference
+
+    before = reference()
+    monkeypatch.setattr(TrainConfig.model_fields["max_steps"], "description", "optimizer steps, said otherwise")
+    assert reference() != before and "optimizer steps, said otherwise" in reference()
+
+
+def test_treadle_config_reference_prints_the_page():
+    from treadle.config.reference import reference
+
+    proc = subprocess.run([sys.executable, "-m", "treadle", "config", "--reference"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout == reference()
+
+
+def test_data_train_beside_a_files_sources_says_how_to_drop_them(tmp_path):
+    f = tmp_path / "m.toml"
+    f.write_text('[[data.sources]]\nname = "a"\npath = "builtin"\n[[data.phases]]\nstart_step = 5\nweights = { a = 1.0 }\n')
+    with pytest.raises(UserError, match=r"--data.sources=\[\] drops a file's sources, and --data.phases=\[\] its phases"):
+        load_config(f, ["--data.train=x.jsonl"])
+    assert load_config(f, ["--data.train=x.jsonl", "--data.sources=[]", "--data.phases=[]"]).data.train == ["x.jsonl"]

@@ -18,7 +18,7 @@ LAYERS = {
     "train": 3,
     "checkpoint": 2, "speculative": 2, "data": 2,
     "engine": 1, "models": 1,
-    "config": 0, "config_doc": 0, "metrics": 0, "corpus": 0, "errors": 0, "fsutil": 0, "tokenizer": 0, "distributed": 0, "quiet": 0, "model_dirs": 0, "presets": 0,
+    "config": 0, "metrics": 0, "corpus": 0, "errors": 0, "fsutil": 0, "tokenizer": 0, "distributed": 0, "quiet": 0, "model_dirs": 0, "presets": 0,
 }
 
 

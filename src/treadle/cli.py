@@ -45,8 +45,11 @@ def _config_and_overrides(args: argparse.Namespace, options: tuple[str, ...] = (
     for arg in overrides:
         key, eq, value = arg.partition("=")
         if "." not in key:  # --max_steps=5: a key without its section
-            from treadle.config import nearest_key
+            from treadle.config import foreign_hint, nearest_key
 
+            hint = foreign_hint(key, value if eq else None)  # --learning_rate=3e-4: a Hugging Face name
+            if hint is not None:
+                raise UserError(f"{arg} is not a treadle key; {hint}; every key: treadle config --explain")
             near = nearest_key(key.lstrip("-"))
             if near is not None and "." in near:
                 raise UserError(f"{arg} names no section; did you mean --{near}={value if eq else 'VALUE'}? "
@@ -83,6 +86,13 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 def _config(args: argparse.Namespace, extra: list[str]) -> int:
     from treadle.config import load_config, to_toml
 
+    if args.reference:  # the models' reference (docs/configuration.md), not a config
+        from treadle.config.reference import reference
+
+        if _config_and_overrides(args, ("--reference",)) != (None, []):
+            raise UserError("treadle config --reference takes no config file or overrides: it documents every key")
+        sys.stdout.write(reference())
+        return 0
     cfg = load_config(*_config_and_overrides(args, ("--explain",)))
     if args.explain:
         print("# treadle config --explain: every key with its description, default and accepted values; a key that "
@@ -184,12 +194,14 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
 
     config = sub.add_parser(
         "config", help="print the resolved config as TOML (--explain: what each key means); runs nothing",
-        allow_abbrev=False, usage=f"treadle config [-h] [--explain] {_OVERRIDES}",
+        allow_abbrev=False, usage=f"treadle config [-h] [--explain | --reference] {_OVERRIDES}",
         description="The config `treadle train` would run with the same arguments, as TOML it reads back: "
                     "defaults, CONFIG, --section.key=value overrides, validated the same way.")
     config.add_argument("config", nargs="?", help="TOML config file")
     config.add_argument("--explain", action="store_true",
                         help="a comment above each key: its description, default and accepted values")
+    config.add_argument("--reference", action="store_true",
+                        help="print the reference of every key as Markdown (docs/configuration.md is this)")
     config.set_defaults(func=_config)
 
     export = sub.add_parser("export", help="write a Hugging Face model directory (or a draft export) from a checkpoint",

@@ -39,8 +39,8 @@ def held_out(num_documents: int, fraction: float, where: str) -> np.ndarray:
     count = max(1, round(fraction * num_documents))
     if count >= num_documents:
         raise UserError(f"data.val_fraction = {fraction} would hold out {count} of the {num_documents} document(s) of "
-                        f"{where}, leaving none to train on; accepted: a smaller fraction, or a source with more "
-                        "documents (rows)")
+                        f"{where}, leaving none to train on; accepted: a smaller fraction, a source with more "
+                        "documents (rows), or a validation set of its own (data.val = a file, or [] for none)")
     keys = _mix64(np.arange(num_documents, dtype=np.uint64))
     return keys <= np.partition(keys, count - 1)[count - 1]  # distinct keys (a bijection): exactly `count`
 

@@ -40,7 +40,9 @@ def build_model(cfg: ModelConfig, vocab_size: int, bos_id: int | None = None, eo
     ``empty``: a model from ``model.path`` is built on the meta device, its weights read later, shard by shard
     (``sharded_load.materialize``), where the files allow it.
     """
-    if cfg.path is not None:
+    if cfg.path is not None and not has_weights(resolve_model_dir(Path(cfg.path), "model.path")):
+        model = _from_config_json(resolve_model_dir(Path(cfg.path), "model.path"))
+    elif cfg.path is not None:
         model = load_causal_lm(Path(cfg.path), "model.path", empty)
         if model.config.vocab_size < vocab_size:
             raise UserError(
@@ -58,6 +60,30 @@ def build_model(cfg: ModelConfig, vocab_size: int, bos_id: int | None = None, eo
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     # Packed sequences only stay isolated on CPU sdpa/eager without a KV cache (PLATFORM.md).
     model.config.use_cache = False
+    return model
+
+
+# What a Hugging Face directory keeps its weights in (one file, or shards and their index).
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def has_weights(model_dir: Path) -> bool:
+    return any(next(model_dir.glob(pattern), None) is not None for pattern in _WEIGHT_FILES)
+
+
+def _from_config_json(path: Path) -> PreTrainedModel:
+    """model.path at a directory that holds a config.json and no weights: that architecture, random weights (the
+    usual way to say "train this model from scratch"), with one line saying so."""
+    from treadle.quiet import hf_quiet
+
+    try:
+        with hf_quiet():
+            hf_config = AutoConfig.from_pretrained(path)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"model.path {path}: its config.json cannot build an AutoModelForCausalLM: {first_line(exc)}") from None
+    print(f"treadle: model.path {path} holds a config.json and no weights: a {hf_config.model_type} model built from "
+          "it with random weights (training from scratch)", file=sys.stderr)
     return model
 
 

@@ -435,7 +435,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         where += f", {layout.dp_size} data-parallel x {layout.cp_size} context-parallel"
     trainer.console.print(
         f"treadle: {setup.describe()} on {where}, {sum(o.dataset.num_tokens for o in data.sources):,} train tokens, "
-        f"{loader.global_batch} x {seq_len} tokens per step, run directory {out}"
+        f"{loader.global_batch} x {seq_len} tokens per step, {validation_words(cfg, data)}, run directory {out}"
     )
     if cfg.data.sources or any(o.kind == "sft" or o.skipped for o in data.sources):
         probs = data.mixture.probabilities(trainer.state.step)
@@ -444,6 +444,19 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     for line in auto_lines + unreached_phases(cfg):
         trainer.console.print(line)
     return trainer
+
+
+def validation_words(cfg: Config, data: RunData) -> str:
+    """Which validation set eval loss is measured on, for the start line (the built-in corpus says nothing about
+    a user's own data, so it is named as such)."""
+    d = cfg.data
+    if data.val is None:
+        return "no validation set (data.val = [])"
+    if d.val_fraction:
+        return f"validation on {len(data.val):,} samples held out of the training data (data.val_fraction = {d.val_fraction:g})"
+    if d.val == ["builtin"]:
+        return "validation on the built-in corpus (data.val)"
+    return f"validation on {', '.join(d.val)} (data.val)"
 
 
 def unreached_phases(cfg: Config) -> list[str]:

@@ -1,13 +1,14 @@
-"""A pydantic model's fields in words, and a config written as TOML with every key explained.
+"""A pydantic model's fields in words: a config written as TOML with every key explained, and as Markdown tables.
 
 Everything here is read off the models (a field's description, its annotation: Literal choices, bool, numbers
 and their ge/gt/le/lt bounds, optional = may be unset), so ``treadle config --explain`` and the "accepted: ..."
 of a config error cannot drift from what validation really accepts. It knows pydantic and TOML, not treadle's
-sections: ``treadle.config`` calls it (``to_toml(cfg, explain=True)``, config errors).
+sections: ``treadle.config`` calls it (``to_toml(cfg, explain=True)``, config errors, the reference).
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 import textwrap
 import types
@@ -90,7 +91,7 @@ def accepted(annotation: Any, metadata: list = ()) -> str:
     if origin in (Union, types.UnionType) and type(None) in args:
         rest = [a for a in args if a is not type(None)]
         inner = accepted(rest[0] if len(rest) == 1 else Union[tuple(rest)], metadata)
-        return f"{inner}, or unset (leave the key out)"
+        return f"{inner}, or unset (leave the key out; on the command line: =none)"
     if origin in (Union, types.UnionType):
         return ", or ".join(accepted(a) for a in args)
     if origin is Literal:
@@ -123,13 +124,19 @@ def field_accepted(field: FieldInfo) -> str:
     return accepted(field.annotation, field.metadata)
 
 
-def _default(field: FieldInfo) -> str:
+def default_value(field: FieldInfo) -> str:
+    """A field's default as TOML ('"cosine"', '[0.9, 0.95]'), 'unset', or 'required'."""
     if field.is_required():
         return "required"
     value = field.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
-    return "default: " + ("unset" if value is None else toml_value(value))
+    return "unset" if value is None else toml_value(value)
+
+
+def _default(field: FieldInfo) -> str:
+    value = default_value(field)
+    return value if value == "required" else f"default: {value}"
 
 
 def describe(field: FieldInfo) -> list[str]:
@@ -162,3 +169,36 @@ def explained_toml(model: type[BaseModel], tree: dict, path: tuple[str, ...] = (
     if path and blocks:
         blocks[0] = f"[{'.'.join(path)}]\n{blocks[0]}"
     return "\n\n".join(block for block in blocks + sections if block)
+
+
+def _cell(text: str) -> str:
+    """Text for one Markdown table cell: rst's ``code`` as Markdown's, '|' and '<' (a tag's start) escaped."""
+    text = " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;")
+    return re.sub(r"``([^`]+)``", r"`\1`", text)
+
+
+def markdown_tables(model: type[BaseModel], path: tuple[str, ...] = (), depth: int = 2) -> str:
+    """Every key of ``model`` as Markdown: one heading and one table (key, default, accepted, meaning) per
+    section, in the order of the model's fields, sub-sections after their parent's keys; an array of tables
+    (``[[data.sources]]``) gets a table of its own below its section's. A section's docstring, if it has one, is
+    the paragraph under its heading; the root model's own keys come last, as "Keys outside a section"."""
+    rows, entries, sections = [], [], []
+    for name, field in model.model_fields.items():
+        sub, entry = model_of(field.annotation), item_model(field.annotation)
+        if sub is not None:
+            sections.append(markdown_tables(sub, (*path, name), depth))
+            continue
+        default = default_value(field)
+        rows.append(f"| `{name}` | {default if default in ('unset', 'required') else f'`{default}`'} | "
+                    f"{_cell(field_accepted(field))} | {_cell(field.description or '')} |")
+        if entry is not None:
+            entries.append(markdown_tables(entry, (*path, name), depth + 1).replace(
+                f"{'#' * (depth + 1)} [{'.'.join((*path, name))}]", f"{'#' * (depth + 1)} [[{'.'.join((*path, name))}]]", 1))
+    blocks = []
+    if rows:
+        heading = f"{'#' * depth} " + (f"[{'.'.join(path)}]" if path else "Keys outside a section")
+        about = _cell(inspect.cleandoc(model.__doc__)) if model.__doc__ and path else ""
+        table = "\n".join(["| key | default | accepted | meaning |", "|---|---|---|---|", *rows])
+        blocks.append("\n\n".join(part for part in (heading, about, table) if part))
+    parts = (sections + blocks + entries) if not path else (blocks + entries + sections)
+    return "\n\n".join(parts)

@@ -1,27 +1,24 @@
-"""Typed run configuration: built-in defaults < TOML file < ``--section.key=value``.
+"""The config's schema: one pydantic model per ``[section]``, and ``Config``, the whole run.
 
-Every section is a pydantic model that forbids unknown keys, so a typo is an
-error with a "did you mean" hint instead of a silently ignored setting. The
-resolved config is written into the run directory as TOML and can be passed
-back to ``treadle train`` unchanged (``load_config(path)`` round-trips).
+Each section forbids unknown keys and checks its own values; ``Config`` checks the rules across sections. The
+descriptions, types and bounds written here are what ``treadle config --explain``, the "accepted: ..." of every
+config error and docs/configuration.md say (``treadle.config.doc`` reads them off): change a key here, and
+regenerate the reference with ``treadle config --reference > docs/configuration.md``.
+
+Reading a file and the command line is ``treadle.config.load``; the words of an error, ``treadle.config.messages``;
+writing TOML back, ``treadle.config.render``.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
-import tomllib
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic.fields import FieldInfo
 
-from treadle import config_doc
-from treadle.errors import UserError
+from treadle.config.messages import config_error
 
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
@@ -46,7 +43,7 @@ class Section(BaseModel):
             super().__setattr__(name, os.fspath(value) if isinstance(value, os.PathLike) else value)
         except ValidationError as err:
             section = next((k for k, f in Config.model_fields.items() if f.annotation is type(self)), None)
-            raise _explain(err, "", section=section) from None
+            raise config_error(Config, err, "", section=section) from None
 
 
 class TrainConfig(Section):
@@ -102,7 +99,8 @@ class ScheduleConfig(Section):
     @model_validator(mode="after")
     def _one_warmup(self) -> ScheduleConfig:
         if self.warmup_steps is not None and self.warmup_proportion is not None:
-            raise ValueError("set schedule.warmup_steps or schedule.warmup_proportion, not both")
+            raise ValueError("set schedule.warmup_steps or schedule.warmup_proportion, not both; accepted: one of "
+                             "them (an override of one replaces the file's other; --schedule.warmup_steps=none unsets it)")
         return self
 
 
@@ -137,7 +135,8 @@ class ResilienceConfig(Section):
 
 class ModelConfig(Section):
     preset: str = Field("tiny", description="built-in architecture, used when model.path is unset")
-    path: str | None = Field(None, description="local Hugging Face model directory to load")
+    path: str | None = Field(None, description="local Hugging Face model directory to load (a treadle run directory: "
+                             "its hf/); one holding a config.json and no weights: that architecture, random weights")
     dtype: Literal["auto", "fp32", "bf16", "bf16-weights"] = Field(
         "auto", description="bf16 = autocast over fp32 weights; bf16-weights = bf16 parameters and activations, the "
         "optimizer updating an fp32 master copy (local engine); auto = the fastest here: bf16 on CUDA from Ampere on, "
@@ -228,13 +227,20 @@ class PhaseConfig(Section):
         return v
 
 
+# data.val_fraction when the training data is the user's own and no validation set is named: eval loss then
+# measures that data, not the built-in corpus (5%, as Hugging Face's run_clm holds out by default).
+OWN_DATA_VAL_FRACTION = 0.05
+
+
 class DataConfig(Section):
     seq_len: int = Field(256, ge=8)
     train: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs / data files, or 'builtin' (one source named 'train')")
-    val: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs / data files, 'builtin', or [] for no eval")
+    val: list[str] = Field(default_factory=lambda: ["builtin"], description="shard dirs / data files, 'builtin', or [] for no eval; "
+                           "unused while data.val_fraction > 0")
     val_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="hold out this fraction of every training source's "
                                 "documents (fixed by a hash of the document's index) as the validation set, instead of "
-                                "data.val; 0 = off")
+                                f"data.val; 0 = off; when neither key is set and the training data is your own (not "
+                                f"'builtin'), {OWN_DATA_VAL_FRACTION}")
     sources: list[SourceConfig] = Field(default_factory=list, description="a weighted mixture; replaces data.train")
     temperature: float = Field(1.0, gt=0.0, description="mixture temperature: probability ~ weight^(1/temperature)")
     phases: list[PhaseConfig] = Field(default_factory=list, description="curriculum: mixture weights and lr_scale by step")
@@ -250,6 +256,24 @@ class DataConfig(Section):
     def _listify(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _hold_out_own_data(cls, data: Any) -> Any:
+        """Training data of the user's own and neither data.val nor data.val_fraction set: hold out
+        OWN_DATA_VAL_FRACTION of it, rather than validate on the built-in corpus. Set here, so the resolved
+        config says so (and a saved config, which has the key, is not changed by it again)."""
+        if not isinstance(data, dict) or "val" in data or "val_fraction" in data:
+            return data
+        if data.get("sources"):
+            entries = [s.path if isinstance(s, SourceConfig) else s.get("path") if isinstance(s, dict) else None
+                       for s in data["sources"]]
+        else:
+            entries = [data.get("train", ["builtin"])]
+        paths = [p for e in entries for p in ([e] if isinstance(e, str) else e if isinstance(e, list) else [])]
+        if any(p != "builtin" for p in paths):
+            return {**data, "val_fraction": OWN_DATA_VAL_FRACTION}
+        return data
+
     @model_validator(mode="after")
     def _mixture(self) -> DataConfig:
         names = [s.name for s in self.sources]
@@ -257,10 +281,12 @@ class DataConfig(Section):
         if dup is not None:
             raise ValueError(f"data.sources: name {dup!r} is used twice; accepted: one name per source")
         if self.sources and "train" in self.model_fields_set:
-            raise ValueError("data.train and data.sources are both set; accepted: one of them (data.sources replaces data.train)")
+            raise ValueError("data.train and data.sources are both set; accepted: one of them (data.sources replaces "
+                             "data.train; --data.sources=[] drops a file's sources, and --data.phases=[] its phases)")
         if self.val_fraction and self.val and "val" in self.model_fields_set:
             raise ValueError(f"data.val = {self.val} and data.val_fraction = {self.val_fraction} are both set; accepted: "
-                             "one of them (data.val_fraction holds out part of the training data as the validation set)")
+                             "one of them (data.val_fraction holds out part of the training data as the validation set; "
+                             "--data.val_fraction=0 turns it off)")
         known = names or ["train"]
         starts = [p.start_step for p in self.phases]
         if starts != sorted(set(starts)):
@@ -464,210 +490,3 @@ class Config(Section):
             return math.floor(s.warmup_proportion * self.train.max_steps + 1e-9)
         return 0
 
-
-# ---------------------------------------------------------------------------- loading
-
-
-def _all_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
-    keys = []
-    for name, field in model.model_fields.items():
-        section = config_doc.model_of(field.annotation)
-        if section is not None:
-            keys += _all_keys(section, f"{prefix}{name}.")
-        else:
-            keys.append(prefix + name)
-    return keys
-
-
-def nearest_key(key: str) -> str | None:
-    """The config key a mistyped one most likely meant (``train.max_stps``, ``max_steps``, ``trian``), or None."""
-    keys = _all_keys()
-    sections = sorted({k.split(".")[0] for k in keys})
-    pool = keys if "." in key else sections + keys
-    near = difflib.get_close_matches(key, pool, n=1, cutoff=0.5)
-    if not near:  # a right key in the wrong section: match on the last part alone
-        leaf = key.rsplit(".", 1)[-1]
-        near = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1]
-    return near[0] if near else None
-
-
-def _suggest(key: str, names: list[str] | None = None) -> str:
-    """'; did you mean ...?' for an unknown key: among all keys, or among ``names`` (the keys of one table)."""
-    if names is None:
-        near = nearest_key(key)
-    else:
-        near = next(iter(difflib.get_close_matches(key, names, n=1, cutoff=0.5)), None)
-    return f"; did you mean {near}?" if near else ""
-
-
-def _locate(loc: tuple) -> tuple[str, FieldInfo | None, type[BaseModel] | None, int]:
-    """Where an error is, as the user wrote it: (key, its field, the table it names if any, parts of loc used).
-
-    Sections and entries of arrays of tables are walked (``data.sources.0.weight`` -> ``data.sources[0].weight``);
-    the walk stops at a plain field, so an error inside its value (``optim.betas.1``) names the key itself.
-    """
-    key, field, table = "", None, Config
-    for used, part in enumerate(loc):
-        if table is None:
-            entry = config_doc.item_model(field.annotation) if field is not None else None
-            if entry is None or not isinstance(part, int):
-                return key, field, None, used
-            key, table = f"{key}[{part}]", entry
-            continue
-        field = table.model_fields.get(str(part))
-        key = f"{key}.{part}" if key else str(part)
-        if field is None:
-            return key, None, None, used + 1
-        table = config_doc.model_of(field.annotation)
-    return key, field, table, len(loc)
-
-
-def _lookup(tree: Any, loc: tuple, fallback: Any) -> Any:
-    """The value the user gave at ``loc`` (``fallback`` if a validator reshaped it on the way)."""
-    try:
-        for part in loc:
-            tree = tree[part]
-    except (KeyError, IndexError, TypeError):
-        return fallback
-    return tree
-
-
-# pydantic messages that already name the bound or the choices ("Input should be 'fp32' or 'bf16'")
-_SAYS_WHAT_IS_ACCEPTED = {"literal_error", "greater_than", "greater_than_equal", "less_than", "less_than_equal"}
-
-
-def _explain(err: ValidationError, source: str, tree: dict | None = None, section: str | None = None) -> UserError:
-    """Turn pydantic's report into one line naming the key the user wrote, its value and what is accepted.
-
-    ``tree``: what the user gave (the value is quoted from it); ``section``: the section of an assignment
-    (``cfg.train.max_steps = 0``), whose report names the field alone.
-    """
-    e = err.errors()[0]
-    loc = ((section,) if section else ()) + tuple(e["loc"])
-    where = f" ({source})" if source else ""
-    key, field, table, used = _locate(loc)
-    msg = re.sub(r" or instance of \w+$", "", e["msg"].removeprefix("Value error, "))
-    if e["type"] in ("extra_forbidden", "no_such_attribute"):  # a key in a file; an attribute assigned
-        table_key, _, entry, _ = _locate(loc[:-1])
-        names = [f"{table_key}.{n}" for n in entry.model_fields] if "[" in key else None
-        return UserError(f"config error{where}: unknown key {key}{_suggest(key, names)}")
-    if field is None or (table is not None and e["type"] == "value_error"):
-        return UserError(f"config error{where}: {msg}")  # a check across keys names its keys itself
-    what = "a table" if table is not None else config_doc.field_accepted(field)
-    if e["type"] == "missing" and used == len(loc):
-        return UserError(f"config error{where}: {key} is missing; accepted: {what}")
-    value = _lookup(tree, loc[:used], e["input"]) if tree is not None else e["input"]
-    inner = loc[used:]
-    if inner:  # inside the value (a tuple's, list's or table's item): the key is what the user typed
-        at = ", ".join(f"item {p + 1}" if isinstance(p, int) else repr(p) for p in inner)
-        msg = f"{at} is missing" if e["type"] == "missing" else f"{at} = {e['input']!r}: {msg}"
-    if "accepted:" not in msg and (inner or e["type"] not in _SAYS_WHAT_IS_ACCEPTED):
-        msg = f"{msg}; accepted: {what}"
-    return UserError(f"config error{where}: {key} = {value!r} is invalid: {msg}")
-
-
-def parse_override(arg: str) -> tuple[list[str], Any]:
-    """``--section.key=value`` -> (["section", "key"], value), value read as a TOML literal.
-
-    A bare word that is not valid TOML (``--model.dtype=bf16``) is taken as a string.
-    """
-    body = arg.removeprefix("--")
-    if "=" not in body or not body.split("=", 1)[0]:
-        raise UserError(f"bad override {arg!r}; accepted form: --section.key=value (e.g. --train.max_steps=50)")
-    key, raw = body.split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.split("."), value
-
-
-def _set_path(tree: dict, path: list[str], value: Any) -> None:
-    node = tree
-    for part in path[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise UserError(f"config error: {'.'.join(path)}: {part} is a value, not a section")
-        node = child
-    node[path[-1]] = value
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the TOML file, then the overrides; raise UserError on any bad input."""
-    tree: dict[str, Any] = {}
-    source = ""
-    if path is not None:
-        p = Path(path)
-        source = str(p)
-        try:
-            tree = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise UserError(f"config file {p} does not exist; accepted: a readable TOML file") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"config file {p} cannot be read: {exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise UserError(f"config file {p} is not valid TOML: {exc}") from None
-    for arg in overrides:
-        keypath, value = parse_override(arg)
-        _set_path(tree, keypath, value)
-    if overrides:
-        source = f"{source} + overrides" if source else "overrides"
-    try:
-        return Config.model_validate(tree)
-    except ValidationError as err:
-        raise _explain(err, source, tree) from None
-
-
-def explicit_tree(cfg: Config) -> dict[str, Any]:
-    """The values that were set (by a file, an override or an assignment), section by section.
-
-    Validating this tree again gives the same config with every rule re-run, also the rules that ask what was set
-    (data.train beside data.sources), which a full dump would trip.
-    """
-    def explicit(value: Any) -> Any:  # a section, or a list of tables ([[callbacks]])
-        return [explicit(v) for v in value] if isinstance(value, list) else value.model_dump(exclude_unset=True)
-
-    return {name: explicit(getattr(cfg, name)) for name in type(cfg).model_fields}
-
-
-def to_toml(cfg: Config, explain: bool = False) -> str:
-    """The config as TOML that ``load_config`` reads back to the same config; ``explain``: a comment above each key
-    (description, default, accepted values) and unset keys as commented-out lines (``treadle config --explain``)."""
-    # TOML has no null: unset optional keys are left out and come back as None. data.sources replaces data.train,
-    # and a file that sets both is refused: the default data.train is left out, so the file loads again.
-    tree = cfg.model_dump(mode="json", exclude_none=True)
-    if cfg.data.sources:
-        del tree["data"]["train"]
-    if cfg.data.val_fraction:  # likewise data.val, which data.val_fraction replaces
-        del tree["data"]["val"]
-    return config_doc.explained_toml(Config, tree) + "\n" if explain else tomli_w.dumps(tree)
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"model": {"overrides": {"a": 1}}}`` -> ``{"model.overrides.a": 1}``: one entry per leaf key.
-
-    An empty table has no leaves, so ``overrides = {}`` and an unset override compare per key.
-    """
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out |= flatten(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def changed_keys(then: dict, now: dict) -> list[tuple[str, Any, Any]]:
-    """(key, old, new) for every leaf key whose value differs between two config trees (None: unset), sorted."""
-    a, b = flatten(then), flatten(now)
-    return [(k, a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
-
-
-def show_value(v: Any) -> str:
-    return "unset" if v is None else repr(v) if isinstance(v, str) else str(v)
-
-
-def save_config(cfg: Config, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(to_toml(cfg))
-    tmp.replace(path)
