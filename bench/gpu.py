@@ -128,7 +128,7 @@ def plan(out: Path, device: str, s: Sizes, only: list[str] | None = None) -> lis
              ["train", f"--train.output_dir={out / 'llama-1b'}", "--model.preset=tiny",
               f"--model.overrides={{{inline}}}", *common, *features,
               *short(s.big_steps, s.big_seq, s.big_batch, s.log_every),
-              "--schedule.warmup_proportion=0.1", "--data.val=[]", "--checkpoint.export_hf=false"]),
+              "--optim.lr=3e-4", "--schedule.warmup_proportion=0.1", "--data.val=[]", "--checkpoint.export_hf=false"]),
         Item("torchrun", f"tiny Llama, torchrun 1 process, fsdp2, {'nccl' if cuda else 'gloo'}",
              ["train", "configs/demo.toml", f"--train.output_dir={out / 'torchrun'}", *common,
               *short(s.dist_steps, s.tiny_seq, s.tiny_batch), "--distributed.engine=fsdp2", "--data.val=[]",
@@ -218,9 +218,9 @@ def training_row(item: Item, out: Path, result: dict) -> dict:
     tau = [r["tau_sim"] for r in records if "tau_sim" in r]
     if tau:
         notes.append(f"tau_sim {tau[-1]:.2f}")
-    if item.name == "torchrun":
+    if item.name == "torchrun" and "nccl" in item.what:
         nccl = re.search(r"NCCL version (\S+)", result["log"])
-        notes.append(f"NCCL {nccl.group(1)} up" if nccl else "no NCCL version line (gloo, or NCCL never started)")
+        notes.append(f"NCCL {nccl.group(1)} up" if nccl else "no 'NCCL version' line: did NCCL start?")
     checkpoints = run / "checkpoints"
     if item.name == "llama-1b" and checkpoints.is_dir():  # gigabytes: measured, then removed
         size = sum(p.stat().st_size for p in checkpoints.rglob("*") if p.is_file() and not p.is_symlink())
