@@ -56,7 +56,7 @@ LLAMA_TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 
 @dataclass(frozen=True)
 class Sizes:
-    """Steps and shapes of one plan: the GPU check's, or the toy ones that run it on a CPU in a minute or two."""
+    """Steps and shapes of one plan: the GPU check's, or the toy ones that run it on a CPU in a few minutes."""
 
     tiny_steps: int
     tiny_seq: int

@@ -1,8 +1,8 @@
 """bench/gpu.py, behind `make gpu-check`: what a machine without CUDA does, and its plan checked on any machine.
 
-The toy run (`python bench/gpu.py --device cpu --tiny`: every item at toy sizes on the CPU, every row OK) takes
-1.5-2 minutes on the 2-core machines, most of it seven interpreters importing torch and transformers: too long for
-the suite. Here the GPU plan and the toy plan are validated the way treadle validates a command (a mistyped key
+The toy run (`python bench/gpu.py --device cpu --tiny`: every item at toy sizes on the CPU, every row OK) took
+1.7 minutes on a shared 2-core machine with the built-in corpus cached and 4.3 with an empty cache (most of it
+seven interpreters importing torch and transformers, and building the corpus): too long for the suite. Here the GPU plan and the toy plan are validated the way treadle validates a command (a mistyped key
 fails here, not first on a GPU), and a plan with a typo is shown to fail that validation.
 """
 
