@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install venv demo test bench clean-venv lint
+.PHONY: install venv demo test bench gpu-check clean-venv lint
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ bench: $(STAMP)  ## treadle's loop against a bare PyTorch loop; drafters compare
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/spec.py
 	$(BIN)/python bench/scaling.py
+
+gpu-check: $(STAMP)  ## one GPU, a few minutes: tiny + 1.1B Llama (bf16, compile, act. ckpt, chunked loss), torchrun/NCCL, GLIDE + EAGLE-3 drafts, spec-eval -> one table (tokens/s, MFU, peak memory) on stdout and in runs/gpu-check/gpu-check.md; no CUDA: one line, exit 0
+	$(BIN)/python bench/gpu.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,379 @@
+"""`make gpu-check`: treadle on one GPU in a few minutes, as one markdown table naming the device.
+
+Each item is the treadle command a user runs (`treadle train ... --section.key=value`, `treadle spec-eval`), in a
+subprocess of its own with its own time limit; an item that fails is a FAIL row holding its error's last line, and
+the others go on:
+
+  tiny        the demo's tiny Llama (configs/demo.toml): bf16, torch.compile, activation checkpointing, chunked loss
+  llama-1b    a 1.1B Llama built from a config with random weights (hidden 2048, 16 layers, 32 heads / 8 KV heads,
+              MLP 8192, vocab 32768), sequences of 2048, micro-batch 8, the same four features
+  torchrun    the tiny Llama under torchrun, one process: FSDP2 over NCCL
+  glide       a GLIDE draft (configs/demo-draft.toml) against the tiny target trained by `tiny`
+  eagle3      an EAGLE-3 draft (configs/demo-eagle3.toml) against the same target
+  spec-glide  `treadle spec-eval` of the tiny target with each draft: tau, speed-up, lossless
+  spec-eagle3
+
+The table (tokens/s, MFU, peak memory per row) goes to stdout and to runs/gpu-check/gpu-check.md; each item's
+command and output are in runs/gpu-check/<item>.log, its run in runs/gpu-check/<item>/. tokens/s and MFU are
+treadle's own metrics (metrics.jsonl) over the run's last log window: the first window holds the compile.
+Without CUDA the check says so in one line and exits 0.
+
+    python bench/gpu.py                       # the check; exit 1 when an item failed
+    python bench/gpu.py --device cpu --tiny   # the same items at toy sizes on CPU (gloo, no compile): the plan's test
+    python bench/gpu.py --dry-run [--tiny]    # print and validate every command; runs nothing
+    python bench/gpu.py --only llama-1b       # some items (the drafts and spec-evals reuse an earlier `tiny` run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TREADLE = [sys.executable, "-m", "treadle"]  # the `treadle` script's own entry point, with this interpreter
+MARKER = ".gpu-check"  # the output directory is ours to clear only when it holds this file
+
+# A Llama-3.2-1B-shaped model (untied head, a 32k vocabulary instead of 128k): 1.1B parameters, built from the
+# config by treadle with random weights. Its vocabulary exceeds the built-in tokenizer's 8192, as a real model's
+# exceeds the data's; it makes the [tokens, vocab] logits the chunked loss avoids as large as a real run's.
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=32768, max_position_embeddings=4096)
+LLAMA_TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=32768, max_position_embeddings=512)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Steps and shapes of one plan: the GPU check's, or the toy ones that run it on a CPU in a few minutes."""
+
+    tiny_steps: int
+    tiny_seq: int
+    tiny_batch: int
+    big: dict
+    big_steps: int
+    big_seq: int
+    big_batch: int
+    dist_steps: int
+    draft_steps: int
+    log_every: int        # the 1B's; the others log 4 windows per run
+    eval_batches: int
+    chunk_tokens: int     # model.loss_chunk_tokens: several chunks per micro-batch at either size
+    draft_eval: list      # the draft runs' acceptance eval (prompts, their length, new tokens)
+    spec: list            # spec-eval's prompts
+    timeout: dict         # seconds per item
+
+
+GPU = Sizes(tiny_steps=200, tiny_seq=256, tiny_batch=8, big=LLAMA_1B, big_steps=30, big_seq=2048, big_batch=8,
+            dist_steps=40, draft_steps=100, log_every=10, eval_batches=4, chunk_tokens=1024,
+            draft_eval=["--draft.eval_prompts=8", "--draft.eval_new_tokens=32"],
+            spec=["--num-prompts", "8", "--prompt-len", "64", "--max-new-tokens", "64"],
+            timeout={"tiny": 420, "llama-1b": 600, "torchrun": 300, "glide": 300, "eagle3": 300,
+                     "spec-glide": 240, "spec-eagle3": 240})
+TOY = Sizes(tiny_steps=4, tiny_seq=64, tiny_batch=2, big=LLAMA_TOY, big_steps=4, big_seq=64, big_batch=2,
+            dist_steps=2, draft_steps=2, log_every=2, eval_batches=1, chunk_tokens=32,
+            draft_eval=["--draft.eval_prompts=2", "--draft.eval_prompt_len=16", "--draft.eval_new_tokens=8"],
+            spec=["--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "8"],
+            timeout={"tiny": 300, "llama-1b": 300, "torchrun": 300, "glide": 300, "eagle3": 300,
+                     "spec-glide": 300, "spec-eagle3": 300})
+
+
+@dataclass
+class Item:
+    name: str
+    what: str
+    treadle: list[str]               # the treadle command line (after `treadle`)
+    launcher: list[str] = field(default_factory=lambda: list(TREADLE))
+    needs: Path | None = None        # what an earlier item writes (the tiny target)
+    env: dict = field(default_factory=dict)
+
+    @property
+    def argv(self) -> list[str]:
+        return [*self.launcher, *self.treadle]
+
+
+def plan(out: Path, device: str, s: Sizes, only: list[str] | None = None) -> list[Item]:
+    cuda = device == "cuda"
+    tiny = out / "tiny"
+    # Every training item: fresh, on the chosen device, no eval before the first step, one checkpoint kept.
+    common = [f"--train.device={device}", f"--train.threads={0 if cuda else 1}", "--checkpoint.resume=none",
+              "--checkpoint.keep_last=1", "--train.eval_at_start=false", f"--train.eval_batches={s.eval_batches}",
+              f"--model.compile={'true' if cuda else 'false'}", "--model.dtype=bf16"]
+    features = ["--model.activation_checkpointing=full", f"--model.loss_chunk_tokens={s.chunk_tokens}"]
+
+    def short(steps: int, seq: int, batch: int, log_every: int | None = None) -> list[str]:
+        return [f"--train.max_steps={steps}", f"--train.log_every={log_every or max(steps // 4, 1)}",
+                f"--data.seq_len={seq}", f"--train.micro_batch_size={batch}"]
+
+    inline = ", ".join(f"{k} = {json.dumps(v)}" for k, v in s.big.items())  # a TOML inline table
+    n_big = "1.1B" if s.big is LLAMA_1B else "toy-size"
+    compiled = "compile" if cuda else "no compile"
+    items = [
+        Item("tiny", f"tiny Llama (demo), bf16, {compiled}, act. ckpt, chunked loss",
+             ["train", "configs/demo.toml", f"--train.output_dir={tiny}", *common, *features,
+              *short(s.tiny_steps, s.tiny_seq, s.tiny_batch), "--train.eval_every=0"]),
+        Item("llama-1b", f"{n_big} Llama from a config, seq {s.big_seq} x {s.big_batch}, bf16, {compiled}, "
+                         "act. ckpt, chunked loss",
+             ["train", f"--train.output_dir={out / 'llama-1b'}", "--model.preset=tiny",
+              f"--model.overrides={{{inline}}}", *common, *features,
+              *short(s.big_steps, s.big_seq, s.big_batch, s.log_every),
+              "--optim.lr=3e-4", "--schedule.warmup_proportion=0.1", "--data.val=[]", "--checkpoint.export_hf=false"]),
+        Item("torchrun", f"tiny Llama, torchrun 1 process, fsdp2, {'nccl' if cuda else 'gloo'}",
+             ["train", "configs/demo.toml", f"--train.output_dir={out / 'torchrun'}", *common,
+              *short(s.dist_steps, s.tiny_seq, s.tiny_batch), "--distributed.engine=fsdp2", "--data.val=[]",
+              "--checkpoint.export_hf=false", "--distributed.timeout_s=120"],
+             launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                       "-m", "treadle"],
+             env={"NCCL_DEBUG": "VERSION"}),  # NCCL prints its version once it is up: the row's proof it ran
+    ]
+    for kind, config in (("glide", "configs/demo-draft.toml"), ("eagle3", "configs/demo-eagle3.toml")):
+        items.append(Item(kind, f"{'GLIDE' if kind == 'glide' else 'EAGLE-3'} draft on the tiny target, bf16, "
+                                f"{compiled}",
+                          ["train", config, f"--train.output_dir={out / kind}", f"--draft.target={tiny}", *common,
+                           *short(s.draft_steps, s.tiny_seq, s.tiny_batch), "--train.eval_every=0", *s.draft_eval],
+                          needs=tiny / "hf"))
+    for kind in ("glide", "eagle3"):
+        items.append(Item(f"spec-{kind}", f"spec-eval, tiny target + {kind} draft, gamma 4",
+                          ["spec-eval", "--target", str(tiny), "--draft", str(out / kind), "--gamma", "4", *s.spec,
+                           "--json", str(out / f"spec-{kind}.json"), "--threads", "0" if cuda else "1"],
+                          needs=out / kind / "draft"))
+    return [i for i in items if only is None or i.name in only]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def last_error_line(log: str) -> str:
+    """The line that says what went wrong: treadle's one-line error, else the last exception line (not torchrun's
+    ChildFailedError wrapper), else the last line."""
+    lines = [re.sub(r"^\[(default)?rank\d+\]:\s*", "", ln.strip()) for ln in log.splitlines() if ln.strip()]
+    for pattern in (r"^treadle: (error|training failed)", r"^[\w.]+(Error|Exception|Interrupt)\b"):
+        hits = [ln for ln in lines if re.match(pattern, ln) and "ChildFailedError" not in ln]
+        if hits:
+            return hits[-1]
+    return lines[-1] if lines else "no output"
+
+
+def run_item(item: Item, out: Path, timeout: int) -> dict:
+    """Run one item; its row's fields (status, wall, error) and its log text."""
+    if item.needs is not None and not item.needs.exists():
+        return {"status": "SKIP", "note": f"needs {item.needs.relative_to(out)} (from an earlier item, not there)"}
+    log_path = out / f"{item.name}.log"
+    env = {**os.environ, **item.env}
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write(f"$ {shlex.join(item.argv)}\n\n")
+        log.flush()
+        # A session of its own: on a timeout the whole group goes (torchrun and its worker too).
+        proc = subprocess.Popen(item.argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    wall = time.perf_counter() - t0
+    text = log_path.read_text(errors="replace")
+    if rc is None:
+        return {"status": "FAIL", "wall": wall, "note": f"timed out after {timeout} s; last line: "
+                                                          f"{last_error_line(text)}", "log": text}
+    if rc != 0:
+        return {"status": "FAIL", "wall": wall, "note": f"exit {rc}: {last_error_line(text)}", "log": text}
+    return {"status": "OK", "wall": wall, "log": text}
+
+
+def training_row(item: Item, out: Path, result: dict) -> dict:
+    """tokens/s, MFU and peak memory from the run's metrics.jsonl (treadle's own figures), and a note."""
+    run = out / item.name
+    records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    steps = [r for r in records if "tokens_per_s" in r]
+    if not steps:
+        return {**result, "status": "FAIL", "note": "no step record in metrics.jsonl"}
+    last = steps[-1]
+    since = steps[-2]["step"] + 1 if len(steps) > 1 else 1
+    cuda = "memory_allocated_gib" in last
+    peak = max(r.get("memory_allocated_gib", r.get("peak_rss_gib", 0.0)) for r in steps)
+    notes = []
+    start = re.search(r"^treadle: (.*?) on (.*?), [\d,]+ train tokens", result["log"], re.M)
+    if start:
+        notes.append(f"{start.group(1)} on {start.group(2)}")
+    notes.append(f"loss {steps[0]['loss']:.2f} -> {last['loss']:.2f}")
+    notes.append(f"tokens/s of steps {since}-{last['step']}")
+    if cuda:
+        notes.append(f"reserved {max(r['memory_reserved_gib'] for r in steps):.1f} GiB")
+    if cuda and "mfu" not in last:
+        notes.append("MFU: this GPU's peak is not in metrics/flops.py (--metrics.peak_tflops=...)")
+    tau = [r["tau_sim"] for r in records if "tau_sim" in r]
+    if tau:
+        notes.append(f"tau_sim {tau[-1]:.2f}")
+    if item.name == "torchrun" and "nccl" in item.what:
+        nccl = re.search(r"NCCL version (\S+)", result["log"])
+        notes.append(f"NCCL {nccl.group(1)} up" if nccl else "no 'NCCL version' line: did NCCL start?")
+    checkpoints = run / "checkpoints"
+    if item.name == "llama-1b" and checkpoints.is_dir():  # gigabytes: measured, then removed
+        size = sum(p.stat().st_size for p in checkpoints.rglob("*") if p.is_file() and not p.is_symlink())
+        shutil.rmtree(checkpoints)
+        notes.append(f"its checkpoint ({size / 2**30:.1f} GiB) written, then removed")
+    mfu = last.get("mfu")
+    return {**result, "tokens_per_s": last["tokens_per_s"], "mfu": mfu, "peak_gib": peak,
+            "peak_kind": "alloc" if cuda else "RSS", "note": "; ".join(notes)}
+
+
+def spec_row(item: Item, out: Path, result: dict) -> dict:
+    r = json.loads((out / f"{item.name}.json").read_text())
+    return {**result, "tokens_per_s": r["tokens_per_s_spec"],
+            "note": f"tau {r['tau']:.2f}, {r['speedup']:.2f}x the target alone "
+                    f"({r['tokens_per_s_target']:,.0f} tokens/s), "
+                    f"{'lossless' if r['lossless'] else 'NOT lossless'}; on the CPU (spec-eval has no device option)"}
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_line(device: str) -> str:
+    import torch
+
+    from treadle import __version__
+
+    commit = _run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]) or "no git"
+    soft = f"torch {torch.__version__}, Python {platform.python_version()}, treadle {__version__} ({commit})"
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "--id=0"])
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "none"
+        memory = props.total_memory / 2**30
+        return (f"{torch.cuda.get_device_name(0)} (sm_{props.major}{props.minor}, {memory:.0f} GiB; GPU 0 of "
+                f"{torch.cuda.device_count()}), driver {driver or 'unknown (no nvidia-smi)'}, "
+                f"CUDA {torch.version.cuda}, NCCL {nccl}, {soft}")
+    info = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")] \
+        if info.exists() else []
+    return f"CPU: {names[0] if names else platform.machine()}, {os.cpu_count()} cores, {soft}"
+
+
+def table(rows: list[tuple[Item, dict]], device: str, tiny: bool) -> str:
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    sizes = "toy sizes (`--tiny`)" if tiny else "full sizes"
+    lines = [f"### treadle gpu-check, {when}, {sizes}", "", f"Device: {device_line(device)}", "",
+             "| item | what | result | wall s | tokens/s | MFU | peak GiB | notes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for item, r in rows:
+        tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") is not None else ""
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
+        peak = f"{r['peak_gib']:.2f} ({r['peak_kind']})" if r.get("peak_gib") is not None else ""
+        wall = f"{r['wall']:.0f}" if "wall" in r else ""
+        note = r.get("note", "").replace("|", "\\|")
+        lines.append(f"| {item.name} | {item.what} | {r['status']} | {wall} | {tps} | {mfu} | {peak} | {note} |")
+    lines += ["", "tokens/s and MFU: treadle's metrics over the run's last log window (the first holds the compile); "
+              "MFU against metrics/flops.py's bf16 peak. peak GiB: torch.cuda.max_memory_allocated over the run "
+              "(alloc), or on a CPU the process's peak RSS. wall s: the whole command (start-up, data, compile, "
+              "checkpoint). Each item's command and output: <item>.log beside this file."]
+    return "\n".join(lines) + "\n"
+
+
+def dry_run(items: list[Item]) -> int:
+    """Every command printed, and checked the way treadle checks it (the config, spec-eval's flags): a typo in a
+    key fails here, on any machine, and not first on a GPU."""
+    from treadle.cli import build_parser
+    from treadle.config import load_config
+    from treadle.errors import UserError
+
+    bad = 0
+    for item in items:
+        try:
+            if item.treadle[0] == "train":
+                words = item.treadle[1:]
+                files = [w for w in words if not w.startswith("-")]
+                cfg = load_config(files[0] if files else None, [w for w in words if w.startswith("-")])
+                if cfg.model.overrides:  # HF configs keep an unknown field silently: a typo would change nothing
+                    from transformers import LlamaConfig
+
+                    known = LlamaConfig().to_dict()
+                    if unknown := sorted(set(cfg.model.overrides) - set(known)):
+                        raise UserError(f"model.overrides: {unknown} are not LlamaConfig fields")
+            else:
+                build_parser([item.treadle[0]]).parse_args(item.treadle)
+            status = "ok"
+        except (UserError, SystemExit) as exc:
+            status, bad = f"INVALID: {exc}", bad + 1
+        print(f"{item.name}: {status}\n  {shlex.join(item.argv)}")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cuda (default): the check, on GPU 0; cpu: the same items on the CPU (no NCCL, no compile)")
+    p.add_argument("--tiny", action="store_true", help="toy sizes and steps: the plan in a minute or two on a CPU")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check",
+                   help="output directory (default: runs/gpu-check); its item directories are replaced")
+    p.add_argument("--only", help="comma-separated items (default: all): tiny,llama-1b,torchrun,glide,eagle3,"
+                                  "spec-glide,spec-eagle3")
+    p.add_argument("--dry-run", action="store_true", help="print and validate every command; run nothing")
+    args = p.parse_args()
+    out = args.out.resolve()
+    only = args.only.split(",") if args.only else None
+    items = plan(out, args.device, TOY if args.tiny else GPU, only)
+    if only and (unknown := set(only) - {i.name for i in plan(out, args.device, GPU)}):
+        p.error(f"--only: unknown items {sorted(unknown)}")
+    if args.dry_run:
+        return dry_run(items)
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None else
+               f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no device")
+        print(f"gpu-check: no CUDA here ({why}), nothing run; `python bench/gpu.py --device cpu --tiny` runs the "
+              "same items at toy sizes on the CPU")
+        return 0
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+        print(f"gpu-check: {out} holds files the check did not write; accepted: a new or empty directory, or an "
+              "earlier check's (--out DIR)", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by bench/gpu.py: its item directories are replaced on every run\n")
+
+    rows = []
+    for item in items:
+        for stale in (out / item.name, out / f"{item.name}.json"):
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
+        timeout = (TOY if args.tiny else GPU).timeout[item.name]
+        print(f"gpu-check: {item.name} ...", file=sys.stderr, flush=True)
+        result = run_item(item, out, timeout)
+        if result["status"] == "OK":
+            try:
+                result = (spec_row if item.treadle[0] == "spec-eval" else training_row)(item, out, result)
+            except (OSError, ValueError, KeyError) as exc:  # ran, but left no readable figures
+                result = {**result, "status": "FAIL", "note": f"its results cannot be read: {exc!r}"}
+        print(f"gpu-check: {item.name} {result['status']} {result.get('wall', 0):.0f} s", file=sys.stderr, flush=True)
+        rows.append((item, result))
+
+    text = table(rows, args.device, args.tiny)
+    (out / "gpu-check.md").write_text(text)
+    print(text, end="")
+    print(f"(written to {out / 'gpu-check.md'})")
+    return 0 if all(r["status"] == "OK" for _, r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
