@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from treadle.config import Config, _explain, _set_path, explicit_tree, load_config, parse_override
 from treadle.corpus import _publish_dir, cache_dir
 from treadle.errors import UserError
+from treadle.versions import check_versions
 
 if TYPE_CHECKING:
     from treadle.data.generate import GenerateReport
@@ -78,6 +79,7 @@ def fit(config: Config | str | os.PathLike | Mapping | None = None, *,
     Everything the run opened (metrics file, prefetch thread, checkpoint writer, a process group it joined)
     is closed when this returns or raises.
     """
+    check_versions()
     from treadle.train.run import run_training
 
     cfg = _config(config, overrides, model=model, tokenizer=tokenizer, dataset=dataset, val_dataset=val_dataset)
@@ -220,6 +222,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "f
     """``treadle export``: a checkpoint (or a run's latest) as a Hugging Face directory (``to="hf"``) or a
     draft export (``to="draft"``); ``"auto"``: what the checkpoint was trained as. ``dtype`` fp32 | bf16 | fp16.
     Returns the directory written."""
+    check_versions()
     from treadle.checkpoint.export import export_checkpoint
 
     return export_checkpoint(Path(source), Path(out), dtype=dtype, to=to)
@@ -232,6 +235,7 @@ def spec_eval(target: str | os.PathLike, draft: str | os.PathLike, **options: An
     Options, as the command's flags: gamma=4, prompts=None (a JSONL file; None: the built-in held-out split),
     num_prompts=8, prompt_len=64, max_new_tokens=64, json_path=None (also write the record there), threads=0.
     """
+    check_versions()
     from treadle.speculative.evaluate import spec_eval as run
 
     return run(Path(target), str(draft), **_options(run, options))
@@ -245,6 +249,7 @@ def generate(model: str | os.PathLike, prompts: str | os.PathLike, out: str | os
     Options, as the command's flags: max_new_tokens=128, temperature=0.0, top_p=1.0, batch_size=8, seed=0,
     max_prompt_tokens=None, chat_template="auto", device="auto".
     """
+    check_versions()
     from treadle.data.generate import generate as run
 
     return run(Path(model), Path(prompts), Path(out), **_options(run, options))

@@ -26,6 +26,7 @@ from treadle.errors import (
     TrainingFailed,
     UserError,
 )
+from treadle.versions import check_versions
 
 _OVERRIDES = "[config.toml] [--section.key=value ...]"
 _LOCAL_RANK = re.compile(r"^--local[_-]rank(=\d+)?$")
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     args.argv = argv
     try:
+        check_versions()
         return args.func(args, extra)
     except (TrainingFailed, CheckpointWriteError) as exc:  # before UserError: a full disk is not bad input
         print(f"treadle: training failed: {exc}", file=sys.stderr)

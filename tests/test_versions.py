@@ -1,0 +1,61 @@
+"""The dependency ranges are true and checked: pyproject.toml states what treadle is tested with, constraints.txt
+pins each runtime and test dependency inside its range, and a command refuses (one line naming the package, exit 2)
+to run with an installed version outside it."""
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from treadle.versions import out_of_range, requirements
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _pins() -> dict[str, Version]:
+    lines = [ln.split("#")[0].strip() for ln in (REPO / "constraints.txt").read_text().splitlines()]
+    pins = [Requirement(ln) for ln in lines if ln]
+    assert all(str(p.specifier).startswith("==") for p in pins)
+    return {p.name.lower(): Version(str(p.specifier)[2:]) for p in pins}
+
+
+def test_constraints_pin_every_dependency_inside_its_stated_range():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + [r for extra in ("deepspeed", "test") for r in project["optional-dependencies"][extra]]
+    pins = _pins()
+    for line in declared:
+        req = Requirement(line)
+        assert req.name.lower() in pins, f"{req.name} is not pinned in constraints.txt"
+        assert req.specifier.contains(pins[req.name.lower()]), f"constraints.txt pins {req.name} outside {req.specifier}"
+    # The environment under test is the one the ranges describe, and the installed metadata says what the file says.
+    assert out_of_range(requirements()) == []
+    assert {Requirement(r).name for r in requirements()} == {Requirement(r).name for r in project["dependencies"]}
+
+
+def _fake_distribution(root: Path, name: str, version: str) -> Path:
+    """Package metadata that importlib finds before the real one (PYTHONPATH comes first): the version a user's
+    older environment would report, without installing anything."""
+    info = root / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return root
+
+
+def test_a_dependency_outside_its_range_is_refused_in_one_line(tmp_path):
+    fake = _fake_distribution(tmp_path / "site", "transformers", "4.50.0")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), str(REPO / "src")])}
+    cmd = [sys.executable, "-m", "treadle", "config"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "transformers 4.50.0 is installed; treadle is tested with transformers" in err[0], err
+    assert "constraints.txt" in err[0] and "TREADLE_IGNORE_VERSIONS=1" in err[0]
+    # On purpose: a warning line, then the command runs.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**env, "TREADLE_IGNORE_VERSIONS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("transformers 4.50.0") == 1 and "[train]" in proc.stdout
