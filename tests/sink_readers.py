@@ -24,6 +24,16 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def tensorboard_accumulated_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] as ``EventAccumulator(...).Scalars(tag)`` returns them: what most scripts and notebooks
+    read, and stricter than the event loader above (a scalar stored as a tensor summary is not a scalar to it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every value, no reservoir sampling
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
 def _wandb_records(path: Path) -> list:
     """The records of one ``.wandb`` file: W&B's record log, a 7-byte header, then 32 KiB blocks of (crc32,
     length, type) framed chunks (leveldb's log format) whose joined payloads are ``wandb_internal_pb2.Record``s."""

@@ -12,7 +12,7 @@ import torch
 
 from treadle.cli import main
 from tests.helpers import args, records
-from tests.sink_readers import tensorboard_scalars, wandb_history
+from tests.sink_readers import tensorboard_accumulated_scalars, tensorboard_scalars, wandb_history
 
 ROOT = Path(__file__).resolve().parents[1]
 SINKS = '--metrics.sinks=["jsonl","console","tensorboard","wandb"]'
@@ -52,12 +52,63 @@ def test_sinks_profile_and_a_config_callback_through_a_resume(shards, tmp_path, 
     assert [s for s, _ in tb["loss"]] == [1, 2, 3, 4, 5, 6] and [s for s, _ in tb["eval_loss"]] == [0, 3, 6]
     assert [v for _, v in tb["loss"]] == pytest.approx([loss[s] for s in range(1, 7)], rel=1e-6)
     assert [s for s, _ in tb["mfu"]] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in tensorboard_accumulated_scalars(run / "tensorboard")["loss"]] == [1, 2, 3, 4, 5, 6]
 
     rows = wandb_history(run)
     assert len(list((run / "wandb").glob(f"offline-run-*-{first_wandb_id}"))) == 2  # one W&B run, continued
     assert [r["_step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]  # an eval shares its step's row
     assert {r["_step"]: r["loss"] for r in rows if "loss" in r} == pytest.approx(loss, rel=1e-12)
     assert {r["_step"]: r["eval_loss"] for r in rows if "eval_loss" in r} == pytest.approx(evals, rel=1e-12)
+
+
+def test_tensorboard_history_survives_resumes_for_both_readers(tmp_path):
+    """Run 3 steps, resume to 6, again to 8: TensorBoard's event loader and EventAccumulator.Scalars (what scripts
+    read) both see every step once, with its value, and the older files are gone."""
+    from treadle.metrics.tensorboard_sink import TensorBoardSink
+
+    log_dir = tmp_path / "tensorboard"
+
+    def session(keep_through, steps):
+        sink = TensorBoardSink(log_dir, "x = 1", {"x": 1}, keep_through)
+        for step in steps:
+            sink.write({"step": step, "loss": 10.0 - step, "lr": 1e-3})
+        sink.close()
+
+    session(-1, [1, 2, 3])
+    session(3, [4, 5, 6])
+    session(5, [6, 7, 8])  # back to step 5, as after a crash there: step 6 runs again
+    expected = [(s, 10.0 - s) for s in range(1, 9)]
+    for read in (tensorboard_scalars, tensorboard_accumulated_scalars):
+        tb = read(log_dir)
+        assert tb["loss"] == expected, read.__name__
+        assert [s for s, _ in tb["lr"]] == list(range(1, 9)), read.__name__
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1
+
+
+def test_tensorboard_history_copied_in_migrated_form_before_the_fix_reads_whole_after_a_resume(tmp_path):
+    """A run directory from an earlier treadle: its steps 1-3 were copied as tensor summaries (EventFileLoader's
+    migrated form), invisible to EventAccumulator.Scalars. Its next resume writes them back as scalars."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from torch.utils.tensorboard import SummaryWriter
+
+    from treadle.metrics.tensorboard_sink import TensorBoardSink
+
+    log_dir = tmp_path / "tensorboard"
+    old = SummaryWriter(str(tmp_path / "old"))
+    for step in (1, 2, 3):
+        old.add_scalar("loss", 10.0 - step, step)
+    old.close()
+    migrated = SummaryWriter(str(log_dir))
+    for event in EventFileLoader(str(next((tmp_path / "old").glob("events.out.tfevents.*")))).Load():
+        if event.HasField("summary"):
+            migrated.file_writer.add_event(event)
+    migrated.close()
+    assert "loss" not in tensorboard_accumulated_scalars(log_dir)  # the bug, as it was on disk
+    sink = TensorBoardSink(log_dir, "x = 1", {"x": 1}, 3)
+    sink.write({"step": 4, "loss": 6.0})
+    sink.close()
+    for read in (tensorboard_scalars, tensorboard_accumulated_scalars):
+        assert read(log_dir)["loss"] == [(s, 10.0 - s) for s in range(1, 5)], read.__name__
 
 
 def test_flops_formula_within_10_percent_of_flop_counter():

@@ -3,6 +3,10 @@
 Like metrics.jsonl, the event files hold each step once: a run starts a new event file, copies into it the older
 files' scalars up to the step it resumes from (none on a fresh start), then removes the older files. Any reader
 sees one value per step, not only TensorBoard with its purge logic (``purge_step`` hides duplicates, keeps them).
+
+The copy is of the events as written (``LegacyEventFileLoader``: parsed, nothing migrated). ``EventFileLoader``
+migrates a scalar into a tensor summary on read; TensorBoard's UI shows such a copy, but ``EventAccumulator.Scalars``
+(what scripts and notebooks read) does not, and would return only the steps after the last resume.
 """
 
 from __future__ import annotations
@@ -20,11 +24,26 @@ def scalars(record: dict) -> dict[str, float]:
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
+def _scalars_as_written(event) -> None:
+    """A scalar that an earlier treadle copied in migrated form (a 0-d tensor of the scalars plugin) back to the
+    ``simple_value`` that ``add_scalar`` writes, so a run logged before the fix reads whole again after its next
+    resume."""
+    from tensorboard.util import tensor_util
+
+    for v in event.summary.value:
+        if (v.HasField("tensor") and v.metadata.plugin_data.plugin_name == "scalars"
+                and not v.tensor.tensor_shape.dim):
+            value = float(tensor_util.make_ndarray(v.tensor))
+            v.ClearField("tensor")
+            v.ClearField("metadata")
+            v.simple_value = value
+
+
 class TensorBoardSink:
     name = "tensorboard"
 
     def __init__(self, log_dir: Path, config_toml: str, hparams: dict, keep_through: int):
-        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+        from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
@@ -37,9 +56,10 @@ class TensorBoardSink:
         for summary in hparams_summary(hparams, {"loss": 0.0, "eval_loss": 0.0}):
             self.writer.file_writer.add_summary(summary)
         for f in older:
-            for event in EventFileLoader(str(f)).Load():
+            for event in LegacyEventFileLoader(str(f)).Load():  # raw, not migrated: see above
                 if (event.HasField("summary") and event.step <= keep_through
                         and not any(v.tag.startswith(_HEADER_TAGS) for v in event.summary.value)):
+                    _scalars_as_written(event)
                     self.writer.file_writer.add_event(event, walltime=event.wall_time)
         self.writer.flush()
         for f in older:  # their records up to the resumed step are in the new file now
