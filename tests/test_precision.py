@@ -96,6 +96,7 @@ def test_bf16_weights_is_refused_where_no_engine_keeps_fp32_masters():
 
 def test_auto_picks_the_fastest_candidate_only_past_the_bf16_margin(tmp_path, monkeypatch):
     monkeypatch.setenv("TREADLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "STALE", float("inf"))  # the made-up figures below pass the check against the real
     cfg = load_config(None, [f"--model.overrides={SMALL_MODEL}"])
     model = build_model(cfg.model, vocab_size=100)
     candidates = ("fp32", "bf16", "bf16-weights")
@@ -121,6 +122,7 @@ def test_auto_is_measured_once_recorded_in_config_toml_and_leaves_the_runs_rando
                                                                                              capsys):
     monkeypatch.setenv("TREADLE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(autotune, "STEADY", float("inf"))  # cached however busy the machine is
+    monkeypatch.setattr(autotune, "STALE", float("inf"))  # and kept however the load changes between the runs
     auto = ("--model.dtype=auto", "--model.compile=auto", "--train.max_steps=2")
     assert main(args(shards, tmp_path / "a", *auto)) == 0
     first = capsys.readouterr().out
@@ -134,3 +136,94 @@ def test_auto_is_measured_once_recorded_in_config_toml_and_leaves_the_runs_rando
     assert records(tmp_path / "a") == records(tmp_path / "b")
     rng = [(tmp_path / r / "checkpoints" / "step_2" / "rng" / "rank_0.json").read_text() for r in ("a", "b")]
     assert rng[0] == rng[1]
+
+
+GEMMA3 = ('{model_type="gemma3_text",hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,'
+          'num_key_value_heads=2,head_dim=8,sliding_window=16}')
+
+
+def test_auto_probes_a_gemma3_run_whose_layers_take_a_rotary_embedding_per_layer_type(shards, tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Gemma 3's rotary embedding takes the layer type: the probe runs the layer with the inputs its model makes."""
+    monkeypatch.setenv("TREADLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "STEADY", float("inf"))  # a steady figure, so the compile line gives the estimate
+    assert main(args(shards, tmp_path / "g", f"--model.overrides={GEMMA3}", "--model.dtype=auto",
+                     "--model.compile=auto", "--train.max_steps=2")) == 0
+    out = capsys.readouterr().out
+    assert "model.dtype = auto -> " in out and "one decoder layer's forward+backward at 4 x 32" in out, out
+    assert "model.compile = auto -> false: estimated eager time" in out and "could not be probed" not in out
+
+
+def test_a_family_the_probe_cannot_run_falls_back_in_one_line_per_choice(tmp_path, monkeypatch):
+    monkeypatch.setenv("TREADLE_CACHE", str(tmp_path))
+    model = build_model(load_config(None, [f"--model.overrides={SMALL_MODEL}"]).model, vocab_size=100)
+
+    def unrunnable(*a, **k):
+        raise TypeError("FancyRotary.forward() missing 1 required positional argument: 'layer_type'")
+
+    monkeypatch.setattr(autotune, "_layer_inputs", unrunnable)
+    choice, layer_s, steady = autotune.choose_dtype(model, 4, 32, CPU, ("fp32", "bf16"))
+    assert choice.value == "fp32" and layer_s is None and not steady
+    assert choice.why == ("one llama decoder layer could not be probed (TypeError: FancyRotary.forward() missing 1 "
+                          "required positional argument: 'layer_type'); fp32, which needs no measurement")
+    compiled = autotune.choose_compile(layer_s, 2, 100, CPU, steady)
+    assert compiled.value is False and compiled.why.startswith("no step-time estimate (the probe could not run)")
+    assert not (tmp_path / "autotune").exists()
+
+
+def test_a_cached_figure_taken_under_load_is_measured_again_and_the_line_says_so(tmp_path, monkeypatch, one_thread):
+    monkeypatch.setenv("TREADLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "STEADY", float("inf"))  # the new figure is cached however busy the machine is
+    model = build_model(load_config(None, [f"--model.overrides={SMALL_MODEL}"]).model, vocab_size=100)
+    candidates = ("fp32", "bf16")
+    cached = tmp_path / "autotune" / f"{autotune._shape_key(model, 4, 32, CPU, candidates)}.json"
+    cached.parent.mkdir(parents=True)
+    # As a run on a busy machine cached it (x10, so that a check on a loaded test machine is still far from it):
+    # seconds per pass of a layer that takes about a millisecond.
+    cached.write_text(json.dumps({"seconds": {"fp32": 34.24, "bf16": 50.0}}))
+    choice, layer_s, _ = autotune.choose_dtype(model, 4, 32, CPU, candidates)
+    assert "; the cached fp32 34240 ms was " in choice.why and "slower than a check now" in choice.why, choice.why
+    assert "taken under load: measured again" in choice.why and "measured now in" in choice.why
+    fresh = json.loads(cached.read_text())["seconds"]
+    assert fresh[choice.value] == layer_s < 34.24 / autotune.STALE and fresh["bf16"] < 50.0 / autotune.STALE
+    # The other way round, a figure far faster than the check: this machine is busy now, the calmer figure is kept.
+    cached.write_text(json.dumps({"seconds": {"fp32": 1e-7, "bf16": 2e-7}}))
+    choice, layer_s, steady = autotune.choose_dtype(model, 4, 32, CPU, candidates)
+    assert choice.value == "fp32" and layer_s == 1e-7 and steady
+    assert f"cached in {cached}; a check now ran " in choice.why and "a busy machine, the cached figure kept" in choice.why
+
+
+def test_the_first_steps_check_the_probes_figure_and_the_compile_estimate(shards, tmp_path, monkeypatch, capsys):
+    from treadle.train.auto import StepTimeCheck
+
+    # A figure by which the layers alone take 100x the run's fastest step: its cache entry goes, and a line says so.
+    cache = tmp_path / "entry.json"
+    cache.write_text("{}")
+    check = StepTimeCheck(1.0, 10.0, str(cache), compile_auto=True, compiled=False, estimate_s=40.0)
+    line, = check.lines(fastest=0.1, typical=0.12, steps_left=10, elapsed=1.0)
+    assert line == (f"treadle: auto: the run's steps take 100 ms, but by the probe's figure (1000 ms per layer and "
+                    f"micro-batch) their decoder layers alone take at least 10000 ms: the figure was taken under load; "
+                    f"{cache} is dropped, the next run measures again") and not cache.exists()
+    assert StepTimeCheck(1.0, 10.0, None, True, True, None).lines(0.1, 0.1, 10, 1.0) == []  # compiled: no floor
+    # The first steps project an eager time past the threshold that the estimate had below it.
+    line, = StepTimeCheck(1e-3, 1e-3, None, True, False, 29.0).lines(1.5, 1.6, 600, 4.0)
+    assert line == ("treadle: auto: the first steps (1.60 s each) project the run's eager time at 964 s, not the 29 s "
+                    "estimated from the probe: past 600 s a compile may pay back (model.compile = true); "
+                    "model.compile stays false for this run")
+    assert StepTimeCheck(1e-3, 1e-3, None, True, False, 29.0).lines(0.01, 0.01, 600, 4.0) == []
+
+    # Through a run: a cached figure far faster than the machine is now (kept: a busy machine), so the estimate is
+    # ~0 s; against a threshold of 0.01 s the run's first steps project past it, and the line comes after them.
+    monkeypatch.setenv("TREADLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "COMPILE_PAYS_AFTER_S", 0.01)
+    cfg = load_config(None, [f"--model.overrides={SMALL_MODEL}"])
+    probe_model = build_model(cfg.model, vocab_size=512)
+    entry = autotune.probe_path(probe_model, 4, 32, CPU, ("fp32", "bf16", "bf16-weights"))
+    entry.parent.mkdir(parents=True)
+    entry.write_text(json.dumps({"seconds": {"fp32": 1e-9, "bf16": 1e-9, "bf16-weights": 1e-9}}))
+    assert main(args(shards, tmp_path / "run", "--model.dtype=auto", "--model.compile=auto", "--train.max_steps=5",
+                     "--train.eval_every=0")) == 0
+    out = capsys.readouterr().out
+    assert "a busy machine, the cached figure kept" in out and "model.compile = auto -> false: estimated eager time 0 s" in out
+    assert "treadle: auto: the first steps (" in out and "model.compile stays false for this run" in out, out
+    assert out.index("step 4:") < out.index("treadle: auto: the first steps") < out.index("step 5:")

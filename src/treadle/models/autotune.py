@@ -38,14 +38,17 @@ BF16_MARGIN = 1.10  # a bf16 candidate is chosen only if its layer step is >= 10
 COMPILE_PAYS_AFTER_S = 600.0
 PROBE_ROUNDS = 3  # timed passes per candidate, after one untimed pass each (first-call paths, allocator)
 STEADY = 1.25  # a measurement is cached only if each candidate's two fastest passes are this close
+CHECK_ROUNDS = 2  # timed passes of a cached figure's fastest candidate, checking it before it is used
+STALE = 2.0  # a cached figure this many times slower than the check is measured again
 PROBE_ROWS = 2  # rows of the run's micro-batch measured (the per-row time scales to the whole micro-batch)
-PROBE_VERSION = 1  # in the cache key: a changed probe measures again
+PROBE_VERSION = 2  # in the cache key: a changed probe measures again (2: the layer's inputs made by the model)
 
 
 @dataclass
 class Choice:
     value: str | bool
     why: str
+    estimate_s: float | None = None  # compile: the run's estimated eager time it was judged by
 
 
 def _machine() -> dict:
@@ -68,38 +71,83 @@ def cpu_flags() -> list[str]:
     return [f for f in flags if "bf16" in f or f.startswith("amx") or f in ("avx512f", "avx512_fp16", "avx2")]
 
 
-def _layer_and_rotary(model: nn.Module) -> tuple[nn.Module, nn.Module | None, int]:
-    """One decoder layer, the rotary embedding that feeds it, and the hidden size (a draft run: its target's)."""
-    model = getattr(model, "target", model)
-    inner = getattr(model, "model", model)
-    return decoder_layers(model)[0], getattr(inner, "rotary_emb", None), model.config.hidden_size
+def _target(model: nn.Module) -> nn.Module:
+    return getattr(model, "target", model)  # a draft run measures its target's layers
 
 
-def _fresh_rotary(model: nn.Module, rotary: nn.Module | None, device: torch.device) -> nn.Module | None:
-    """The run's rotary embedding on ``device``; a new one of its class when the run's is still empty (meta: a model
-    read from disk is filled only once the engine has sharded it). HF builds them as ``Rotary(config)``."""
-    if rotary is None:
-        return None
-    if any(b.is_meta for b in rotary.buffers()):
-        return type(rotary)(getattr(model, "target", model).config).to(device)
-    return copy.deepcopy(rotary).to(device)
+class _Captured(Exception):
+    """Raised by the capture hook: the probe model's forward stops at its first decoder layer."""
 
 
-def _fresh_layer(model: nn.Module, layer: nn.Module, device: torch.device) -> nn.Module:
-    """A new fp32 layer of ``layer``'s class and config on ``device`` (the run's may be on meta, or partitioned by
-    ZeRO-3); HF decoder layers are built as ``Layer(config, layer_idx)``. Call under ``fork_rng``: init draws."""
+def _probe_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """A fresh fp32 copy of the run's architecture with one decoder layer and a small vocabulary, on ``device``.
+
+    Built from the config, not from the run's layer: the run's may be on meta or partitioned by ZeRO-3, and the
+    model itself prepares what its layers take (rotary embeddings per layer type, masks, sliding windows), which
+    differs by family (Gemma 3 keeps a rotary embedding per layer type). Call under ``fork_rng``: init draws."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(_target(model).config)
+    config.num_hidden_layers = 1
+    if isinstance(getattr(config, "layer_types", None), list):  # per-layer kinds (sliding/full attention)
+        config.layer_types = config.layer_types[:1]
+    config.vocab_size = min(config.vocab_size, 256)  # the layer's time does not depend on it; the head's memory does
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        ids = getattr(config, key, None)
+        if isinstance(ids, int) and ids >= config.vocab_size or isinstance(ids, list):
+            setattr(config, key, None)
+    config.use_cache = False
     torch.manual_seed(0)
-    return type(layer)(getattr(model, "target", model).config, 0).float().to(device).train()
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
 
 
-def _pass(layer: nn.Module, x: torch.Tensor, pos: torch.Tensor, rotary: nn.Module | None, autocast: bool) -> float:
+def _layer_inputs(small: nn.Module, rows: int, seq_len: int, device: torch.device) -> tuple[nn.Module, tuple, dict]:
+    """The probe model's decoder layer and what the model passes it besides the hidden states (positional
+    arguments after them, keyword arguments), captured from one forward that stops at the layer."""
+    layer = decoder_layers(small)[0]
+    captured = {}
+
+    def hook(module, args, kwargs):
+        captured["args"], captured["kwargs"] = args, dict(kwargs)
+        raise _Captured
+
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            small(input_ids=torch.zeros(rows, seq_len, dtype=torch.long, device=device),
+                  position_ids=torch.arange(seq_len, device=device).expand(rows, seq_len), use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if "kwargs" not in captured:
+        raise RuntimeError("the model's forward never called its first decoder layer")
+    args, kwargs = captured["args"], captured["kwargs"]
+    if args:
+        args = args[1:]
+    else:
+        kwargs.pop("hidden_states")
+    return layer, args, kwargs
+
+
+def _cast(value, dtype: torch.dtype):
+    """Floating tensors (rotary cos/sin, an additive mask) in ``dtype``, as the model makes them for bf16 inputs."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _pass(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict, autocast: bool) -> float:
     device = x.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        kwargs = {"position_embeddings": rotary(x, pos)} if rotary is not None else {}
-        out = layer(x, position_ids=pos, **kwargs)
+        out = layer(x, *args, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
     out.float().square().mean().backward()
     if device.type == "cuda":
@@ -107,34 +155,35 @@ def _pass(layer: nn.Module, x: torch.Tensor, pos: torch.Tensor, rotary: nn.Modul
     return time.perf_counter() - t0
 
 
-def measure(model: nn.Module, rows: int, seq_len: int, device: torch.device,
-            candidates: tuple[str, ...]) -> tuple[dict[str, float], bool]:
+def measure(model: nn.Module, rows: int, seq_len: int, device: torch.device, candidates: tuple[str, ...],
+            rounds: int = PROBE_ROUNDS) -> tuple[dict[str, float], bool]:
     """Seconds of one forward+backward of one decoder layer on a ``rows`` x ``seq_len`` micro-batch, per candidate
-    (the fastest of ``PROBE_ROUNDS`` interleaved passes, scaled from ``PROBE_ROWS`` rows), and whether the passes
+    (the fastest of ``rounds`` interleaved passes, scaled from ``PROBE_ROWS`` rows), and whether the passes
     agreed (each candidate's second-fastest within ``STEADY`` of its fastest). Leaves torch's RNG as it found it."""
-    layer, rotary, hidden = _layer_and_rotary(model)
     n = min(rows, PROBE_ROWS)
     gen = torch.Generator().manual_seed(0)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        fp32 = _fresh_layer(model, layer, device)
-        layers = {c: (copy.deepcopy(fp32).to(torch.bfloat16) if c == "bf16-weights" else fp32) for c in candidates}
-        rot = _fresh_rotary(model, rotary, device)
-        pos = torch.arange(seq_len, device=device).expand(n, seq_len)
-        x32 = (torch.randn(n, seq_len, hidden, generator=gen)).to(device).requires_grad_()
-        inputs = {c: (x32.detach().bfloat16().requires_grad_() if c == "bf16-weights" else x32) for c in candidates}
+        small = _probe_model(model, device)
+        fp32, args, kwargs = _layer_inputs(small, n, seq_len, device)
+        hidden = _target(model).config.hidden_size
+        x32 = torch.randn(n, seq_len, hidden, generator=gen).to(device).requires_grad_()
+        setups = {c: (copy.deepcopy(fp32).to(torch.bfloat16), x32.detach().bfloat16().requires_grad_(),
+                      _cast(args, torch.bfloat16), _cast(kwargs, torch.bfloat16))
+                  if c == "bf16-weights" else (fp32, x32, args, kwargs) for c in candidates}
         times: dict[str, list[float]] = {c: [] for c in candidates}
-        for r in range(PROBE_ROUNDS + 1):
+        for r in range(rounds + 1):
             for c in candidates:
-                t = _pass(layers[c], inputs[c], pos, rot, autocast=c == "bf16")
+                layer, x, a, kw = setups[c]
+                t = _pass(layer, x, a, kw, autocast=c == "bf16")
                 if r:  # the first round warms up
                     times[c].append(t)
-    steady = all(sorted(ts)[1] <= STEADY * min(ts) for ts in times.values())
+    steady = rounds < 2 or all(sorted(ts)[1] <= STEADY * min(ts) for ts in times.values())
     return {c: min(ts) * rows / n for c, ts in times.items()}, steady
 
 
 def _shape_key(model: nn.Module, rows: int, seq_len: int, device: torch.device, candidates: tuple[str, ...]) -> str:
-    layer, _, _ = _layer_and_rotary(model)
-    cfg = getattr(model, "target", model).config
+    layer = decoder_layers(_target(model))[0]
+    cfg = _target(model).config
     shape = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
                                                 "num_key_value_heads", "head_dim", "num_experts", "num_local_experts")}
     key = {"v": PROBE_VERSION, "machine": _machine(), "device": str(device), "layer": type(layer).__name__,
@@ -142,64 +191,111 @@ def _shape_key(model: nn.Module, rows: int, seq_len: int, device: torch.device, 
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _ms(seconds: dict[str, float], candidates) -> str:
+    return ", ".join(f"{c} {seconds[c] * 1e3:.0f} ms" for c in candidates)
+
+
+def probe_path(model: nn.Module, rows: int, seq_len: int, device: torch.device, candidates: tuple[str, ...]) -> Path:
+    return cache_dir() / "autotune" / f"{_shape_key(model, rows, seq_len, device, candidates)}.json"
+
+
 def probe(model: nn.Module, rows: int, seq_len: int, device: torch.device,
           candidates: tuple[str, ...]) -> tuple[dict[str, float], str, bool]:
     """``measure``'s result from the cache, else measured now and cached if steady; where it came from, in words;
-    and whether it is steady (cached ones are)."""
-    path = cache_dir() / "autotune" / f"{_shape_key(model, rows, seq_len, device, candidates)}.json"
+    and whether it is steady (cached ones are).
+
+    A cached figure is checked first: its fastest candidate is timed again (``CHECK_ROUNDS`` passes). A figure
+    more than ``STALE`` times slower than the check was taken under load (the fastest pass of an idle machine cannot
+    be that much slower than a later one), so every candidate is measured again and the cache replaced. A check
+    slower than the figure means this machine is busy now: the calmer cached figure is kept, and the line says so.
+    """
+    path = probe_path(model, rows, seq_len, device, candidates)
     try:
-        return json.loads(path.read_text())["seconds"], f"cached in {path}", True
-    except (OSError, ValueError, KeyError):
-        pass
+        cached = json.loads(path.read_text())["seconds"]
+        if set(cached) != set(candidates):
+            raise KeyError
+    except (OSError, ValueError, KeyError, TypeError):
+        cached = None
+    note = ""
+    if cached is not None:
+        fastest = min(candidates, key=lambda c: cached[c])
+        now, _ = measure(model, rows, seq_len, device, (fastest,), rounds=CHECK_ROUNDS)
+        ratio = cached[fastest] / now[fastest]
+        if ratio <= STALE:
+            kept = "" if ratio >= 1 / STALE else (f"; a check now ran {1 / ratio:.1f}x slower ({_ms(now, [fastest])}): "
+                                                  "a busy machine, the cached figure kept")
+            return cached, f"cached in {path}{kept}", True
+        note = (f"; the cached {_ms(cached, [fastest])} was {ratio:.1f}x slower than a check now "
+                f"({_ms(now, [fastest])}), taken under load: measured again")
     t0 = time.perf_counter()
     seconds, steady = measure(model, rows, seq_len, device, candidates)
     took = time.perf_counter() - t0
     if not steady:  # a busy machine: this choice holds for this run only, the next run measures again
-        return seconds, f"measured now in {took:.1f} s, not cached: passes varied by more than {STEADY - 1:.0%}", False
+        return seconds, (f"measured now in {took:.1f} s, not cached: passes varied by more than {STEADY - 1:.0%}"
+                         f"{note}"), False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps({"seconds": seconds, "probe_s": took}))
     except OSError:
         pass  # a read-only cache measures again next time; the run itself is unaffected
-    return seconds, f"measured now in {took:.1f} s", True
+    return seconds, f"measured now in {took:.1f} s{note}", True
+
+
+def safe_probe(model: nn.Module, rows: int, seq_len: int, device: torch.device,
+               candidates: tuple[str, ...]) -> tuple[dict[str, float] | None, str, bool]:
+    """``probe``, or, where one decoder layer of this family cannot be run on its own, ``None`` and why (one line):
+    ``auto`` then falls back to what needs no measurement instead of stopping the run."""
+    try:
+        return probe(model, rows, seq_len, device, candidates)
+    except Exception as exc:  # noqa: BLE001 - any family-specific failure; the run goes on without a figure
+        kind = getattr(_target(model).config, "model_type", type(_target(model)).__name__)
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        return None, f"one {kind} decoder layer could not be probed ({type(exc).__name__}: {message})", False
 
 
 def choose_dtype(model: nn.Module, rows: int, seq_len: int, device: torch.device,
-                 candidates: tuple[str, ...]) -> tuple[Choice, float, bool]:
+                 candidates: tuple[str, ...]) -> tuple[Choice, float | None, bool]:
     """The fastest of ``candidates`` (fp32 first) for this model and micro-batch on ``device``, with the reason;
-    the chosen dtype's seconds per layer and micro-batch (the compile estimate's unit); whether the timing was
-    steady."""
+    the chosen dtype's seconds per layer and micro-batch (the compile estimate's unit; None where the probe could
+    not run); whether the timing was steady."""
     if device.type == "cuda":  # by capability; the chosen dtype alone is timed, for the compile estimate
         cap = torch.cuda.get_device_capability(device)
         fast = cap >= (8, 0) and "bf16" in candidates
         choice = Choice("bf16" if fast else "fp32", f"CUDA capability {cap[0]}.{cap[1]} "
                                                     f"{'has bf16 tensor cores' if fast else 'has no fast bf16'}")
-        seconds, _, steady = probe(model, rows, seq_len, device, (choice.value,))
-        return choice, seconds[choice.value], steady
-    seconds, source, steady = probe(model, rows, seq_len, device, candidates)
+        seconds, _, steady = safe_probe(model, rows, seq_len, device, (choice.value,))
+        return choice, seconds and seconds[choice.value], steady
+    seconds, source, steady = safe_probe(model, rows, seq_len, device, candidates)
+    if seconds is None:
+        return Choice("fp32", f"{source}; fp32, which needs no measurement"), None, False
     fastest = min(candidates, key=lambda c: seconds[c])
     if fastest != "fp32" and seconds["fp32"] / seconds[fastest] < BF16_MARGIN:
         fastest = "fp32"
-    times = ", ".join(f"{c} {seconds[c] * 1e3:.0f} ms" for c in candidates)
+    times = _ms(seconds, candidates)
     why = (f"one decoder layer's forward+backward at {rows} x {seq_len} on {device.type}: {times} "
            f"(bf16 must be {BF16_MARGIN:.2f}x fp32's speed; {source})")
     return Choice(fastest, why), seconds[fastest], steady
 
 
-def choose_compile(layer_seconds: float, layers: int, micro_steps: int, device: torch.device,
+def choose_compile(layer_seconds: float | None, layers: int, micro_steps: int, device: torch.device,
                    steady: bool = True) -> Choice:
     """Compile when the run's estimated eager time (decoder layers only) exceeds ``COMPILE_PAYS_AFTER_S``.
 
     Not on an unsteady timing: a busy machine inflates the estimate, but it slows the compile as much, so the
-    fixed threshold would compile runs that do not pay it back.
+    fixed threshold would compile runs that do not pay it back. The line says what the estimate is made of; the
+    run's first steps check it (``train/auto.py``, ``StepTimeCheck``).
     """
     if device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")):
         return Choice(False, "no C++ compiler for torch.compile's CPU code")
+    if layer_seconds is None:
+        return Choice(False, "no step-time estimate (the probe could not run); model.compile = true compiles anyway")
     if not steady:
         return Choice(False, "the step-time estimate was taken on a busy machine (passes varied); "
                              "model.compile = true compiles anyway")
     estimate = layer_seconds * layers * micro_steps
+    basis = (f"estimated eager time {estimate:.0f} s = one decoder layer's {layer_seconds * 1e3:.0f} ms x {layers} "
+             f"layer{'s' * (layers != 1)} x {micro_steps} micro-batches (the probe's figure; the embedding, head, "
+             "optimizer and evals not counted)")
     if estimate < COMPILE_PAYS_AFTER_S:
-        return Choice(False, f"estimated eager time {estimate:.0f} s < {COMPILE_PAYS_AFTER_S:.0f} s, "
-                             "where a compile starts to pay back")
-    return Choice(True, f"estimated eager time {estimate:.0f} s >= {COMPILE_PAYS_AFTER_S:.0f} s")
+        return Choice(False, f"{basis} < {COMPILE_PAYS_AFTER_S:.0f} s, where a compile starts to pay back", estimate)
+    return Choice(True, f"{basis} >= {COMPILE_PAYS_AFTER_S:.0f} s", estimate)

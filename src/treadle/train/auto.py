@@ -2,19 +2,25 @@
 
 What a run can use depends on its engine; rank 0 measures and every rank takes its answer (one choice, or ranks
 would run different graphs); the resolved values replace ``auto`` in the run's config, so config.toml records
-what ran and a resume runs the same.
+what ran and a resume runs the same. The run's first steps then check the probe's figure (``StepTimeCheck``).
 """
 
 from __future__ import annotations
 
+import statistics
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from treadle import distributed
 from treadle.config import Config
 from treadle.errors import UserError
-from treadle.models.autotune import choose_compile, choose_dtype, probe
+from treadle.models import autotune
+from treadle.models.autotune import choose_compile, choose_dtype, probe_path, safe_probe
 from treadle.models.hf import decoder_layers
+from treadle.train.callbacks import Callback
 
 
 def dtype_candidates(cfg: Config, engine: str) -> tuple[str, ...]:
@@ -35,33 +41,113 @@ def check_dtype(cfg: Config, engine: str) -> None:
                         f"fp32 shards); accepted: {', '.join(('auto', *dtype_candidates(cfg, engine)))}")
 
 
-def resolve_auto(cfg: Config, model: nn.Module, engine: str, device: torch.device) -> tuple[Config, list[str]]:
-    """``cfg`` with ``auto`` replaced by the choices for this run, and a line per choice saying why."""
+def resolve_auto(cfg: Config, model: nn.Module, engine: str,
+                 device: torch.device) -> tuple[Config, list[str], StepTimeCheck | None]:
+    """``cfg`` with ``auto`` replaced by the choices for this run, a line per choice saying why, and the callback
+    that checks the choices' figure against the run's first steps (None when nothing was ``auto``)."""
     check_dtype(cfg, engine)
     m, t = cfg.model, cfg.train
     if m.dtype != "auto" and m.compile != "auto":
-        return cfg, []
+        return cfg, [], None
+    rows, seq_len = t.micro_batch_size, cfg.data.seq_len
+    # A draft run compiles its one block; the frozen target stays eager.
+    layers = 1 if cfg.draft.kind else len(decoder_layers(model))
+    micro_steps = t.max_steps * t.grad_accum_steps
 
-    def decide() -> list[tuple[str, str | bool, str]]:
-        rows, seq_len = t.micro_batch_size, cfg.data.seq_len
+    def decide() -> tuple[list[tuple[str, str | bool, str]], float | None, float | None, str | None]:
         decided = []
         if m.dtype == "auto":
-            choice, layer_s, steady = choose_dtype(model, rows, seq_len, device, dtype_candidates(cfg, engine))
+            candidates = dtype_candidates(cfg, engine)
+            choice, layer_s, steady = choose_dtype(model, rows, seq_len, device, candidates)
             decided.append(("dtype", choice.value, choice.why))
+            chosen = (choice.value,) if device.type == "cuda" else candidates
         else:
-            seconds, _, steady = probe(model, rows, seq_len, device, (m.dtype,))
-            layer_s = seconds[m.dtype]
-        if m.compile == "auto":  # a draft run compiles its one block; the frozen target stays eager
-            layers = 1 if cfg.draft.kind else len(decoder_layers(model))
-            choice = choose_compile(layer_s, layers, t.max_steps * t.grad_accum_steps, device, steady)
+            chosen = (m.dtype,)
+            seconds, _, steady = safe_probe(model, rows, seq_len, device, chosen)
+            layer_s = seconds and seconds[m.dtype]
+        estimate = None
+        if m.compile == "auto":
+            choice = choose_compile(layer_s, layers, micro_steps, device, steady)
             decided.append(("compile", choice.value, choice.why))
-        return decided
+            estimate = choice.estimate_s
+        cache = str(probe_path(model, rows, seq_len, device, chosen)) if layer_s is not None else None
+        return decided, layer_s, estimate, cache
 
-    decided = distributed.broadcast_object(distributed.on_main(decide))
+    decided, layer_s, estimate, cache = distributed.broadcast_object(distributed.on_main(decide))
     cfg = cfg.model_copy(deep=True)
     lines = []
     for key, value, why in decided:
         setattr(cfg.model, key, value)
         shown = str(value).lower() if isinstance(value, bool) else value
         lines.append(f"treadle: model.{key} = auto -> {shown}: {why}")
-    return cfg, lines
+    # The figure is scaled from PROBE_ROWS rows to the micro-batch; a layer is no faster on more rows than on those,
+    # so the unscaled figure is a floor for the real layer (the scaled one may overstate a tiny layer's time).
+    floor = layer_s and layer_s * min(rows, autotune.PROBE_ROWS) / rows * layers * t.grad_accum_steps
+    check = StepTimeCheck(layer_s, floor, cache, compile_auto=m.compile == "auto",
+                          compiled=bool(cfg.model.compile), estimate_s=estimate)
+    return cfg, lines, check
+
+
+class StepTimeCheck(Callback):
+    """The auto probe's figure against the run's own first steps, once, after ``CHECK_STEPS`` steps that follow a
+    warm-up step (of this process: a resume warms up again).
+
+    - A step cannot be faster than its decoder layers: a figure that says the layers alone take ``STALE`` times
+      longer than the run's fastest step was taken under load. Its cache entry is dropped (the next run measures
+      again) and a line says so.
+    - The compile estimate (decoder layers only, from the probe) against the run's pace: where the first steps
+      project an eager time past ``COMPILE_PAYS_AFTER_S`` that the estimate had below it, a line says so (the
+      choice itself stands: compiling mid-run would recompile every graph under the engine's wrapping).
+    Only rank 0 writes or prints; no collective, so the ranks need not agree on when it runs.
+    """
+
+    CHECK_STEPS = 3
+
+    def __init__(self, layer_seconds: float | None, floor_seconds: float | None, cache: str | None,
+                 compile_auto: bool, compiled: bool, estimate_s: float | None):
+        self.layer_seconds = layer_seconds  # the probe's figure: one layer's forward+backward on one micro-batch
+        self.floor_seconds = floor_seconds  # what one step's decoder layers take at least, by that figure
+        self.cache = cache
+        self.compile_auto = compile_auto
+        self.compiled = compiled
+        self.estimate_s = estimate_s
+        self.seconds: list[float] = []
+        self.warmed = False
+        self.done = False
+
+    def on_step_end(self, trainer, result) -> None:
+        if self.done:
+            return
+        if not self.warmed:  # the first step allocates, and with compile it compiles
+            self.warmed = True
+            return
+        self.seconds.append(trainer.last_step_seconds)
+        if len(self.seconds) < self.CHECK_STEPS:
+            return
+        self.done = True
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        for line in self.lines(min(self.seconds), statistics.median(self.seconds),
+                               trainer.max_steps - trainer.state.step, trainer.state.elapsed_s):
+            trainer.console.print(line)
+
+    def lines(self, fastest: float, typical: float, steps_left: int, elapsed: float) -> list[str]:
+        out = []
+        if self.floor_seconds is not None and not self.compiled:
+            if self.floor_seconds > autotune.STALE * fastest:
+                dropped = ""
+                if self.cache and Path(self.cache).is_file():
+                    Path(self.cache).unlink(missing_ok=True)
+                    dropped = f"; {self.cache} is dropped, the next run measures again"
+                out.append(f"treadle: auto: the run's steps take {fastest * 1e3:.0f} ms, but by the probe's figure "
+                           f"({self.layer_seconds * 1e3:.0f} ms per layer and micro-batch) their decoder layers alone "
+                           f"take at least {self.floor_seconds * 1e3:.0f} ms: the figure was taken under load{dropped}")
+        if self.compile_auto and not self.compiled and self.estimate_s is not None:
+            projected = elapsed + typical * steps_left
+            threshold = autotune.COMPILE_PAYS_AFTER_S
+            if projected >= threshold > self.estimate_s:
+                out.append(f"treadle: auto: the first steps ({typical:.2f} s each) project the run's eager time at "
+                           f"{projected:.0f} s, not the {self.estimate_s:.0f} s estimated from the probe: past "
+                           f"{threshold:.0f} s a compile may pay back (model.compile = true); model.compile stays "
+                           "false for this run")
+        return out

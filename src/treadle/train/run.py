@@ -353,7 +353,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if d.pipeline_parallel > 1:  # the layer split, before anything is written (the engine splits it later)
         plan_stages(setup.model, d.pipeline_parallel, d.pipeline_schedule)
     # model.dtype / compile = auto -> what runs fastest here, before check_resume compares and config.toml records it
-    cfg, auto_lines = resolve_auto(cfg, setup.model, engine_name, device)
+    cfg, auto_lines, step_time_check = resolve_auto(cfg, setup.model, engine_name, device)
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
@@ -388,6 +388,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # after eval (they see its result) and before the checkpoint (which saves their state).
     peak = peak_tflops(device, cfg.model.dtype in ("bf16", "bf16-weights"), cfg.metrics.peak_tflops)
     callbacks = [*setup.step_callbacks, MetricsCallback(t.log_every, flops_per_token, peak), NanGuardCallback(r)]
+    if step_time_check is not None:  # the auto choices' figure against the first steps
+        callbacks.append(step_time_check)
     if info.world_size > 1 and d.health_check_every:
         callbacks.append(HealthCheckCallback(d.health_check_every, d.health_check_timeout_s))
     if r.inject_nan_steps and (not r.inject_nan_ranks or info.rank in r.inject_nan_ranks):
