@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from treadle.cli import main
-from tests.helpers import args, records
+from tests.helpers import args, draft_args, records
 from tests.sink_readers import tensorboard_accumulated_scalars, tensorboard_scalars, wandb_history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,6 +109,47 @@ def test_tensorboard_history_copied_in_migrated_form_before_the_fix_reads_whole_
     sink.close()
     for read in (tensorboard_scalars, tensorboard_accumulated_scalars):
         assert read(log_dir)["loss"] == [(s, 10.0 - s) for s in range(1, 5)], read.__name__
+
+
+def test_a_plain_log_shows_the_total_the_time_left_each_eval_starting_and_what_each_loss_is(shards, target_dir,
+                                                                                            tmp_path, capsys,
+                                                                                            monkeypatch):
+    import re
+
+    monkeypatch.setenv("COLUMNS", "250")  # the summary table on one line per row
+    assert main(args(shards, tmp_path / "run", "--train.max_steps=3", "--train.eval_every=2")) == 0
+    out = capsys.readouterr().out  # not a terminal: plain lines
+    assert re.search(r"^step 1: loss=\S+ .* elapsed_s=\S+ .*\[1/3\]$", out, re.M), out
+    assert re.search(r"^step 2: loss=\S+ .* \[2/3, eta \d+s\]$", out, re.M), out
+    assert re.search(r"^step 3: loss=\S+ .* \[3/3, eta 0s\]$", out, re.M), out
+    starting = "eval {}: validation loss on 2 batches of 4 x 32 tokens ...\neval {}: eval_loss="
+    assert all(starting.format(s, s) in out for s in (0, 2, 3)), out
+    assert re.search(r"train loss\W+\S+ \(first step\) -> \S+ \(last step\): cross-entropy ", out), out
+    assert re.search(r"val loss\W+\S+ at step 0 -> \S+ at step 3: cross-entropy ", out), out
+
+    # A draft run's train loss is its objective (KL by default), its val loss the draft's cross-entropy.
+    assert main(draft_args(shards, target_dir, tmp_path / "draft", "--train.max_steps=2")) == 0
+    out = capsys.readouterr().out
+    assert "eval 0: acceptance (tau_sim) on 2 prompts, the target's continuations generated first ...\n" in out
+    assert "eval 2: acceptance (tau_sim) on 2 prompts ...\n" in out, out
+    assert re.search(r"train loss\W+\S+ \(first step\) -> \S+ \(last step\): KL\(target \|\| draft\) ", out), out
+    assert re.search(r"val loss\W+\S+ at step 0 -> \S+ at step 2: the draft's cross-entropy on the data ", out), out
+
+
+def test_loss_labels_name_each_objective():
+    from treadle.config import load_config
+    from treadle.train.draft import GlideObjective
+    from treadle.train.moe import RouterObjective
+
+    def label(*overrides):
+        return GlideObjective(load_config(None, ["--draft.kind=glide", "--draft.target=x", *overrides]).draft,
+                              512, 32).label
+
+    assert label() == "KL(target || draft)" and label("--draft.loss=ce") == "cross-entropy on the data"
+    assert label("--draft.loss=mix", "--draft.kl_weight=0.25") == "0.75 cross-entropy + 0.25 KL(target || draft)"
+    assert label("--draft.ttt_steps=3") == "KL(target || draft), summed over 3 unroll steps weighted 0.8^k"
+    assert RouterObjective(None, 0.01, 0.0).label == "cross-entropy + 0.01 x router aux loss"
+    assert RouterObjective(None, 0.0, 0.0).label == RouterObjective.eval_label == "cross-entropy"
 
 
 def test_flops_formula_within_10_percent_of_flop_counter():

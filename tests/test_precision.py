@@ -152,6 +152,8 @@ def test_auto_probes_a_gemma3_run_whose_layers_take_a_rotary_embedding_per_layer
     out = capsys.readouterr().out
     assert "model.dtype = auto -> " in out and "one decoder layer's forward+backward at 4 x 32" in out, out
     assert "model.compile = auto -> false: estimated eager time" in out and "could not be probed" not in out
+    # The estimate says what it is made of.
+    assert " x 2 layers x 4 micro-batches (the probe's figure; the embedding, head, optimizer and evals not counted)" in out
 
 
 def test_a_family_the_probe_cannot_run_falls_back_in_one_line_per_choice(tmp_path, monkeypatch):

@@ -116,9 +116,9 @@ def _print_summary(s) -> None:
     table.add_column(style="bold")
     table.add_column()
     if s.first_loss is not None:
-        table.add_row("train loss", f"{s.first_loss:.4f} (first step) -> {s.last_loss:.4f} (last step)")
+        table.add_row("train loss", f"{s.first_loss:.4f} (first step) -> {s.last_loss:.4f} (last step): {s.loss_label}")
     if s.last_eval is not None:
-        table.add_row("val loss", _progress(s.first_eval, s.last_eval, "eval_loss", 4))
+        table.add_row("val loss", _progress(s.first_eval, s.last_eval, "eval_loss", 4) + f": {s.eval_loss_label}")
         table.add_row("val perplexity", f"{math.exp(s.last_eval['eval_loss']):.2f}")
     if s.acceptance is not None and s.acceptance[1] is not None:
         table.add_row("tau_sim", _progress(*s.acceptance, "tau_sim", 3) + " (simulated tokens per verification call)")

@@ -69,8 +69,22 @@ def _fmt(record: dict) -> str:
     return " ".join(parts)
 
 
+def duration(seconds: float) -> str:
+    """'45s', '12m05s', '3h02m': a time left, as a log reader wants it."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+
+
 class Console:
-    """Progress bar on a TTY, plain lines otherwise."""
+    """Progress bar on a TTY, plain lines otherwise.
+
+    A plain step line ends with the step out of the total and the time left, ``[40/600, eta 23m05s]``: wall time
+    per step since the first step this process ran (the first step warms up), evals and saves included.
+    """
 
     def __init__(self, total_steps: int, enabled: bool = True, live: bool | None = None, records: bool = True):
         self.enabled = enabled
@@ -80,6 +94,7 @@ class Console:
         self.total = total_steps
         self._progress: Progress | None = None
         self._task = None
+        self._clock: tuple[float, int] | None = None  # (when, step) at the end of this process's first step
 
     def start(self, step: int) -> None:
         if not (self.enabled and self.live):
@@ -98,6 +113,8 @@ class Console:
         self._progress.start()
 
     def step(self, step: int, stats: dict | None = None) -> None:
+        if self._clock is None:
+            self._clock = (time.monotonic(), step)
         if self._progress is not None:
             fields = {"stats": _fmt(stats)} if stats else {}
             self._progress.update(self._task, completed=step, **fields)
@@ -110,7 +127,21 @@ class Console:
         if self._progress is not None and kind == "step":
             self.step(record["step"], {k: record[k] for k in ("loss", "lr", "tokens_per_s") if k in record})
         else:
+            if kind == "step" and "step" in record:
+                line += f" [{self._where(record['step'])}]"
             self.print(line)
+
+    def _where(self, step: int) -> str:
+        where = f"{step}/{self.total}"
+        if self._clock is not None and step > self._clock[1]:
+            per_step = (time.monotonic() - self._clock[0]) / (step - self._clock[1])
+            where += f", eta {duration(per_step * max(self.total - step, 0))}"
+        return where
+
+    def plain(self, text: str) -> None:
+        """A progress line for plain logs only (a TTY has the bar): e.g. an eval starting, which may take a while."""
+        if self.enabled and self.records and not self.live:
+            self.print(text)
 
     def print(self, text: str) -> None:
         if self.enabled:

@@ -161,7 +161,13 @@ class EvalCallback(Callback):
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), **side,
                 "eval_tokens": tokens, "eval_s": round(time.perf_counter() - t0, 3)}
 
+    def describe(self, trainer: Trainer) -> str:
+        """What ``measure`` is about to do, for the line a plain log shows as it starts."""
+        t = trainer.cfg.train
+        return f"validation loss on {t.eval_batches} batches of {t.micro_batch_size} x {trainer.cfg.data.seq_len} tokens"
+
     def _run(self, trainer: Trainer) -> None:
+        trainer.console.plain(f"eval {trainer.state.step}: {self.describe(trainer)} ...")
         record = {"step": trainer.state.step, **self.measure(trainer)}
         self.first = self.first or record
         self.last = record

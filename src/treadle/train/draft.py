@@ -59,6 +59,17 @@ class GlideObjective:
         offset = int(torch.randint(0, self.max_offset + 1, (), generator=g)) if self.max_offset else 0
         return lag, offset
 
+    @property
+    def label(self) -> str:
+        """What the training loss is, for the run's summary (the eval loss is ``eval_label``)."""
+        c = self.cfg
+        what = {"ce": "cross-entropy on the data", "kl": "KL(target || draft)",
+                "mix": f"{1 - c.kl_weight:g} cross-entropy + {c.kl_weight:g} KL(target || draft)"}[c.loss]
+        steps = ttt_steps(c)
+        return what + (f", summed over {steps} unroll steps weighted {c.ttt_decay:g}^k" if steps > 1 else "")
+
+    eval_label = "the draft's cross-entropy on the data"
+
     def __call__(self, model, batch: Batch):
         lag, offset = self._draw(batch)
         return self.losses(model, batch, lag, offset, train=True)
@@ -137,6 +148,10 @@ class AcceptanceCallback(EvalCallback):
         self.cfg = cfg
         self.prompts = prompts
         self.texts: torch.Tensor | None = None
+
+    def describe(self, trainer: Trainer) -> str:
+        first = ", the target's continuations generated first" if self.texts is None else ""
+        return f"acceptance (tau_sim) on {len(self.prompts)} prompts{first}"
 
     def measure(self, trainer: Trainer) -> dict:
         # Every rank measures the same prompts: the methods gather sharded weights collectively.

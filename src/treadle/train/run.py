@@ -71,6 +71,8 @@ class RunSummary:
     parameters: int  # trainable
     stop_reason: str | None
     acceptance: tuple[dict | None, dict | None] | None = None  # a draft run: first and last tau_sim records
+    loss_label: str = "cross-entropy"  # what the train loss is (a draft's objective: KL, CE or a mix)
+    eval_loss_label: str = "cross-entropy"  # what the eval loss is
     rank: int = 0  # the process that returns it (every rank of a launch gets one)
 
 
@@ -500,4 +502,7 @@ def run_training(cfg: Config, live: bool | None = None, callbacks: Sequence[Call
         stop_reason=trainer.stop_reason,
         acceptance=next(((cb.first, cb.last) for cb in trainer.callbacks if isinstance(cb, AcceptanceCallback)), None),
         rank=trainer.engine.rank,
+        loss_label=getattr(trainer.loss_fn, "label", "cross-entropy"),
+        eval_loss_label=getattr(getattr(trainer.eval_loss_fn, "__self__", trainer.eval_loss_fn), "eval_label",
+                                "cross-entropy"),
     )
