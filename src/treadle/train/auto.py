@@ -82,8 +82,14 @@ def resolve_auto(cfg: Config, model: nn.Module, engine: str,
         lines.append(f"treadle: model.{key} = auto -> {shown}: {why}")
     # The figure is scaled from PROBE_ROWS rows to the micro-batch; a layer is no faster on more rows than on those,
     # so the unscaled figure is a floor for the real layer (the scaled one may overstate a tiny layer's time).
-    floor = layer_s and layer_s * min(rows, autotune.PROBE_ROWS) / rows * layers * t.grad_accum_steps
-    check = StepTimeCheck(layer_s, floor, cache, compile_auto=m.compile == "auto",
+    # A rank of a pipeline runs some of the layers, a rank of a context group part of each sequence: no floor there.
+    split = cfg.distributed.pipeline_parallel > 1 or cfg.distributed.context_parallel > 1
+    floor = None
+    if layer_s is not None and not split:
+        floor = layer_s * min(rows, autotune.PROBE_ROWS) / rows * layers * t.grad_accum_steps
+    # A draft run's step is mostly its frozen target's forward, which a compile of the draft block does not touch:
+    # its pace says little about what the compile would save, so only the figure is checked there.
+    check = StepTimeCheck(layer_s, floor, cache, compile_auto=m.compile == "auto" and not cfg.draft.kind,
                           compiled=bool(cfg.model.compile), estimate_s=estimate)
     return cfg, lines, check
 

@@ -163,8 +163,8 @@ class EvalCallback(Callback):
 
     def describe(self, trainer: Trainer) -> str:
         """What ``measure`` is about to do, for the line a plain log shows as it starts."""
-        t = trainer.cfg.train
-        return f"validation loss on {t.eval_batches} batches of {t.micro_batch_size} x {trainer.cfg.data.seq_len} tokens"
+        t, seq_len = trainer.cfg.train, trainer.cfg.data.seq_len
+        return f"validation loss on {t.eval_batches} batches of {t.micro_batch_size} x {seq_len} tokens"
 
     def _run(self, trainer: Trainer) -> None:
         trainer.console.plain(f"eval {trainer.state.step}: {self.describe(trainer)} ...")
