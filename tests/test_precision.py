@@ -189,6 +189,12 @@ def test_a_cached_figure_taken_under_load_is_measured_again_and_the_line_says_so
     assert "taken under load: measured again" in choice.why and "measured now in" in choice.why
     fresh = json.loads(cached.read_text())["seconds"]
     assert fresh[choice.value] == layer_s < 34.24 / autotune.STALE and fresh["bf16"] < 50.0 / autotune.STALE
+    # Measured again on a machine too busy for a steady figure: the stale one is dropped, the next run measures.
+    cached.write_text(json.dumps({"seconds": {"fp32": 34.24, "bf16": 50.0}}))
+    monkeypatch.setattr(autotune, "STEADY", 0.5)  # no two passes are ever this close
+    choice, _, steady = autotune.choose_dtype(model, 4, 32, CPU, candidates)
+    assert "not cached: passes varied" in choice.why and "measured again" in choice.why and not cached.exists()
+    monkeypatch.setattr(autotune, "STEADY", float("inf"))
     # The other way round, a figure far faster than the check: this machine is busy now, the calmer figure is kept.
     cached.write_text(json.dumps({"seconds": {"fp32": 1e-7, "bf16": 2e-7}}))
     choice, layer_s, steady = autotune.choose_dtype(model, 4, 32, CPU, candidates)

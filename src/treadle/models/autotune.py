@@ -4,8 +4,12 @@ Whether bf16 pays on a CPU depends on the machine: one of our 2-core machines ra
 fp32, another slower (docs/benchmarks.md). CPU flags do not tell reliably (AMX helps, avx512_bf16 alone may not,
 a hypervisor may hide either), so the CPU choice is measured: a few forward+backward passes of one decoder layer of
 the run's own shape in each candidate dtype, interleaved round by round (a busy neighbour slows all alike) and
-judged by each candidate's fastest pass. The result is cached per machine and shape in treadle's cache, so only
-the first run of a shape pays. CUDA decides by capability: bf16 from Ampere (8.0) on.
+judged by each candidate's fastest pass. The layer is run with the inputs its own model makes for it (a one-layer
+copy of the architecture, its forward stopped at the layer), so every decoder family is probed the same way; one
+that still cannot be falls back to fp32 in one line. The result is cached per machine and shape in treadle's cache;
+a later run times the cached choice again briefly and measures everything again when the cached figure was taken
+under load (``STALE``), and the run's first steps check the figure once more (``train/auto.py``). CUDA decides by
+capability: bf16 from Ampere (8.0) on.
 
 A bf16 candidate must beat fp32 by ``BF16_MARGIN``: it trades precision for speed, and a coin toss of timing noise
 should not flip a run to it. Compile is judged by a documented threshold on the run's estimated eager time
@@ -231,6 +235,8 @@ def probe(model: nn.Module, rows: int, seq_len: int, device: torch.device,
     seconds, steady = measure(model, rows, seq_len, device, candidates)
     took = time.perf_counter() - t0
     if not steady:  # a busy machine: this choice holds for this run only, the next run measures again
+        if cached is not None:  # and not from the stale figure
+            path.unlink(missing_ok=True)
         return seconds, (f"measured now in {took:.1f} s, not cached: passes varied by more than {STEADY - 1:.0%}"
                          f"{note}"), False
     try:
