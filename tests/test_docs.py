@@ -21,9 +21,10 @@ Commands run in a temporary directory per page (``configs`` and ``examples`` lin
 the tiny ``runs/demo`` (target) and ``runs/demo-draft`` (GLIDE draft) that the pages after it copy into their
 directory. To fit in a few minutes on 2 cores, commands are shortened by appending exactly:
 
-- ``treadle train`` (also under torchrun): ``TRAIN_SHORT`` below (2 steps of 2 x 32 tokens, one eval batch, fp32,
-  no compile, one thread); and ``TINY_MODEL`` (hidden 32, 2 layers) when the run builds its model from a preset
-  (no ``model.path``, not a draft run), or ``DRAFT_SHORT`` (2 acceptance prompts of 8 tokens, 12 new) in a draft run.
+- ``treadle train`` (also under torchrun): ``TRAIN_SHORT`` below (2 steps of 2 sequences, one eval batch, fp32, no
+  compile, one thread; ``seq_len`` stays the page's, so SFT examples still fit); and ``TINY_MODEL`` (hidden 32,
+  2 layers) when the run builds its model from a preset (no ``model.path``, not a draft run), or ``DRAFT_SHORT``
+  (2 acceptance prompts of 8 tokens, 12 new) in a draft run.
 - ``treadle spec-eval``: ``--num-prompts 2 --prompt-len 16 --max-new-tokens 8 --threads 1``.
 - ``treadle generate``: ``--max-new-tokens 8``.
 - ``treadle samples``: ``--n 40`` (40 rows per file, not 2,000).
@@ -50,8 +51,8 @@ MARKER = re.compile(r"^<!--\s*not run:(.*?)-->\s*$")
 RUNNABLE = {"toml", "python", "bash", "console"}
 
 TRAIN_SHORT = ["--train.max_steps=2", "--train.micro_batch_size=2", "--train.grad_accum_steps=1",
-               "--train.eval_batches=1", "--train.log_every=1", "--train.threads=1", "--data.seq_len=32",
-               "--model.dtype=fp32", "--model.compile=false"]
+               "--train.eval_batches=1", "--train.log_every=1", "--train.threads=1", "--model.dtype=fp32",
+               "--model.compile=false"]
 TINY_MODEL = ["--model.overrides={hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,"
               "num_key_value_heads=2}"]
 DRAFT_SHORT = ["--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12"]
