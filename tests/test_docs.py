@@ -69,7 +69,8 @@ class Block:
     marker: str | None  # the reason of a <!-- not run: ... --> marker, or None
 
     def __str__(self):
-        return f"{self.page.relative_to(REPO)}:{self.line} ({self.lang or 'no language'})"
+        page = self.page.relative_to(REPO) if self.page.is_relative_to(REPO) else self.page
+        return f"{page}:{self.line} ({self.lang or 'no language'})"
 
 
 def fenced_blocks(page: Path) -> list[Block]:
@@ -112,11 +113,11 @@ def all_blocks() -> list[Block]:
     return [b for page in PAGES for b in fenced_blocks(page)]
 
 
-def test_every_block_is_run_or_says_why_not():
-    """No block can drift silently: each is one the tests below run or check, or carries a marker with a reason."""
+def static_problems(blocks: list[Block]) -> list[str]:
+    """What makes a block neither runnable nor marked."""
     problems = []
     targets = makefile_targets()
-    for b in all_blocks():
+    for b in blocks:
         if b.marker is not None:
             if not b.marker:
                 problems.append(f"{b}: the not-run marker gives no reason")
@@ -134,7 +135,72 @@ def test_every_block_is_run_or_says_why_not():
                                     "mark the block <!-- not run: REASON --> or change the command")
         if b.lang == "console" and not b.text.lstrip().startswith("$ treadle"):
             problems.append(f"{b}: a console block starts with a '$ treadle ...' line")
+    return problems
+
+
+def toml_problems(blocks: list[Block], tmp: Path) -> list[str]:
+    """Each unmarked toml block loaded by treadle's config loader over the defaults."""
+    from treadle import UserError, load_config
+
+    problems = []
+    for n, b in enumerate(blocks):
+        if b.lang != "toml" or b.marker is not None:
+            continue
+        path = tmp / f"block{n}.toml"
+        path.write_text(b.text)
+        try:
+            load_config(path)
+        except UserError as err:
+            problems.append(f"{b}: {err}")
+    return problems
+
+
+def test_every_block_is_run_or_says_why_not():
+    """No block can drift silently: each is one the tests below run or check, or carries a marker with a reason."""
+    problems = static_problems(all_blocks())
     assert not problems, "\n".join(problems)
+
+
+def test_toml_blocks_validate(tmp_path):
+    blocks = all_blocks()
+    assert sum(b.lang == "toml" and b.marker is None for b in blocks) >= 5
+    problems = toml_problems(blocks, tmp_path)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checks_catch_a_drifted_page(tmp_path):
+    """A page with an unmarked sample, an empty marker, a shell line that is not run, a gone Makefile target, a
+    config key that does not exist and a console line the command no longer prints: each is named."""
+    page = tmp_path / "page.md"
+    page.write_text("\n".join([
+        "```", "output", "```",
+        "<!-- not run: -->", "```bash", "treadle --help", "```",
+        "```bash", "ls runs", "make no-such-target", "```",
+        "```toml", "[train]", "max_stps = 5", "```",
+        "```console", "$ treadle train --train.max_stps=50", "treadle: error: something else", "```",
+    ]) + "\n")
+    blocks = fenced_blocks(page)
+    assert [(b.line, b.lang, b.marker) for b in blocks] == [
+        (1, "", None), (5, "bash", ""), (8, "bash", None), (12, "toml", None), (16, "console", None)]
+    found = static_problems(blocks) + toml_problems(blocks, tmp_path)
+    found += _check_console(blocks[-1], tmp_path, _env(tmp_path / "cache"))
+    expect = ["neither run nor marked", "marker gives no reason", "ls runs: only make, treadle and torchrun",
+              "make no-such-target: not a Makefile target", "unknown key train.max_stps",
+              "did not print (in order): 'treadle: error: something else'"]
+    assert len(found) == len(expect), found
+    for line, want in zip(found, expect):
+        assert want in line, (line, want)
+
+
+def test_the_readme_shows_what_make_demo_runs():
+    """The README says `make demo` is its three commands: the Makefile's demo recipe runs those, in that order."""
+    recipe = (REPO / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    ran = [shlex.split(line.strip().replace("$(BIN)/", "")) for line in recipe.splitlines()[1:] if line.strip()]
+    readme = [b for b in fenced_blocks(REPO / "README.md") if b.lang == "bash"]
+    shown = [argv for b in readme for argv in commands(b) if argv[0] == "treadle"]
+    assert len(ran) == len(shown) == 3
+    for make_argv, doc_argv in zip(ran, shown):
+        assert make_argv[:len(doc_argv)] == doc_argv, (make_argv, doc_argv)
 
 
 def test_pages_exist_and_the_readme_is_a_front_page():
@@ -163,24 +229,6 @@ def test_relative_links_resolve():
             path = (page.parent / target).resolve()
             if not path.exists() and str(path.relative_to(REPO)) not in PENDING:
                 problems.append(f"{page.relative_to(REPO)}: link to {target} resolves to nothing")
-    assert not problems, "\n".join(problems)
-
-
-def test_toml_blocks_validate(tmp_path):
-    from treadle import UserError, load_config
-
-    problems, n = [], 0
-    for b in all_blocks():
-        if b.lang != "toml" or b.marker is not None:
-            continue
-        n += 1
-        path = tmp_path / f"block{n}.toml"
-        path.write_text(b.text)
-        try:
-            load_config(path)
-        except UserError as err:
-            problems.append(f"{b}: {err}")
-    assert n >= 5
     assert not problems, "\n".join(problems)
 
 
