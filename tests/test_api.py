@@ -1,12 +1,12 @@
-"""The Python API (``from treadle import fit, export, ...``): the README's example runs, objects become stored
-directories the run's config.toml names, a config built in Python gets every check the CLI makes, resources are
-closed also on failure, bad input is a ``UserError``, and importing treadle changes nothing in its host."""
+"""The Python API (``from treadle import fit, export, ...``; docs/python.md's example runs in tests/test_docs.py):
+objects become stored directories the run's config.toml names, a config built in Python gets every check the CLI
+makes, resources are closed also on failure, bad input is a ``UserError``, and importing treadle changes nothing in
+its host."""
 
 import argparse
 import inspect
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -20,7 +20,6 @@ import torch
 from tests.distributed import free_port
 from tests.helpers import SMALL_MODEL, TARGET
 
-REPO = Path(__file__).resolve().parents[1]
 DCP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 
@@ -46,27 +45,6 @@ def test_import_treadle_is_cheap_and_changes_nothing():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "fit" in proc.stdout and "Callback" in proc.stdout
-
-
-def _readme_python_block() -> str:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Python\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 1, "README's Python section holds one python block"
-    return blocks[0]
-
-
-def test_readme_python_example_runs(tmp_path):
-    """The README's Python section, run as it stands in a fresh directory (a new user's notebook)."""
-    (tmp_path / "example.py").write_text(_readme_python_block())
-    proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "runs" / "notebook"
-    assert (run / "config.toml").is_file() and (run / "checkpoints" / "latest").exists()
-    assert (tmp_path / "exported" / "notebook" / "config.json").is_file()
-    assert "step 1: loss" in proc.stdout  # the example's callback ran
-    assert DCP_WARNING not in proc.stderr
 
 
 def test_cross_field_rules_checked_where_a_run_starts(tmp_path, capsys):

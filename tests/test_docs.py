@@ -1,0 +1,367 @@
+"""Every fenced block in README.md and docs/*.md is run or checked, on a fresh cache, or says why not.
+
+The pages: README.md and docs/*.md, except docs/architecture.md and docs/benchmarks.md (notes on the code and
+measurements, not instructions) and docs/configuration.md (generated from the config models). Each fenced block is
+one of:
+
+- marked: the line before it is ``<!-- not run: REASON -->`` (a diagram, sample output that differs per machine, a
+  command that needs GPUs, SLURM or a network). The reason must not be empty.
+- ``toml``: written to a file and loaded with ``treadle.load_config`` (the defaults, then the block: a full config or
+  a fragment that merges into the default); it must validate, cross-field rules included.
+- ``python``: run as a script in a fresh directory with an empty ``TREADLE_CACHE`` of its own (a new user's notebook
+  on a fresh machine).
+- ``bash``: every command line is ``make TARGET`` (checked: TARGET is a Makefile target; ``make demo`` / ``make test``
+  are not run here, ``make demo`` is the README's three commands, which are), ``treadle ...`` or ``torchrun ...``
+  (run, in the page's order, through ``python -m treadle`` / ``python -m torch.distributed.run``; each must exit 0).
+- ``console``: ``$ treadle ...`` lines are run as they stand (nothing appended); the lines after each are expected
+  output: every one must appear in the command's stdout + stderr, in order (``...`` stands for anything).
+
+Commands run in a temporary directory per page (``configs`` and ``examples`` link to the repository's), all with one
+``TREADLE_CACHE`` that starts empty in this module. README.md's commands run first, once (module fixture), and leave
+the tiny ``runs/demo`` (target) and ``runs/demo-draft`` (GLIDE draft) that the pages after it copy into their
+directory. To fit in a few minutes on 2 cores, commands are shortened by appending exactly:
+
+- ``treadle train`` (also under torchrun): ``TRAIN_SHORT`` below (2 steps of 2 sequences, one eval batch, fp32, no
+  compile, one thread; ``seq_len`` stays the page's, so SFT examples still fit); and ``TINY_MODEL`` (hidden 32,
+  2 layers) when the run builds its model from a preset (no ``model.path``, not a draft run), or ``DRAFT_SHORT``
+  (2 acceptance prompts of 8 tokens, 12 new) in a draft run.
+- ``treadle spec-eval``: ``--num-prompts 2 --prompt-len 16 --max-new-tokens 8 --threads 1``.
+- ``treadle generate``: ``--max-new-tokens 8``.
+- ``treadle samples``: ``--n 40`` (40 rows per file, not 2,000).
+
+Nothing else is changed: the commands, configs and data are the pages' own.
+"""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NOT_DOCS = {"architecture.md", "benchmarks.md", "configuration.md"}
+PAGES = [REPO / "README.md"] + sorted(p for p in (REPO / "docs").glob("*.md") if p.name not in NOT_DOCS)
+MARKER = re.compile(r"^<!--\s*not run:(.*?)-->\s*$")
+RUNNABLE = {"toml", "python", "bash", "console"}
+
+TRAIN_SHORT = ["--train.max_steps=2", "--train.micro_batch_size=2", "--train.grad_accum_steps=1",
+               "--train.eval_batches=1", "--train.log_every=1", "--train.threads=1", "--model.dtype=fp32",
+               "--model.compile=false"]
+TINY_MODEL = ["--model.overrides={hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,"
+              "num_key_value_heads=2}"]
+DRAFT_SHORT = ["--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12"]
+APPENDED = {"spec-eval": ["--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "8", "--threads", "1"],
+            "generate": ["--max-new-tokens", "8"], "samples": ["--n", "40"]}
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    text: str
+    marker: str | None  # the reason of a <!-- not run: ... --> marker, or None
+
+    def __str__(self):
+        page = self.page.relative_to(REPO) if self.page.is_relative_to(REPO) else self.page
+        return f"{page}:{self.line} ({self.lang or 'no language'})"
+
+
+def fenced_blocks(page: Path) -> list[Block]:
+    lines = page.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)(```+|~~~+)\s*([\w+-]*)", lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, start = m.group(2), i
+        i += 1
+        body = []
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i])
+            i += 1
+        prev = next((lines[j].strip() for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        marker = MARKER.match(prev)
+        blocks.append(Block(page, start + 1, m.group(3).lower(), "\n".join(body) + "\n",
+                            marker.group(1).strip() if marker else None))
+        i += 1
+    return blocks
+
+
+def commands(block: Block) -> list[list[str]]:
+    """A bash block's command lines (continuations joined, comments dropped) as argv lists."""
+    out = []
+    for line in block.text.replace("\\\n", " ").splitlines():
+        argv = shlex.split(line, comments=True)
+        if argv:
+            out.append(argv)
+    return out
+
+
+def makefile_targets() -> set[str]:
+    return set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
+
+
+def all_blocks() -> list[Block]:
+    return [b for page in PAGES for b in fenced_blocks(page)]
+
+
+def static_problems(blocks: list[Block]) -> list[str]:
+    """What makes a block neither runnable nor marked."""
+    problems = []
+    targets = makefile_targets()
+    for b in blocks:
+        if b.marker is not None:
+            if not b.marker:
+                problems.append(f"{b}: the not-run marker gives no reason")
+            continue
+        if b.lang not in RUNNABLE:
+            problems.append(f"{b}: neither run nor marked; write ```toml/python/bash/console, or put "
+                            "<!-- not run: REASON --> on the line before it")
+        if b.lang == "bash":
+            for argv in commands(b):
+                if argv[0] == "make":
+                    if len(argv) != 2 or argv[1] not in targets:
+                        problems.append(f"{b}: {shlex.join(argv)}: not a Makefile target")
+                elif argv[0] not in ("treadle", "torchrun"):
+                    problems.append(f"{b}: {shlex.join(argv)}: only make, treadle and torchrun lines are run; "
+                                    "mark the block <!-- not run: REASON --> or change the command")
+        if b.lang == "console" and not b.text.lstrip().startswith("$ treadle"):
+            problems.append(f"{b}: a console block starts with a '$ treadle ...' line")
+    return problems
+
+
+def toml_problems(blocks: list[Block], tmp: Path) -> list[str]:
+    """Each unmarked toml block loaded by treadle's config loader over the defaults."""
+    from treadle import UserError, load_config
+
+    problems = []
+    for n, b in enumerate(blocks):
+        if b.lang != "toml" or b.marker is not None:
+            continue
+        path = tmp / f"block{n}.toml"
+        path.write_text(b.text)
+        try:
+            load_config(path)
+        except UserError as err:
+            problems.append(f"{b}: {err}")
+    return problems
+
+
+def test_every_block_is_run_or_says_why_not():
+    """No block can drift silently: each is one the tests below run or check, or carries a marker with a reason."""
+    problems = static_problems(all_blocks())
+    assert not problems, "\n".join(problems)
+
+
+def test_toml_blocks_validate(tmp_path):
+    blocks = all_blocks()
+    assert sum(b.lang == "toml" and b.marker is None for b in blocks) >= 5
+    problems = toml_problems(blocks, tmp_path)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checks_catch_a_drifted_page(tmp_path):
+    """A page with an unmarked sample, an empty marker, a shell line that is not run, a gone Makefile target, a
+    config key that does not exist and a console line the command no longer prints: each is named."""
+    page = tmp_path / "page.md"
+    page.write_text("\n".join([
+        "```", "output", "```",
+        "<!-- not run: -->", "```bash", "treadle --help", "```",
+        "```bash", "ls runs", "make no-such-target", "```",
+        "```toml", "[train]", "max_stps = 5", "```",
+        "```console", "$ treadle train --train.max_stps=50", "treadle: error: something else", "```",
+    ]) + "\n")
+    blocks = fenced_blocks(page)
+    assert [(b.line, b.lang, b.marker) for b in blocks] == [
+        (1, "", None), (5, "bash", ""), (8, "bash", None), (12, "toml", None), (16, "console", None)]
+    found = static_problems(blocks) + toml_problems(blocks, tmp_path)
+    found += _check_console(blocks[-1], tmp_path, _env(tmp_path / "cache"))
+    expect = ["neither run nor marked", "marker gives no reason", "ls runs: only make, treadle and torchrun",
+              "make no-such-target: not a Makefile target", "unknown key train.max_stps",
+              "did not print (in order): 'treadle: error: something else'"]
+    assert len(found) == len(expect), found
+    for line, want in zip(found, expect):
+        assert want in line, (line, want)
+
+
+def test_the_readme_shows_what_make_demo_runs():
+    """The README says `make demo` is its three commands: the Makefile's demo recipe runs those, in that order."""
+    recipe = (REPO / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    ran = [shlex.split(line.strip().replace("$(BIN)/", "")) for line in recipe.splitlines()[1:] if line.strip()]
+    readme = [b for b in fenced_blocks(REPO / "README.md") if b.lang == "bash"]
+    shown = [argv for b in readme for argv in commands(b) if argv[0] == "treadle"]
+    assert len(ran) == len(shown) == 3
+    for make_argv, doc_argv in zip(ran, shown):
+        assert make_argv[:len(doc_argv)] == doc_argv, (make_argv, doc_argv)
+
+
+def test_pages_exist_and_the_readme_is_a_front_page():
+    names = {p.name for p in PAGES}
+    for page in ("data.md", "drafts.md", "serving.md", "scale-out.md", "big-models.md", "checkpoints.md",
+                 "watching.md", "python.md", "training.md"):
+        assert page in names, page
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) < 200, "README.md is a front page; move the manual into docs/"
+    assert "make demo" in readme and "make test" in readme and "make gpu-check" in readme
+    for page in PAGES[1:]:
+        assert f"docs/{page.name}" in readme, f"the README's map of the docs lacks docs/{page.name}"
+
+
+# Files other branches add; a link to them may dangle until they land (then this set should be emptied).
+PENDING = {"docs/configuration.md", "bench/gpu.py"}
+
+
+def test_relative_links_resolve():
+    problems = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if re.match(r"\w+://|mailto:", target):
+                continue
+            path = (page.parent / target).resolve()
+            if not path.exists() and str(path.relative_to(REPO)) not in PENDING:
+                problems.append(f"{page.relative_to(REPO)}: link to {target} resolves to nothing")
+    assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------------------------ running pages
+
+
+def _env(cache: Path) -> dict:
+    env = {**os.environ, "TREADLE_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src"),
+           "HF_HUB_OFFLINE": "1"}
+    env.pop("TREADLE_DRILL_KILLS", None)
+    return env
+
+
+def _shortened(argv: list[str], cwd: Path) -> list[str]:
+    """argv (starting at the treadle subcommand) with what the module docstring says is appended."""
+    if argv[0] == "train":
+        from treadle import load_config
+
+        config = [a for a in argv[1:] if not a.startswith("--")]
+        cfg = load_config(cwd / config[0] if config else None, [a for a in argv[1:] if a.startswith("--")])
+        extra = DRAFT_SHORT if cfg.draft.kind else [] if cfg.model.path else TINY_MODEL
+        return [*argv, *TRAIN_SHORT, *extra]
+    return [*argv, *APPENDED.get(argv[0], [])]
+
+
+def _to_python(argv: list[str], cwd: Path) -> list[str]:
+    if argv[0] == "treadle":
+        return [sys.executable, "-m", "treadle", *_shortened(argv[1:], cwd)]
+    assert argv[0] == "torchrun", argv
+    i = argv.index("-m")
+    assert argv[i + 1] == "treadle", argv
+    return [sys.executable, "-m", "torch.distributed.run", *argv[1:i], "-m", "treadle",
+            *_shortened(argv[i + 2:], cwd)]
+
+
+def _check_console(b: Block, cwd: Path, env: dict) -> list[str]:
+    problems = []
+    steps = re.split(r"^\$ ", b.text, flags=re.M)[1:]
+    for step in steps:
+        cmd, *expected = step.rstrip("\n").split("\n")
+        argv = shlex.split(cmd)
+        proc = subprocess.run([sys.executable, "-m", "treadle", *argv[1:]], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=300)
+        output, pos = (proc.stdout + proc.stderr).splitlines(), 0
+        for want in expected:
+            if want.strip() == "...":
+                continue
+            found = next((i for i in range(pos, len(output)) if output[i].rstrip() == want.rstrip()), None)
+            if found is None:
+                problems.append(f"{b}: `{cmd}` did not print (in order): {want!r}\n  it printed:\n" +
+                                "\n".join(output[:40]))
+                break
+            pos = found + 1
+    return problems
+
+
+def run_page(page: Path, cwd: Path, env: dict) -> list[str]:
+    """Run a page's bash and console blocks in order; return what went wrong (empty: all passed)."""
+    problems, timings = [], []
+    for b in fenced_blocks(page):
+        if b.marker is not None:
+            continue
+        if b.lang == "console":
+            problems += _check_console(b, cwd, env)
+        if b.lang != "bash":
+            continue
+        for argv in commands(b):
+            if argv[0] == "make":
+                continue  # checked in test_every_block_is_run_or_says_why_not
+            full = _to_python(argv, cwd)
+            t0 = time.perf_counter()
+            proc = subprocess.run(full, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+            timings.append(f"{time.perf_counter() - t0:5.1f} s  {shlex.join(argv)}")
+            if proc.returncode != 0:
+                problems.append(f"{b}: `{shlex.join(argv)}` exited {proc.returncode}\n  ran: {shlex.join(full)}\n"
+                                f"{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}")
+                return problems  # later commands of a page build on this one
+    print(f"\n{page.relative_to(REPO)}:\n  " + "\n  ".join(timings))
+    return problems
+
+
+def _workspace(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("configs", "examples"):
+        (path / name).symlink_to(REPO / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One TREADLE_CACHE for the module's commands, empty at the start: nothing a developer's cache holds helps."""
+    return tmp_path_factory.mktemp("treadle-cache")
+
+
+@pytest.fixture(scope="module")
+def readme_run(tmp_path_factory, cache):
+    """README.md's commands, run once: they leave runs/demo and runs/demo-draft for the pages after it."""
+    cwd = _workspace(tmp_path_factory.mktemp("readme"))
+    return cwd, run_page(REPO / "README.md", cwd, _env(cache))
+
+
+def test_readme_commands_run(readme_run):
+    cwd, problems = readme_run
+    assert not problems, "\n".join(problems)
+    assert (cwd / "runs" / "demo" / "hf" / "config.json").is_file()
+    assert (cwd / "runs" / "demo-draft" / "draft" / "config.json").is_file()
+
+
+def _runs_something(page: Path) -> bool:
+    return any(b.marker is None and b.lang in ("bash", "console") and
+               (b.lang == "console" or any(a[0] != "make" for a in commands(b))) for b in fenced_blocks(page))
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES[1:] if _runs_something(p)], ids=lambda p: p.name)
+def test_page_commands_run(page, readme_run, cache, tmp_path):
+    base, problems = readme_run
+    assert not problems, "README.md's commands failed; the pages build on them"
+    cwd = _workspace(tmp_path / "work")
+    shutil.copytree(base / "runs", cwd / "runs", symlinks=True)
+    problems = run_page(page, cwd, _env(cache))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("block", [b for b in all_blocks() if b.lang == "python" and b.marker is None], ids=str)
+def test_python_blocks_run(block, tmp_path):
+    """As a new user runs it: its own script in an empty directory, an empty cache, no __main__ guard."""
+    (tmp_path / "example.py").write_text(block.text)
+    proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**_env(tmp_path / "cache"), "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, f"{block}:\n{proc.stderr[-3000:]}"
+    assert "torch.distributed is disabled, unavailable or uninitialized" not in proc.stderr
+    if block.page.name == "python.md" and "runs/notebook" in block.text:  # the page's example, what it promises
+        run = tmp_path / "runs" / "notebook"
+        assert (run / "config.toml").is_file() and (run / "checkpoints" / "latest").exists()
+        assert (tmp_path / "exported" / "notebook" / "config.json").is_file()
+        assert "step 1: loss" in proc.stdout  # the example's callback ran
