@@ -7,7 +7,7 @@ touching anything on disk, so that bad input never damages an earlier run.
 They live here, at the bottom layer and free of heavy imports, so that the CLI can
 catch them without importing torch (``treadle --help`` and a config typo answer at once).
 
-Exit codes (documented in the README):
+Exit codes (documented in docs/checkpoints.md):
     0   finished
     2   bad input (config, data, paths, flags)
     3   training failed: NaN policy gave up, or a checkpoint could not be written

@@ -1,6 +1,6 @@
 """``treadle samples``: small SFT, pretraining and prompt files made from the built-in corpus.
 
-They let every README recipe run with no download. The corpus is the running
+They let every recipe in docs/ run with no download. The corpus is the running
 Python's standard library (see ``treadle.corpus``); the rows are made from its
 functions with ``ast``:
 
