@@ -52,7 +52,7 @@ def test_captured_target_kv_equal_the_kv_cache():
     model = glide()
     ids = torch.randint(0, 512, (2, 10))
     with torch.no_grad():
-        cache = model.target(input_ids=ids, use_cache=True, past_key_values=DynamicCache()).past_key_values
+        cache = model.target(input_ids=ids, use_cache=True, cache=DynamicCache()).cache
         with capture_last_kv(model.target) as kv:
             model.target(input_ids=ids, position_ids=torch.arange(10).expand(2, 10), use_cache=False)
     assert torch.equal(kv["k"], cache.layers[-1].keys) and torch.equal(kv["v"], cache.layers[-1].values)

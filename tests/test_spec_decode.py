@@ -138,7 +138,7 @@ def test_target_kv_is_the_fresh_forward_of_context_minus_bonus(target, prompts, 
         assert keys.shape[-2] == values.shape[-2] == context.shape[1] - 1
         fresh = DynamicCache()
         with torch.inference_mode():
-            target(input_ids=context[:, :-1], past_key_values=fresh, use_cache=True)
+            target(input_ids=context[:, :-1], cache=fresh, use_cache=True)
         torch.testing.assert_close(keys, fresh.layers[-1].keys)
         torch.testing.assert_close(values, fresh.layers[-1].values)
 

@@ -152,11 +152,11 @@ def greedy_continuations(target, prompts: torch.Tensor, new_tokens: int) -> torc
     was_training = target.training
     target.eval()
     cache = DynamicCache()
-    out = target(input_ids=prompts, use_cache=True, past_key_values=cache)
+    out = target(input_ids=prompts, use_cache=True, cache=cache)
     tokens = [prompts]
     for _ in range(new_tokens):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(nxt)
-        out = target(input_ids=nxt, use_cache=True, past_key_values=cache)
+        out = target(input_ids=nxt, use_cache=True, cache=cache)
     target.train(was_training)
     return torch.cat(tokens, dim=1)
