@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from treadle.errors import UserError, first_line
 from treadle.fsutil import claim_output, write_atomic
-from treadle.model_dirs import resolve_model_dir
+from treadle.model_dirs import download_hint, resolve_model_dir
 
 # torch, the models and the decoders load when a function runs, not with the module: `spec-eval --help` and a
 # bad flag answer at once.
@@ -86,6 +86,18 @@ def _check_same_tokenizer(draft_dir: Path, tokenizer) -> None:
         raise UserError(f"--draft {draft_dir}: its tokenizer differs from the target's")
 
 
+def check_draft_spec(spec: str) -> None:
+    """A ``--draft`` that can be nothing ``load_drafter`` takes is one line naming what it may be (before the
+    target loads; resolve_model_dir's refusal would suggest target directories)."""
+    path = Path(spec)
+    if spec == "prompt-lookup" or any((c / "config.json").is_file() for c in (path, path / "draft", path / "hf")):
+        return
+    raise UserError(f"--draft {spec}: no draft or model there (no config.json in it, its draft/ or its hf/); "
+                    "accepted: prompt-lookup; a draft run directory (e.g. runs/my-draft), its draft/ or a `treadle "
+                    "export` of it; or a Hugging Face causal LM (or a model run directory with hf/) sharing the "
+                    f"target's tokenizer{download_hint(path, '--draft')}")
+
+
 # ---- Drafter registry: every accepted --draft value is resolved here. ----
 def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
     """``--draft`` value -> Drafter: 'prompt-lookup', a treadle draft directory, or any HF causal LM."""
@@ -108,6 +120,7 @@ def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
             from treadle.speculative.glide_drafter import GlideDrafter
 
             return GlideDrafter(model)
+    check_draft_spec(spec)
     draft_dir = resolve_model_dir(path, "--draft")
     _check_same_tokenizer(draft_dir, tokenizer)
     return ModelDrafter(load_causal_lm(draft_dir, "--draft"), name=f"lm:{draft_dir}")
@@ -312,6 +325,7 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
         gamma = tree_depth(branching)
     gamma = 4 if gamma is None else gamma
     _check_args(gamma, num_prompts, prompt_len, max_new_tokens, threads, json_path)
+    check_draft_spec(str(draft))
     import torch
 
     from treadle.models.hf import load_causal_lm
