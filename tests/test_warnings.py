@@ -31,7 +31,7 @@ def no_warnings():
 @pytest.mark.parametrize("kind", ["glide", "eagle3"])
 def test_a_draft_step_and_spec_eval_warn_nothing(shards, target_dir, tmp_path, kind):
     """One optimizer step of each draft kind (its eval decodes with the target's KV cache), then spec-eval with it:
-    greedy chain, sampled static tree and greedy dynamic tree."""
+    greedy chain, sampled static tree, greedy and sampled dynamic tree."""
     run = tmp_path / "run"
     extra = EAGLE if kind == "eagle3" else ()
     with no_warnings():
@@ -39,7 +39,8 @@ def test_a_draft_step_and_spec_eval_warn_nothing(shards, target_dir, tmp_path, k
     out = tmp_path / "spec.json"
     common = ["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "1", "--prompt-len", "8",
               "--max-new-tokens", "8", "--json", str(out)]
-    for flags in ([], ["--tree", "2,1", "--temperature", "1"], ["--tree", "dynamic:2,2,3"]):
+    for flags in ([], ["--tree", "2,1", "--temperature", "1"], ["--tree", "dynamic:2,2,3"],
+                  ["--tree", "dynamic:2,2,2", "--temperature", "1"]):
         with no_warnings():
             assert main([*common, *flags]) == 0, flags
         assert json.loads(out.read_text())["drafter"] == kind

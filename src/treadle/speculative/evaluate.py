@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", metavar="B1,B2,...", default=None,
                         help="draft a static tree, branching B1 at depth 1, B2 at depth 2, ... (e.g. 4,2,2,1), "
                              "verified in one target forward (greedy, or sampled with --temperature); or "
-                             "dynamic:K,D,N (EAGLE-2, greedy: top K per depth, depth D, N nodes kept); drafters that "
+                             "dynamic:K,D,N (EAGLE-2: top K per depth, depth D, N nodes kept; greedy or sampled); drafters that "
                              "cannot branch propose a chain")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (default); > 0 = speculative sampling at this temperature")
@@ -226,11 +226,8 @@ def _check_sampling(temperature: float, top_p: float, tree: tuple[int, ...] | Dy
         raise UserError(f"--temperature {temperature}: must be >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
         raise UserError(f"--top-p {top_p}: must be in (0, 1]")
-    from treadle.speculative.tree import DynamicTree, tree_depth
+    from treadle.speculative.tree import tree_depth
 
-    if isinstance(tree, DynamicTree) and temperature > 0:
-        raise UserError(f"--tree {tree} with --temperature {temperature}: dynamic trees are greedy only; "
-                        "accepted: --temperature 0, or a static tree (e.g. --tree 4,2,2,1) for sampling")
     if tree is not None and gamma is not None and gamma != tree_depth(tree):
         raise UserError(f"--gamma {gamma} with --tree {_tree_text(tree)}: the tree's depth is "
                         f"{tree_depth(tree)}; leave --gamma out or give {tree_depth(tree)}")
