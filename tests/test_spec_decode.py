@@ -10,7 +10,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from treadle import corpus
 from treadle.errors import UserError
-from treadle.models.hf import load_causal_lm
+from treadle.models.hf import cache_kwargs, load_causal_lm
 from treadle.speculative import evaluate
 from treadle.speculative.decode import Proposal, SpecResult, speculative_generate, summarize, target_generate
 from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter, RandomDrafter
@@ -138,7 +138,7 @@ def test_target_kv_is_the_fresh_forward_of_context_minus_bonus(target, prompts, 
         assert keys.shape[-2] == values.shape[-2] == context.shape[1] - 1
         fresh = DynamicCache()
         with torch.inference_mode():
-            target(input_ids=context[:, :-1], cache=fresh, use_cache=True)
+            target(input_ids=context[:, :-1], use_cache=True, **cache_kwargs(target, fresh))
         torch.testing.assert_close(keys, fresh.layers[-1].keys)
         torch.testing.assert_close(values, fresh.layers[-1].values)
 

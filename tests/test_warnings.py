@@ -12,6 +12,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 from tests.helpers import draft_args
 from treadle.cli import main
@@ -52,3 +53,23 @@ def test_an_eagle3_step_under_bf16_autocast_has_no_dtype_mismatch(shards, target
     argv = [a for a in draft_args(shards, target_dir, tmp_path / "run", *SHORT, *EAGLE) if a != "--model.dtype=fp32"]
     with no_warnings():
         assert main([*argv, "--model.dtype=bf16"]) == 0
+
+
+def test_the_cache_goes_by_the_keyword_the_model_names():
+    """transformers 5.24 renamed forward's past_key_values to cache (the old name warns); 5.23, in treadle's range,
+    knows only past_key_values and would silently drop cache= (a fresh cache each call). Remote code may lag too."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from tests.helpers import TARGET
+    from treadle.models.hf import cache_kwargs
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return input_ids
+
+    cache = DynamicCache()
+    assert cache_kwargs(Older(), cache) == {"past_key_values": cache}
+    model = LlamaForCausalLM(LlamaConfig(**TARGET))
+    with no_warnings():
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == 3

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from treadle.models.hf import cache_kwargs
 from treadle.speculative.sampling import Sampler, verify_sampled
 from treadle.speculative.tree import DynamicTree, additive, ancestor_mask, node_depths
 
@@ -160,7 +161,7 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.LongTensor, cache: D
     Models are built with ``config.use_cache=False`` (packed training needs
     it), so the cache must be asked for explicitly.
     """
-    return model(input_ids=input_ids, cache=cache, use_cache=True).logits[0]
+    return model(input_ids=input_ids, use_cache=True, **cache_kwargs(model, cache)).logits[0]
 
 
 def forward_tree(model: torch.nn.Module, tokens: list[int], parents: list[int], past: int, cache: DynamicCache,
@@ -180,7 +181,7 @@ def forward_tree(model: torch.nn.Module, tokens: list[int], parents: list[int], 
     dtype = next(model.parameters()).dtype
     return model(input_ids=torch.tensor([[tokens[i] for i in feed]]),
                  position_ids=torch.tensor([[past + depths[i] for i in feed]]),
-                 attention_mask=additive(allowed, dtype)[None, None], cache=cache, use_cache=True,
+                 attention_mask=additive(allowed, dtype)[None, None], use_cache=True, **cache_kwargs(model, cache),
                  output_hidden_states=hidden)
 
 
@@ -190,7 +191,7 @@ def _target_forward(
     """``forward_logits`` plus, when ``layers`` is non-empty, those layers' hidden states concatenated [1, T, len*d]."""
     if not layers:
         return forward_logits(target, input_ids, cache), None
-    out = target(input_ids=input_ids, cache=cache, use_cache=True, output_hidden_states=True)
+    out = target(input_ids=input_ids, use_cache=True, output_hidden_states=True, **cache_kwargs(target, cache))
     return out.logits[0], torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 
 
