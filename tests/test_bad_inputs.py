@@ -725,7 +725,8 @@ def test_a_wrong_draft_path_names_what_a_draft_may_be(world, refused, monkeypatc
     monkeypatch.chdir(world.root)
     for draft in (world.root / "runs" / "no-such-draft", world.user):
         line = refused(["spec-eval", "--target", world.run, "--draft", draft, "--num-prompts", "1"], f"--draft {draft}")
-        for kind in ("prompt-lookup", "a draft run directory", "its draft/", "treadle export", "Hugging Face causal LM"):
+        for kind in ("prompt-lookup", "a draft run directory", "its draft/", "treadle export",
+                     "Hugging Face causal LM"):
             assert kind in line, line
         assert "runs/demo" not in line and "--target" not in line
 

@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", metavar="B1,B2,...", default=None,
                         help="draft a static tree, branching B1 at depth 1, B2 at depth 2, ... (e.g. 4,2,2,1), "
                              "verified in one target forward (greedy, or sampled with --temperature); or "
-                             "dynamic:K,D,N (EAGLE-2: top K per depth, depth D, N nodes kept; greedy or sampled); drafters that "
-                             "cannot branch propose a chain")
+                             "dynamic:K,D,N (EAGLE-2: top K per depth, depth D, N nodes kept; greedy or sampled); "
+                             "drafters that cannot branch propose a chain")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (default); > 0 = speculative sampling at this temperature")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass with --temperature (default: 1)")
