@@ -7,8 +7,8 @@ checked for loops (distinct n-grams) and prompt lookup's tau says how much repet
 Every trainable drafter in ``RECIPES`` gets the same training wall time (``--train-seconds``), not the same
 steps: a short probe run measures each recipe's step time, and its cosine schedule is sized to the budget.
 Then each drafter decodes the same held-out prompts against the frozen target, in every mode of ``MODES``:
-a greedy chain of gamma drafts, a greedy static tree, a greedy EAGLE-2 dynamic tree, and a sampled chain and
-static tree (T = 1). Greedy rows must be lossless.
+a greedy chain of gamma drafts, a greedy static tree, a greedy EAGLE-2 dynamic tree, and a sampled chain,
+static tree and dynamic tree (T = 1). Greedy rows must be lossless.
 
 Beside measured tokens/s (this CPU, where a draft step of the tiny target costs a large share of a target step),
 a cost model projects the speedup a real target would give: batch-1 decoding reads every weight once per
@@ -17,7 +17,7 @@ with c = draft step / target step, a chain of gamma costs 1 + gamma c target ste
 (the verify forward of gamma + 1 tokens about one step: memory-bound) and a tree costs 1 + depth c;
 projected speedup = tau / that.
 
-    python bench/spec.py [--train-seconds 150] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1] [--reuse-trained]
+    python bench/spec.py [--train-seconds 150] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1,dynamic-t1] [--reuse-trained]
 
 ``glide-kl-regen`` (not in the default list) trains GLIDE-kl on *regenerated* data: prompts cut from the
 built-in corpus' train split, answered greedily by the target itself (``treadle generate``), trained as SFT.
@@ -142,6 +142,7 @@ MODES = {
     "dynamic": dict(tree=DYNAMIC),
     "t1": dict(temperature=1.0),
     "tree-t1": dict(tree=TREE, temperature=1.0),
+    "dynamic-t1": dict(tree=DYNAMIC, temperature=1.0),
 }
 
 

@@ -720,6 +720,32 @@ def test_a_hub_id_or_plain_text_gets_the_command_that_fixes_it(world, refused, m
         refused(world.args(new, f"--data.train={entry}"), f"treadle prepare {entry} --out {out}, then use {out}", new, texts)
 
 
+def test_a_wrong_draft_path_names_what_a_draft_may_be(world, refused, monkeypatch):
+    """Issue 26 (2.6): --draft at a path holding nothing was refused with the target's hint (runs/demo/hf)."""
+    monkeypatch.chdir(world.root)
+    for draft in (world.root / "runs" / "no-such-draft", world.user):
+        line = refused(["spec-eval", "--target", world.run, "--draft", draft, "--num-prompts", "1"], f"--draft {draft}")
+        for kind in ("prompt-lookup", "a draft run directory", "its draft/", "treadle export",
+                     "Hugging Face causal LM"):
+            assert kind in line, line
+        assert "runs/demo" not in line and "--target" not in line
+
+
+def test_every_export_flag_has_help(capsys):
+    """Issue 26 (2.6): `treadle export --help` showed --dtype with no text."""
+    import argparse
+
+    from treadle.cli import build_parser
+
+    commands = next(a for a in build_parser([])._actions if isinstance(a, argparse._SubParsersAction))
+    assert all(action.help for action in commands.choices["export"]._actions), "an export flag without help"
+    with pytest.raises(SystemExit) as exit:
+        main(["export", "--help"])
+    assert exit.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--dtype {fp32,bf16,fp16} dtype of the floating-point weights written" in text, text
+
+
 def test_export_to_the_other_kind_is_one_line(world, refused):
     """Issue 13.10: --to defaults to auto; naming the wrong kind says what the checkpoint is."""
     out = world.root / "exported"

@@ -13,7 +13,7 @@ from treadle.cli import main
 from treadle.models.glide import (
     GlideDraft, GlideModel, anchored_positions, attention_mask, capture_last_kv, document_ids, load_glide,
 )
-from treadle.models.hf import greedy_continuations
+from treadle.models.hf import cache_kwargs, greedy_continuations
 from treadle.speculative.acceptance import chain_acceptance
 from treadle.speculative.decode import TargetState
 from treadle.speculative.glide_drafter import GlideDrafter
@@ -52,7 +52,8 @@ def test_captured_target_kv_equal_the_kv_cache():
     model = glide()
     ids = torch.randint(0, 512, (2, 10))
     with torch.no_grad():
-        cache = model.target(input_ids=ids, use_cache=True, past_key_values=DynamicCache()).past_key_values
+        cache = DynamicCache()
+        model.target(input_ids=ids, use_cache=True, **cache_kwargs(model.target, cache))
         with capture_last_kv(model.target) as kv:
             model.target(input_ids=ids, position_ids=torch.arange(10).expand(2, 10), use_cache=False)
     assert torch.equal(kv["k"], cache.layers[-1].keys) and torch.equal(kv["v"], cache.layers[-1].values)

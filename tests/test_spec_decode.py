@@ -10,7 +10,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from treadle import corpus
 from treadle.errors import UserError
-from treadle.models.hf import load_causal_lm
+from treadle.models.hf import cache_kwargs, load_causal_lm
 from treadle.speculative import evaluate
 from treadle.speculative.decode import Proposal, SpecResult, speculative_generate, summarize, target_generate
 from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter, RandomDrafter
@@ -138,7 +138,7 @@ def test_target_kv_is_the_fresh_forward_of_context_minus_bonus(target, prompts, 
         assert keys.shape[-2] == values.shape[-2] == context.shape[1] - 1
         fresh = DynamicCache()
         with torch.inference_mode():
-            target(input_ids=context[:, :-1], past_key_values=fresh, use_cache=True)
+            target(input_ids=context[:, :-1], use_cache=True, **cache_kwargs(target, fresh))
         torch.testing.assert_close(keys, fresh.layers[-1].keys)
         torch.testing.assert_close(values, fresh.layers[-1].values)
 
@@ -363,6 +363,18 @@ def test_spec_eval_tree_and_sampled(run_dir, tmp_path, capsys, monkeypatch):
     r = json.loads(out.read_text())
     assert r["tree"] == "dynamic:2,3,10" and r["gamma"] == 3 and r["lossless"] is True and r["tau"] == 4
     assert "tree dynamic:2,3,10: EAGLE-2 dynamic tree, depth 3" in capsys.readouterr().out
+    # Sampled too (it was refused): the draft's q is the target's p, so each first-drawn child is (almost surely)
+    # accepted; all 10 drawn nodes kept, a round takes 2 drafts and the bonus, 3 when its depth-2 node was expanded.
+    assert spec_eval("--target", str(run_dir), "--draft", str(run_dir), "--tree", "dynamic:2,3,10", "--temperature",
+                     "1", "--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
+    r = json.loads(out.read_text())
+    assert r["tree"] == "dynamic:2,3,10" and r["temperature"] == 1 and r["lossless"] is None and r["tau"] >= 3
+    # 4 of them kept: the tree is nearly uniform over 300 tokens, so the kept are the 2 drawn at depth 1 and 2 at
+    # depth 2; a round ends at the latest on an unscored depth-3 node (3 tokens, none of them the target's bonus).
+    assert spec_eval("--target", str(run_dir), "--draft", str(run_dir), "--tree", "dynamic:2,3,4", "--temperature",
+                     "1", "--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "12", "--json", str(out)) == 0
+    r = json.loads(out.read_text())
+    assert 2 <= r["tau"] <= 3 and r["acceptance_unconditional"][0] > 0.9
 
 
 def test_spec_eval_reports_a_lossy_decoder(run_dir, monkeypatch, capsys):
@@ -397,7 +409,6 @@ def test_spec_eval_bad_input(run_dir, tmp_path):
                            (["--tree", "dynamic:4,0,8"], "--tree dynamic:4,0,8: accepted"),
                            (["--tree", "dynamic:2,3,6", "--gamma", "4"],
                             "--gamma 4 with --tree dynamic:2,3,6: the tree's depth is 3"),
-                           (["--tree", "dynamic:2,3,6", "--temperature", "1"], "dynamic trees are greedy only"),
                            (["--temperature", "-1"], "--temperature -1.0: must be >= 0"),
                            (["--temperature", "1", "--top-p", "0"], r"--top-p 0.0: must be in \(0, 1\]")]:
         with pytest.raises(UserError, match=message):

@@ -211,7 +211,10 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
     export.add_argument("--to", choices=["auto", "hf", "draft"], default="auto",
                         help="auto: what the checkpoint was trained as; hf: a model run; draft: a draft run's draft")
     export.add_argument("out", help="output directory")
-    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="dtype of the floating-point weights written, recorded in config.json (default: fp32, "
+                             "the weights as trained; bf16 or fp16 halve the size); a draft's vocabulary map keeps "
+                             "its integer dtype")
     export.set_defaults(func=_no_extra("export", _export))
 
     for name, help in _MODULE_COMMANDS.items():

@@ -16,7 +16,7 @@ from treadle.errors import UserError
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
 
-def _download_hint(path: Path, key: str) -> str:
+def download_hint(path: Path, key: str) -> str:
     """What to do when ``path`` does not exist but reads like a Hub id (``gpt2``, ``Qwen/Qwen3-0.6B``)."""
     text = str(path)
     if path.exists() or not _HUB_ID.fullmatch(text) or path.parent.name and path.parent.is_dir():
@@ -34,7 +34,7 @@ def resolve_model_dir(path: Path, key: str) -> Path:
         if (candidate / "config.json").is_file():
             return candidate
     raise UserError(f"{key} {path} is neither a Hugging Face model directory (config.json) nor a treadle run "
-                    f"directory with an exported hf/; accepted: e.g. runs/demo or runs/demo/hf{_download_hint(path, key)}")
+                    f"directory with an exported hf/; accepted: e.g. runs/demo or runs/demo/hf{download_hint(path, key)}")
 
 
 _SAMPLE = 1 << 20

@@ -40,8 +40,8 @@ from transformers.activations import ACT2FN
 from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
 from treadle.models.glide import (
-    DraftRunModel, GlideShape, attention_mask, causal_document_mask, checked_export, checked_target, document_ids,
-    init_linears, sdpa, self_attention_inputs, ttt_mask,
+    DraftRunModel, GlideShape, RMSNorm, attention_mask, causal_document_mask, checked_export, checked_target,
+    document_ids, init_linears, sdpa, self_attention_inputs, ttt_mask,
 )
 from treadle.models.hf import decoder_layers, greedy_continuations
 
@@ -110,18 +110,18 @@ class Eagle3Draft(nn.Module):
         self.vocab_size = vocab_size or self.target_vocab_size
         q_out, kv_out = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
         self.fc = nn.Linear(len(self.feature_layers) * d, d, bias=False)
-        self.embed_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
-        self.feature_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
+        self.embed_norm = RMSNorm(d, eps=s.rms_norm_eps)
+        self.feature_norm = RMSNorm(d, eps=s.rms_norm_eps)
         self.q_proj = nn.Linear(2 * d, q_out, bias=s.attention_bias)
         self.k_proj = nn.Linear(2 * d, kv_out, bias=s.attention_bias)
         self.v_proj = nn.Linear(2 * d, kv_out, bias=s.attention_bias)
         self.o_proj = nn.Linear(q_out, d, bias=False)
-        self.mlp_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
+        self.mlp_norm = RMSNorm(d, eps=s.rms_norm_eps)
         self.gate_proj = nn.Linear(d, s.intermediate_size, bias=False)
         self.up_proj = nn.Linear(d, s.intermediate_size, bias=False)
         self.down_proj = nn.Linear(s.intermediate_size, d, bias=False)
         self.act = ACT2FN[s.hidden_act]
-        self.final_norm = nn.RMSNorm(d, eps=s.rms_norm_eps)
+        self.final_norm = RMSNorm(d, eps=s.rms_norm_eps)
         self.lm_head = nn.Linear(d, self.vocab_size, bias=False)
         init_linears(self, target_config)
         if self.reduced:  # filled by set_vocabulary (a run) or load_state_dict (a checkpoint, an export)

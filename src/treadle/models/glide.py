@@ -101,6 +101,19 @@ def anchored_positions(position_ids: torch.Tensor, anchor: int, offset: int) -> 
     return torch.where(position_ids >= anchor, position_ids + offset, position_ids)
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` computed in its weight's dtype.
+
+    Under bf16 autocast a bf16 activation (an EAGLE-3 feature is ``fc``'s bf16 output) meets
+    an fp32 weight; torch's fused kernel needs both in one dtype and otherwise warns
+    "Mismatch dtype ... Cannot dispatch to fused implementation" and takes a slower path.
+    Upcast first, the fused kernel runs in fp32 and returns fp32, as HF's Llama norm does there.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype))
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Attention with grouped K/V heads and rows that may see nothing.
 
@@ -184,20 +197,20 @@ class GlideDraft(nn.Module):
         s = self.shape = GlideShape.of(target_config)
         self.window = window
         q_out, kv_out = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-        self.self_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.self_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         self.q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attention_bias)
         self.k_proj = nn.Linear(s.hidden_size, kv_out, bias=s.attention_bias)
         self.v_proj = nn.Linear(s.hidden_size, kv_out, bias=s.attention_bias)
         self.o_proj = nn.Linear(q_out, s.hidden_size, bias=False)
-        self.cross_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.cross_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         self.cross_q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attention_bias)
         self.cross_o_proj = nn.Linear(q_out, s.hidden_size, bias=False)
-        self.mlp_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.mlp_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
         self.act = ACT2FN[s.hidden_act]
-        self.final_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.final_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         init_linears(self, target_config)
 
     def export_config(self) -> dict:

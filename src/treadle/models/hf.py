@@ -7,6 +7,8 @@ Models know nothing about parallelism or the loop: this module only turns a
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import sys
@@ -146,17 +148,29 @@ def trainable_parameters(model: nn.Module) -> int:
     return sum(_numel(p) for p in model.parameters() if p.requires_grad)
 
 
+def cache_kwargs(model: nn.Module, cache: DynamicCache) -> dict:
+    """How ``model``'s forward takes a KV cache: ``cache=`` from transformers 5.24 on, where ``past_key_values=``
+    warns (FutureWarning) and goes in 5.40; ``past_key_values=`` in 5.23 (which would silently ignore ``cache=``),
+    and in remote-code models or wrappers whose forward does not name ``cache``."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def greedy_continuations(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """[N, P] prompts of one length -> [N, P + new_tokens], continued greedily by the target."""
     was_training = target.training
     target.eval()
     cache = DynamicCache()
-    out = target(input_ids=prompts, use_cache=True, past_key_values=cache)
+    out = target(input_ids=prompts, use_cache=True, **cache_kwargs(target, cache))
     tokens = [prompts]
     for _ in range(new_tokens):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(nxt)
-        out = target(input_ids=nxt, use_cache=True, past_key_values=cache)
+        out = target(input_ids=nxt, use_cache=True, **cache_kwargs(target, cache))
     target.train(was_training)
     return torch.cat(tokens, dim=1)

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from treadle.models.hf import cache_kwargs
 from treadle.speculative.sampling import Sampler, verify_sampled
 from treadle.speculative.tree import DynamicTree, additive, ancestor_mask, node_depths
 
@@ -69,11 +70,16 @@ class Proposal:
     or any drafter under a greedy ``Sampler``). Only sampled verification reads it.
     ``parents``: None for a chain; for a tree (``propose_tree``) the parent index of
     each token (-1: a child of the bonus), parents before children (``tree.py``).
+    ``unscored``: None, or per tree node whether the target is not to score it (a sampled
+    dynamic tree's drawn but unkept children: always leaves, their parents scored):
+    tried against the parent's distribution in their place among their siblings, one
+    that is accepted ends the round as the newest token, in place of the target's own.
     """
 
     tokens: list[int]
     q: torch.Tensor | None = None
     parents: list[int] | None = None
+    unscored: list[bool] | None = None
 
 
 class Drafter(Protocol):
@@ -84,9 +90,9 @@ class Drafter(Protocol):
     the target with ``output_hidden_states=True`` and fills ``TargetState.hidden``.
 
     Optional method ``propose_tree(context_ids, state, branching, sampler) -> Proposal``:
-    a tree (``Proposal.parents`` set) of the shape ``branching`` (``tree.py``: static, its
-    sampled children drawn without replacement, or a greedy ``DynamicTree``). Under
-    ``tree=...`` a drafter without it proposes a chain of the tree's depth.
+    a tree (``Proposal.parents`` set) of the shape ``branching`` (``tree.py``: static or a
+    ``DynamicTree``, sampled children drawn without replacement). Under ``tree=...`` a
+    drafter without it proposes a chain of the tree's depth.
     """
 
     name: str
@@ -118,7 +124,9 @@ class SpecResult:
 
     tokens: list[int]  # generated tokens, prompt excluded
     verify_calls: int
-    accepted_per_call: list[int]  # accepted drafts per verification call, each in 0..gamma
+    # Accepted drafts per verification call, each in 0..gamma; a call that ends on an accepted unscored tree
+    # node (Proposal.unscored) counts that node as its +1 token, in place of the target's own.
+    accepted_per_call: list[int]
     gamma: int
     seconds: float  # wall time, prefill included
 
@@ -153,7 +161,7 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.LongTensor, cache: D
     Models are built with ``config.use_cache=False`` (packed training needs
     it), so the cache must be asked for explicitly.
     """
-    return model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0]
+    return model(input_ids=input_ids, use_cache=True, **cache_kwargs(model, cache)).logits[0]
 
 
 def forward_tree(model: torch.nn.Module, tokens: list[int], parents: list[int], past: int, cache: DynamicCache,
@@ -173,7 +181,7 @@ def forward_tree(model: torch.nn.Module, tokens: list[int], parents: list[int], 
     dtype = next(model.parameters()).dtype
     return model(input_ids=torch.tensor([[tokens[i] for i in feed]]),
                  position_ids=torch.tensor([[past + depths[i] for i in feed]]),
-                 attention_mask=additive(allowed, dtype)[None, None], past_key_values=cache, use_cache=True,
+                 attention_mask=additive(allowed, dtype)[None, None], use_cache=True, **cache_kwargs(model, cache),
                  output_hidden_states=hidden)
 
 
@@ -183,7 +191,7 @@ def _target_forward(
     """``forward_logits`` plus, when ``layers`` is non-empty, those layers' hidden states concatenated [1, T, len*d]."""
     if not layers:
         return forward_logits(target, input_ids, cache), None
-    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    out = target(input_ids=input_ids, use_cache=True, output_hidden_states=True, **cache_kwargs(target, cache))
     return out.logits[0], torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 
 
@@ -235,40 +243,50 @@ def _verify_chain(logits: torch.Tensor, proposal: Proposal, sampler: Sampler) ->
 def _verify_tree(
     target: torch.nn.Module, cache: DynamicCache, bonus: int, proposal: Proposal, layers: tuple[int, ...],
     sampler: Sampler,
-) -> tuple[list[int], int, torch.Tensor | None]:
+) -> tuple[list[int], int | None, torch.Tensor | None]:
     """Verification of a draft tree in one target forward: (accepted drafts, next token, hidden rows).
 
-    The bonus and the tree go in together, each node attending to the cache, its
-    ancestors and itself at position prefix + depth. Greedy: the longest path whose
+    The bonus and the tree's scored nodes go in together, each attending to the cache,
+    its ancestors and itself at position prefix + depth. Greedy: the longest path whose
     every token is the target's argmax after its parent is kept; sampled: the path
-    recursive rejection sampling accepts (``verify_sampled``). The cache is compacted
-    to prefix + bonus + that path, as if the path alone had been verified as a chain.
+    recursive rejection sampling accepts (``verify_sampled``). A path that ends on an
+    unscored node (``Proposal.unscored``) has no next token (None): that node is the
+    newest token. The cache is compacted to prefix + bonus + the path's scored nodes, as
+    if they alone had been verified as a chain.
     """
-    parents = [-1] + [p + 1 for p in proposal.parents]  # node 0 is the bonus, the root
+    drafts = proposal.tokens
+    unscored = proposal.unscored or [False] * len(drafts)
+    scored = [i for i in range(len(drafts)) if not unscored[i]]
+    row = {-1: 0, **{node: r for r, node in enumerate(scored, start=1)}}  # node -> its row in the forward
+    if any(proposal.parents[i] not in row for i in range(len(drafts))):
+        raise RuntimeError("a draft tree node's parent is unscored: only leaves may be")
     past = cache.get_seq_length()
-    out = forward_tree(target, [bonus, *proposal.tokens], parents, past, cache, bool(layers))
+    out = forward_tree(target, [bonus, *(drafts[i] for i in scored)], [-1] + [row[proposal.parents[i]] for i in scored],
+                       past, cache, bool(layers))
     logits = out.logits[0]
     if sampler.greedy:
         choice = logits.argmax(-1).tolist()
         children: dict[int, list[int]] = {}
-        for node, parent in enumerate(parents[1:], start=1):
+        for node, parent in enumerate(proposal.parents):
             children.setdefault(parent, []).append(node)
-        path = [0]
-        while True:
-            match = [c for c in children.get(path[-1], []) if proposal.tokens[c - 1] == choice[path[-1]]]
+        accepted, node = [], -1
+        while node < 0 or not unscored[node]:
+            match = [c for c in children.get(node, []) if drafts[c] == choice[row[node]]]
             if not match:
                 break
-            path.append(match[0])
-        next_token = choice[path[-1]]
+            node = match[0]
+            accepted.append(node)
+        next_token = choice[row[node]] if node < 0 or not unscored[node] else None
     else:
-        accepted, next_token = verify_sampled(sampler.probs(logits), proposal.tokens, proposal.q, sampler,
-                                              proposal.parents)
-        path = [0] + [node + 1 for node in accepted]
+        p = sampler.probs(logits)
+        p = p.new_zeros(len(drafts) + 1, p.shape[-1]).index_copy_(0, torch.tensor([0, *(i + 1 for i in scored)]), p)
+        accepted, next_token = verify_sampled(p, drafts, proposal.q, sampler, proposal.parents, proposal.unscored)
+    path = [0] + [row[node] for node in accepted if not unscored[node]]
     keep = torch.cat([torch.arange(past), torch.tensor(path) + past])
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.index_select(-2, keep), layer.values.index_select(-2, keep)
     hidden = torch.cat([out.hidden_states[i] for i in layers], dim=-1)[:, path] if layers else None
-    return [proposal.tokens[c - 1] for c in path[1:]], next_token, hidden
+    return [drafts[node] for node in accepted], next_token, hidden
 
 
 def speculative_generate(
@@ -284,14 +302,13 @@ def speculative_generate(
     """Speculative decoding of one prompt: greedy, the tokens equal ``target_generate``'s; sampled, their
     distribution equals ``target_generate``'s with the same ``sampler`` settings.
 
-    ``tree``: branching per depth, or a ``DynamicTree`` (greedy only); ``gamma`` must be
-    its depth. A drafter with ``propose_tree`` proposes such a tree, one without it a
-    chain of that depth.
+    ``tree``: branching per depth, or a ``DynamicTree``; ``gamma`` must be its depth. A
+    drafter with ``propose_tree`` proposes such a tree, one without it a chain of that depth.
     """
     _check_args(prompt_ids, max_new_tokens, gamma)
     if isinstance(tree, DynamicTree):
-        if min(tree.top_k, tree.depth, tree.nodes) < 1 or tree.depth != gamma or not sampler.greedy:
-            raise ValueError(f"tree {tree}: needs K, D, N >= 1, gamma == D ({gamma}) and greedy sampling")
+        if min(tree.top_k, tree.depth, tree.nodes) < 1 or tree.depth != gamma:
+            raise ValueError(f"tree {tree}: needs K, D, N >= 1 and gamma == D ({gamma})")
     elif tree is not None and (len(tree) != gamma or min(tree) < 1):
         raise ValueError(f"tree {tree}: needs branchings >= 1 and gamma == its depth ({gamma})")
     grow = getattr(drafter, "propose_tree", None) if tree is not None else None
@@ -314,8 +331,9 @@ def speculative_generate(
             if grow is not None:
                 proposal = grow(torch.tensor([context]), state, tree, sampler)
                 path, bonus, hidden = _verify_tree(target, cache, tokens[-1], proposal, layers, sampler)
-                n = len(path)
-                tokens += path + [bonus]
+                # A path ending on an unscored node has no bonus: that node is the round's +1 token.
+                n = len(path) if bonus is not None else len(path) - 1
+                tokens += path + ([bonus] if bonus is not None else [])
             else:
                 proposal = drafter.propose(torch.tensor([context]), state, gamma, sampler)
                 if len(proposal.tokens) != gamma:

@@ -49,11 +49,11 @@ class ModelDrafter:
         def expand(new: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
             return forward_tree(self.model, tokens, parents, length, self._cache, feed=new).logits[0]
 
-        tokens, parents, q = grow_tree(root, branching, expand, sampler)
+        tokens, parents, q, unscored = grow_tree(root, branching, expand, sampler)
         # The tree's nodes follow the context in the cache in no sequence order: only the context stays.
         crop_cache(self._cache, length)
         self._cached = length
-        return Proposal(tokens, q, parents)
+        return Proposal(tokens, q, parents, unscored)
 
     def accept(self, n_context: int) -> None:
         # The cached drafts that were accepted stay valid; the newest accepted

@@ -117,11 +117,11 @@ class Eagle3Drafter:
             outputs.extend(x[0])
             return draft.logits(x)[0].float()
 
-        tokens, parents, q = grow_tree(draft.logits(root)[0, -1].float(), branching, expand, sampler)
+        tokens, parents, q, unscored = grow_tree(draft.logits(root)[0, -1].float(), branching, expand, sampler)
         ids = self._target_ids[torch.tensor(tokens, device=device)].tolist()
         if q is not None:  # rows over the draft vocabulary -> over the target's
             q = q.new_zeros(len(tokens), draft.target_vocab_size).index_copy_(1, self._target_ids.to(q.device), q)
-        return Proposal(ids, q, parents)
+        return Proposal(ids, q, parents, unscored)
 
     def accept(self, n_context: int) -> None:
         pass  # step-0 rows cover accepted tokens only; the next state brings the newly processed tokens' features

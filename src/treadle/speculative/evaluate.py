@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from treadle.errors import UserError, first_line
 from treadle.fsutil import claim_output, write_atomic
-from treadle.model_dirs import resolve_model_dir
+from treadle.model_dirs import download_hint, resolve_model_dir
 
 # torch, the models and the decoders load when a function runs, not with the module: `spec-eval --help` and a
 # bad flag answer at once.
@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", metavar="B1,B2,...", default=None,
                         help="draft a static tree, branching B1 at depth 1, B2 at depth 2, ... (e.g. 4,2,2,1), "
                              "verified in one target forward (greedy, or sampled with --temperature); or "
-                             "dynamic:K,D,N (EAGLE-2, greedy: top K per depth, depth D, N nodes kept); drafters that "
-                             "cannot branch propose a chain")
+                             "dynamic:K,D,N (EAGLE-2: top K per depth, depth D, N nodes kept; greedy or sampled); "
+                             "drafters that cannot branch propose a chain")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (default); > 0 = speculative sampling at this temperature")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass with --temperature (default: 1)")
@@ -86,6 +86,18 @@ def _check_same_tokenizer(draft_dir: Path, tokenizer) -> None:
         raise UserError(f"--draft {draft_dir}: its tokenizer differs from the target's")
 
 
+def check_draft_spec(spec: str) -> None:
+    """A ``--draft`` that can be nothing ``load_drafter`` takes is one line naming what it may be (before the
+    target loads; resolve_model_dir's refusal would suggest target directories)."""
+    path = Path(spec)
+    if spec == "prompt-lookup" or any((c / "config.json").is_file() for c in (path, path / "draft", path / "hf")):
+        return
+    raise UserError(f"--draft {spec}: no draft or model there (no config.json in it, its draft/ or its hf/); "
+                    "accepted: prompt-lookup; a draft run directory (e.g. runs/my-draft), its draft/ or a `treadle "
+                    "export` of it; or a Hugging Face causal LM (or a model run directory with hf/) sharing the "
+                    f"target's tokenizer{download_hint(path, '--draft')}")
+
+
 # ---- Drafter registry: every accepted --draft value is resolved here. ----
 def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
     """``--draft`` value -> Drafter: 'prompt-lookup', a treadle draft directory, or any HF causal LM."""
@@ -108,6 +120,7 @@ def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
             from treadle.speculative.glide_drafter import GlideDrafter
 
             return GlideDrafter(model)
+    check_draft_spec(spec)
     draft_dir = resolve_model_dir(path, "--draft")
     _check_same_tokenizer(draft_dir, tokenizer)
     return ModelDrafter(load_causal_lm(draft_dir, "--draft"), name=f"lm:{draft_dir}")
@@ -213,11 +226,8 @@ def _check_sampling(temperature: float, top_p: float, tree: tuple[int, ...] | Dy
         raise UserError(f"--temperature {temperature}: must be >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
         raise UserError(f"--top-p {top_p}: must be in (0, 1]")
-    from treadle.speculative.tree import DynamicTree, tree_depth
+    from treadle.speculative.tree import tree_depth
 
-    if isinstance(tree, DynamicTree) and temperature > 0:
-        raise UserError(f"--tree {tree} with --temperature {temperature}: dynamic trees are greedy only; "
-                        "accepted: --temperature 0, or a static tree (e.g. --tree 4,2,2,1) for sampling")
     if tree is not None and gamma is not None and gamma != tree_depth(tree):
         raise UserError(f"--gamma {gamma} with --tree {_tree_text(tree)}: the tree's depth is "
                         f"{tree_depth(tree)}; leave --gamma out or give {tree_depth(tree)}")
@@ -312,6 +322,7 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
         gamma = tree_depth(branching)
     gamma = 4 if gamma is None else gamma
     _check_args(gamma, num_prompts, prompt_len, max_new_tokens, threads, json_path)
+    check_draft_spec(str(draft))
     import torch
 
     from treadle.models.hf import load_causal_lm

@@ -86,8 +86,8 @@ class GlideDrafter:
             node_kv.append(kv)
             return logits
 
-        tokens, parents, q = grow_tree(root, branching, expand, sampler)
-        return Proposal(tokens, q, parents)
+        tokens, parents, q, unscored = grow_tree(root, branching, expand, sampler)
+        return Proposal(tokens, q, parents, unscored)
 
     def accept(self, n_context: int) -> None:
         # The newest accepted token (the bonus) differs from the draft at that index, so

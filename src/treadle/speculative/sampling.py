@@ -89,14 +89,18 @@ def residual(p: torch.Tensor, x: int, q_row: torch.Tensor | None) -> torch.Tenso
 
 
 def verify_sampled(
-    p: torch.Tensor, draft: list[int], q: torch.Tensor | None, sampler: Sampler, parents: list[int] | None = None
-) -> tuple[list[int], int]:
+    p: torch.Tensor, draft: list[int], q: torch.Tensor | None, sampler: Sampler, parents: list[int] | None = None,
+    unscored: list[bool] | None = None,
+) -> tuple[list[int], int | None]:
     """Speculative sampling over a chain or a tree: (accepted draft indices, root to leaf, the target's next token).
 
     ``p`` [len(draft) + 1, V]: the target's distribution after the bonus (row 0) and
     after each draft node (row i + 1 follows draft[i] and its ancestors); ``q``
     [len(draft), V]: the distribution each draft token was drawn from (None: each
-    one-hot at its token). ``parents`` as in ``tree.py``; None: a chain.
+    one-hot at its token). ``parents`` as in ``tree.py``; None: a chain. ``unscored``:
+    nodes the target did not score (their p rows are never read): tried like their
+    siblings, but an accepted one ends the walk with no next token (None), that node
+    being the newest token (``tree.grow_dynamic``).
 
     Recursive rejection sampling (SpecInfer; EAGLE's evaluation): at a node, its children
     are tried in the order they were drawn; child x with row q is accepted with
@@ -120,6 +124,8 @@ def verify_sampled(
             p_x = float(p_now[x]) if x < p.shape[-1] else 0.0
             if sampler.accepts(p_x, q_x):
                 path.append(child)
+                if unscored is not None and unscored[child]:
+                    return path, None
                 node, p_now = child, p[child + 1]
                 break
             p_now = residual(p_now, x, q_row)

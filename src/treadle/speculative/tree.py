@@ -8,10 +8,21 @@ likely, and so on: 4 + 8 + 16 + 16 = 44 nodes, a depth of 4. A chain of gamma is
 draft's distribution (``draw_children``), so a node may get fewer when fewer tokens
 have mass (top-p).
 
-``DynamicTree(top_k, depth, nodes)`` is EAGLE-2's shape instead (greedy only): per depth
-the ``top_k`` likeliest frontier nodes (by cumulative draft log-probability) are
-expanded into their ``top_k`` children each, and after ``depth`` levels the ``nodes``
-likeliest of all are kept (a node never outranks its ancestors, so the kept ones form a tree).
+``DynamicTree(top_k, depth, nodes)`` is EAGLE-2's shape instead: per depth the ``top_k``
+likeliest frontier nodes (by cumulative draft log-probability) are expanded into ``top_k``
+children each (greedy: the most likely; sampled: drawn without replacement), and after
+``depth`` levels the ``nodes`` likeliest of all are kept (a node never outranks its
+ancestors, so the kept ones form a tree).
+
+Sampled, keeping the likeliest drawn nodes selects on the drawn values: a kept child is no
+longer a draw from its q row, and recursive rejection sampling over the kept nodes alone is
+not exact (tests/test_spec_sampling.py shows it failing). So the drawn children of the kept
+nodes that were not kept stay in the proposal as *unscored* nodes: the target is not fed
+them, but each is tried in its place among its siblings against its parent's distribution,
+exactly as over the whole drawn tree, and when one is accepted the round ends with it as
+the newest token (the target's distribution after it is what the next round verifies
+against). The verification is then the one over every drawn candidate, whose shape depends
+only on the draft, stopped early at an unscored node: exact, and free for the target.
 
 A model scores a whole tree in one forward when each node attends to the cached
 prefix, its ancestors and itself (``ancestor_mask``), at position prefix + depth.
@@ -25,6 +36,8 @@ from typing import Callable
 import torch
 
 from treadle.speculative.sampling import Sampler
+
+GREEDY = Sampler()
 
 
 @dataclass(frozen=True)
@@ -105,22 +118,22 @@ def draw_children(logits: torch.Tensor, width: int, sampler: Sampler) -> tuple[l
 
 def grow_tree(
     root_logits: torch.Tensor,
-    branching: tuple[int, ...],
+    branching: tuple[int, ...] | DynamicTree,
     expand: Callable[[list[int], list[int], list[int]], torch.Tensor],
     sampler: Sampler,
-) -> tuple[list[int], list[int], torch.Tensor | None]:
-    """A static tree: (tokens, parents, q). Each node's children come from ``draw_children`` (greedy: its
+) -> tuple[list[int], list[int], torch.Tensor | None, list[bool] | None]:
+    """A static tree: (tokens, parents, q, unscored). Each node's children come from ``draw_children`` (greedy: its
     ``branching[depth]`` most likely tokens). A ``DynamicTree`` ``branching`` grows that instead (``grow_dynamic``).
 
     ``root_logits`` [V]: the draft's logits after the bonus. ``expand(new, tokens, parents)``
     feeds the nodes ``new`` (indices into the growing ``tokens``/``parents``; their
     ancestors were fed earlier) and returns their logits [len(new), V]. The deepest
     level is never fed. ``q`` [len(tokens), V]: each node's q row, None when greedy.
+    ``unscored``: None, or per node whether the target is not to score it (a sampled
+    dynamic tree's drawn but unkept children, module docstring).
     """
     if isinstance(branching, DynamicTree):
-        if not sampler.greedy:
-            raise ValueError(f"tree {branching}: dynamic trees are greedy only")
-        return (*grow_dynamic(root_logits, branching, expand), None)
+        return grow_dynamic(root_logits, branching, expand, sampler)
     tokens: list[int] = []
     parents: list[int] = []
     rows: list[torch.Tensor] = []
@@ -136,33 +149,46 @@ def grow_tree(
                 parents.append(parent)
         if depth + 1 < len(branching):
             frontier, frontier_logits = new, expand(new, tokens, parents)
-    return tokens, parents, (torch.stack(rows) if rows else None)
+    return tokens, parents, (torch.stack(rows) if rows else None), None
 
 
 def grow_dynamic(
-    root_logits: torch.Tensor, shape: DynamicTree, expand: Callable[[list[int], list[int], list[int]], torch.Tensor]
-) -> tuple[list[int], list[int]]:
-    """EAGLE-2's greedy dynamic tree: (tokens, parents), ``expand`` as in ``grow_tree``.
+    root_logits: torch.Tensor, shape: DynamicTree, expand: Callable[[list[int], list[int], list[int]], torch.Tensor],
+    sampler: Sampler = GREEDY,
+) -> tuple[list[int], list[int], torch.Tensor | None, list[bool] | None]:
+    """EAGLE-2's dynamic tree: (tokens, parents, q, unscored), ``expand`` as in ``grow_tree``.
 
-    Candidates are scored by cumulative draft log-probability. Only expanded candidates
-    are fed, in their own index order (``expand`` sees that fed tree, so its contract
-    holds); the kept ``nodes`` are then renumbered in candidate order, parents first.
+    Candidates are scored by cumulative draft log-probability (sampled: of the distribution
+    they are drawn from). Only expanded candidates are fed, in their own index order
+    (``expand`` sees that fed tree, so its contract holds); the kept ``nodes`` are then
+    renumbered in candidate order, parents first. Greedy: those alone (q and unscored None).
+    Sampled: each candidate is drawn by ``draw_children`` and carries its q row, and the
+    unkept children of kept nodes (and of the bonus) follow as unscored nodes (module
+    docstring); whether a node is expanded depends only on its own level's scores, never on
+    the values of its children.
     """
     k = shape.top_k
     tokens: list[int] = []
     parents: list[int] = []  # candidate index of the parent, -1: a child of the bonus
     scores: list[float] = []
+    rows: list[torch.Tensor] = []  # sampled: each candidate's q row
     fed_tokens: list[int] = []
     fed_parents: list[int] = []
     fed_of: dict[int, int] = {}  # candidate index -> fed index
 
     def add_children(parent: int, logits: torch.Tensor) -> list[int]:
-        top = logits.float().log_softmax(-1).topk(k)
         base = scores[parent] if parent >= 0 else 0.0
-        new = list(range(len(tokens), len(tokens) + k))
-        tokens.extend(top.indices.tolist())
-        parents.extend([parent] * k)
-        scores.extend(base + s for s in top.values.tolist())
+        if sampler.greedy:
+            top = logits.float().log_softmax(-1).topk(k)
+            children, logq = top.indices.tolist(), top.values.tolist()
+        else:
+            children, q = draw_children(logits, k, sampler)
+            rows.extend(q)
+            logq = q[0][children].log().tolist()  # q[0]: the node's whole distribution, before any removal
+        new = list(range(len(tokens), len(tokens) + len(children)))
+        tokens.extend(children)
+        parents.extend([parent] * len(children))
+        scores.extend(base + s for s in logq)
         return new
 
     def rank(candidates: list[int]) -> list[int]:
@@ -180,6 +206,12 @@ def grow_dynamic(
             fed_parents.append(fed_of[parents[c]] if parents[c] >= 0 else -1)
         logits = expand(new, fed_tokens, fed_parents)
         level = [child for c, row in zip(chosen, logits) for child in add_children(c, row)]
-    keep = sorted(rank(list(range(len(tokens))))[: shape.nodes])
+    kept = set(rank(list(range(len(tokens))))[: shape.nodes])
+    if sampler.greedy:
+        keep = sorted(kept)
+    else:  # and the unkept drawn children of the bonus and of kept nodes, unscored, in draw order
+        keep = [c for c in range(len(tokens)) if c in kept or parents[c] < 0 or parents[c] in kept]
     index = {c: i for i, c in enumerate(keep)}
-    return [tokens[c] for c in keep], [index[parents[c]] if parents[c] >= 0 else -1 for c in keep]
+    return ([tokens[c] for c in keep], [index[parents[c]] if parents[c] >= 0 else -1 for c in keep],
+            None if sampler.greedy else torch.stack([rows[c] for c in keep]),
+            None if sampler.greedy else [c not in kept for c in keep])
