@@ -203,6 +203,38 @@ def test_the_readme_shows_what_make_demo_runs():
         assert make_argv[:len(doc_argv)] == doc_argv, (make_argv, doc_argv)
 
 
+def written_paths(blocks: list[Block]) -> set[str]:
+    """The relative paths the pages' commands and Python write into a checkout: --out, output_dir, an export's
+    destination, and the paths a python block writes (``output_dir = "..."``, ``export(..., "out")``)."""
+    found = set()
+    for b in blocks:
+        if b.lang == "bash" and b.marker is None:
+            for argv in commands(b):
+                for i, arg in enumerate(argv):
+                    if arg in ("--out", "--html", "--json") and i + 1 < len(argv):
+                        found.add(argv[i + 1])
+                    elif arg.startswith(("--out=", "--html=", "--json=", "--train.output_dir=")):
+                        found.add(arg.split("=", 1)[1])
+                if argv[:2] == ["treadle", "export"]:
+                    found.add([a for a in argv[2:] if not a.startswith("-")][1])
+        if b.lang == "python" and b.marker is None:
+            found.update(re.findall(r'output_dir = "([^"]+)"', b.text))
+            found.update(re.findall(r'export\([^,]+, "([^"]+)"', b.text))
+    return {f for f in found if not f.startswith(("/", "$", "~"))}
+
+
+def test_what_the_pages_write_is_ignored_by_git():
+    """A new user who runs the pages' recipes in a clone sees no untracked runs, shards or exports."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = written_paths(all_blocks())
+    assert {"shards/train", "exported/demo"} <= written, written
+    probe = subprocess.run(["git", "check-ignore", "--no-index", "--stdin", "-n", "-v"], cwd=REPO, text=True,
+                           input="".join(f"{w}/x\n" for w in sorted(written)), capture_output=True)
+    ignored = {line.split("\t")[1][:-2] for line in probe.stdout.splitlines() if not line.startswith("::")}
+    assert written <= ignored, f"not in .gitignore: {sorted(written - ignored)}"
+
+
 def test_pages_exist_and_the_readme_is_a_front_page():
     names = {p.name for p in PAGES}
     for page in ("data.md", "drafts.md", "serving.md", "scale-out.md", "big-models.md", "checkpoints.md",
