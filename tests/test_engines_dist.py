@@ -315,6 +315,7 @@ def test_init_distributed_without_torchrun_env_is_one_process(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ENGINES)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # this test's own dcp.load, on purpose without a group
 def test_world_size_2_checkpoint_loads_in_one_process(launched, reference, kind):
     _, tmp = launched
     engine, _ = local_run(steps=0, seed=7)
