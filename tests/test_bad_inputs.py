@@ -582,6 +582,14 @@ def test_token_ids_beyond_the_vocab_are_refused_before_the_run_starts(world, ref
     assert str(world.shards / "train") in line
 
 
+def test_a_misspelt_model_override_is_refused_not_kept(world, refused):
+    """A Hugging Face config keeps an unknown keyword as an attribute no model reads: ``hiden_size=64`` built the
+    preset's 256-wide model and said nothing. A key close to a field of the config class is refused, naming it."""
+    out = world.root / "runs" / "new"
+    line = refused(world.args(out, "--model.overrides={hiden_size=64}"), "model.overrides.hiden_size", out)
+    assert "did you mean hidden_size?" in line and "LlamaConfig" in line
+
+
 def test_token_ids_beyond_the_vocab_in_foreign_shards_stop_at_the_first_batch(world, refused):
     """Hole 4: shards without max_token_id (another tool's) are checked per micro-batch by the loader.
     Before: depending on the draw the run trained to the end with exit 0 or died inside the embedding."""

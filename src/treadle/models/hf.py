@@ -59,10 +59,34 @@ def build_model(cfg: ModelConfig, vocab_size: int, bos_id: int | None = None, eo
             hf_config = AutoConfig.for_model(model_type, **fields)
         except (ValueError, TypeError) as exc:
             raise UserError(f"model.overrides / preset {cfg.preset!r} give an invalid HF config: {exc}") from None
+        check_overrides(hf_config, cfg.overrides)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     # Packed sequences only stay isolated on CPU sdpa/eager without a KV cache (PLATFORM.md).
     model.config.use_cache = False
     return model
+
+
+def check_overrides(hf_config, overrides: dict) -> None:
+    """A Hugging Face config keeps any keyword it does not take as a plain attribute, so a misspelt
+    ``model.overrides`` key (``hiden_size``) would build the preset's model silently. A key the config class takes,
+    or one it consumed (transformers 5 folds ``rope_theta`` into ``rope_parameters``), is fine. Another one close
+    to a field the class takes is a typo: refused, unless the model's own code reads it (Qwen3-MoE's modeling reads
+    ``head_dim``, which its config class does not declare). Any other is kept, with one line saying so."""
+    import difflib
+
+    cls = type(hf_config)
+    known = (set(inspect.signature(cls.__init__).parameters) | set(cls().to_dict()) | set(cls.attribute_map)) - {
+        "self", "kwargs"}
+    model_source = inspect.getsource(sys.modules[AutoModelForCausalLM._model_mapping[cls].__module__])
+    for key in overrides:
+        if key in known or not hasattr(hf_config, key) or f"config.{key}" in model_source or f'"{key}"' in model_source:
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+        if close:
+            raise UserError(f"model.overrides.{key} is not a field of transformers' {cls.__name__} (it would be "
+                            f"kept and ignored); did you mean {close[0]}? accepted: the fields of {cls.__name__}")
+        print(f"treadle: model.overrides.{key} is not a field {cls.__name__} declares: kept as a config attribute, "
+              "which only model code that looks for it reads", file=sys.stderr)
 
 
 # What a Hugging Face directory keeps its weights in (one file, or shards and their index).
