@@ -311,3 +311,26 @@ def test_wandb_continues_its_run_on_a_resume_and_starts_a_new_one_on_a_fresh_sta
     assert fresh != first
     assert [r["_step"] for r in wandb_history(tmp_path, first)] == [1, 2, 3, 4]
     assert [r["_step"] for r in wandb_history(tmp_path, fresh)] == [1]
+
+
+def test_on_a_terminal_the_bar_says_when_an_eval_runs():
+    """On a TTY an eval's start is no log line (the bar is the progress) but the bar's label: before, the bar
+    stood still for the whole eval with nothing said. The next step puts the label back."""
+    import io
+
+    from rich.console import Console as RichConsole
+
+    from treadle.metrics.sinks import Console
+
+    console = Console(total_steps=10, live=True)
+    console.console = RichConsole(file=io.StringIO(), force_terminal=True, width=120)
+    console.start(0)
+    console.step(1, {"loss": 2.0})
+    console.status("eval 1: validation loss on 2 batches ...")
+    shown = console.console.file.getvalue()
+    console.step(2, {"loss": 1.9})
+    console._progress.refresh()
+    after = console.console.file.getvalue()[len(shown):]
+    console.stop()
+    assert "eval 1: validation loss" in shown
+    assert "eval 1" not in after and "train" in after

@@ -100,7 +100,7 @@ class Console:
         if not (self.enabled and self.live):
             return
         self._progress = Progress(
-            TextColumn("[bold]train"),
+            TextColumn("[bold]{task.fields[label]}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[stats]}"),
@@ -109,7 +109,7 @@ class Console:
             TimeRemainingColumn(),
             console=self.console,
         )
-        self._task = self._progress.add_task("train", total=self.total, completed=step, stats="")
+        self._task = self._progress.add_task("train", total=self.total, completed=step, stats="", label="train")
         self._progress.start()
 
     def step(self, step: int, stats: dict | None = None) -> None:
@@ -117,7 +117,7 @@ class Console:
             self._clock = (time.monotonic(), step)
         if self._progress is not None:
             fields = {"stats": _fmt(stats)} if stats else {}
-            self._progress.update(self._task, completed=step, **fields)
+            self._progress.update(self._task, completed=step, label="train", **fields)
 
     def log(self, record: dict, kind: str = "step") -> None:
         """A logged record: a line above the bar on a TTY, a plain line otherwise."""
@@ -138,9 +138,13 @@ class Console:
             where += f", eta {duration(per_step * max(self.total - step, 0))}"
         return where
 
-    def plain(self, text: str) -> None:
-        """A progress line for plain logs only (a TTY has the bar): e.g. an eval starting, which may take a while."""
-        if self.enabled and self.records and not self.live:
+    def status(self, text: str) -> None:
+        """What the run is doing between steps (an eval starting, which may take a while): a plain line, or on a
+        TTY the bar's label until the next step (the bar would otherwise stand still with nothing said)."""
+        if self._progress is not None:
+            self._progress.update(self._task, label=text)
+            self._progress.refresh()
+        elif self.enabled and self.records and not self.live:
             self.print(text)
 
     def print(self, text: str) -> None:

@@ -167,7 +167,7 @@ class EvalCallback(Callback):
         return f"validation loss on {t.eval_batches} batches of {t.micro_batch_size} x {seq_len} tokens"
 
     def _run(self, trainer: Trainer) -> None:
-        trainer.console.plain(f"eval {trainer.state.step}: {self.describe(trainer)} ...")
+        trainer.console.status(f"eval {trainer.state.step}: {self.describe(trainer)} ...")
         record = {"step": trainer.state.step, **self.measure(trainer)}
         self.first = self.first or record
         self.last = record
