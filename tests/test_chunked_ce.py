@@ -10,12 +10,13 @@ import copy
 
 import pytest
 import torch
-from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
+                          LlamaForCausalLM)
 
 from treadle.data.packed import IGNORE_INDEX
 from treadle.engine.local import LocalEngine
 from treadle.errors import UserError
-from treadle.models.chunked_ce import AUTO_CHUNK_TOKENS, ChunkedLMHead, resolve_chunk_tokens, use_chunked_loss
+from treadle.models.chunked_ce import AUTO_CHUNK_TOKENS, ChunkedLMHead, resolve_chunk_tokens, scoring, use_chunked_loss
 from treadle.train.step import loss_sum, optimizer_step
 
 VOCAB, ROWS, SEQ, CHUNK = 300, 3, 16, 7  # 48 tokens in chunks of 7: the last chunk is partial
@@ -112,13 +113,87 @@ def test_bf16_autocast_keeps_the_loss_in_fp32():
     assert loss_sum(bf16, b).dtype == torch.float32
 
 
-def test_a_model_that_transforms_its_logits_is_refused_or_left_unchunked():
-    """Gemma2 soft-caps its logits after the head: a linear cross-entropy would be another loss."""
+def tiny_gemma2(softcap: float | None = 5.0) -> Gemma2ForCausalLM:
     torch.manual_seed(0)
-    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                           final_logit_softcapping=30.0, use_cache=False))
-    with pytest.raises(UserError, match=r"model\.loss_chunk_tokens: .*soft-cap"):
+    return Gemma2ForCausalLM(Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                          final_logit_softcapping=softcap, use_cache=False))
+
+
+def tiny_granite() -> GraniteForCausalLM:
+    torch.manual_seed(0)
+    return GraniteForCausalLM(GraniteConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, logits_scaling=4.0,
+                                            embedding_multiplier=12.0, residual_multiplier=0.5, use_cache=False))
+
+
+def transformed_mismatches(build) -> list[str]:
+    """What differs, beyond float64's bound, between the chunked loss of a model whose forward soft-caps or scales
+    its logits and the model's own loss (its logits, transform included, then a cross-entropy): per-row sums, HF's
+    own mean loss, every gradient. Empty when equal."""
+    plain = build().double()
+    with torch.no_grad():  # logits of a few tens, so that a soft-cap of 5 bends them (random init gives ~0.1)
+        plain.get_output_embeddings().weight.mul_(300.0)
+    chunked = copy.deepcopy(plain)
+    assert use_chunked_loss(chunked, CHUNK, IGNORE_INDEX, explicit=True)
+    b = batch()
+    want, got = loss_sum(plain, b), loss_sum(chunked, b)
+    assert got.dtype == torch.float64
+    bad = ["loss"] if rel(got, want) > RTOL64 else []
+    (want.sum() / 7).backward()
+    (got.sum() / 7).backward()
+    g_want, g_got = grads(plain), grads(chunked)
+    bad += [f"grad {n}" for n in g_want if rel(g_got[n], g_want[n]) > RTOL64]
+    with torch.no_grad():  # without labels: the model's own logits, its transform applied by itself again
+        ids = b["input_ids"]
+        if not torch.equal(chunked(input_ids=ids).logits, plain(input_ids=ids).logits):
+            bad.append("logits without labels")
+    return bad
+
+
+@pytest.mark.parametrize("build", [tiny_gemma2, tiny_granite], ids=["gemma2-softcap", "granite-scale"])
+def test_chunked_loss_of_softcapped_and_scaled_logits_equals_the_models_own(build):
+    assert transformed_mismatches(build) == []
+
+
+def test_the_transformed_comparison_catches_a_forgotten_cap_or_scale(monkeypatch):
+    """The float64 bound is tight, not blind: a head that drops Gemma 2's soft-cap, or Granite's scale, fails it."""
+    from treadle.models import chunked_ce
+
+    capped = chunked_ce._capped_chunk_ce
+    monkeypatch.setattr(chunked_ce, "_capped_chunk_ce",
+                        lambda h, w, b, y, ii, softcap, scale: capped(h, w, b, y, ii, 1e9, scale))
+    assert "loss" in transformed_mismatches(tiny_gemma2)
+    transform = chunked_ce._logit_transform
+    monkeypatch.setattr(chunked_ce, "_logit_transform",  # the model's own scale still turned off, none applied
+                        lambda config: {k: v for k, v in transform(config).items() if k != "scale"})
+    assert "loss" in transformed_mismatches(tiny_granite)
+
+
+def test_the_models_own_transform_is_off_only_while_scoring():
+    """The head applies the cap; the model's forward must not cap again while the head scores, and everything else
+    (generation, export, a probe after an exception) sees the model's config untouched."""
+    model = tiny_gemma2(30.0)
+    assert use_chunked_loss(model, CHUNK, IGNORE_INDEX)
+    head = model.get_output_embeddings()
+    assert head.softcap == 30.0 and model.config.final_logit_softcapping == 30.0
+    with pytest.raises(ValueError, match="inside"):
+        with scoring(head, batch()["labels"]):
+            assert model.config.final_logit_softcapping is None
+            raise ValueError("inside")
+    assert model.config.final_logit_softcapping == 30.0 and head.labels is None
+    assert use_chunked_loss(tiny_gemma2(None), CHUNK, IGNORE_INDEX)  # Gemma 2 without a cap: the fused path
+    assert tiny_gemma2(None).config.final_logit_softcapping is None
+
+
+def test_a_logit_transform_the_head_does_not_know_is_refused_or_left_unchunked(monkeypatch):
+    """A forward that changes the head's output in a way not applied in the head (here Gemma 2's cap with Gemma 2
+    taken off the known families) is refused: the chunked loss would be another loss."""
+    from treadle.models import chunked_ce
+
+    monkeypatch.setattr(chunked_ce, "_LOGIT_TRANSFORMS_HANDLED", {})
+    model = tiny_gemma2(30.0)
+    with pytest.raises(UserError, match=r"model\.loss_chunk_tokens: .*soft-cap.*final_logit_softcapping = 30"):
         use_chunked_loss(model, CHUNK, IGNORE_INDEX, explicit=True)
     assert type(model.get_output_embeddings()) is torch.nn.Linear
     assert not use_chunked_loss(model, CHUNK, IGNORE_INDEX, explicit=False)
@@ -139,9 +214,12 @@ def test_models_without_weights_yet_are_checked_on_a_meta_twin():
     llama = empty("llama")
     assert use_chunked_loss(llama, CHUNK, IGNORE_INDEX, explicit=True)
     assert type(llama.get_output_embeddings()) is ChunkedLMHead and llama.lm_head.weight.is_meta
-    gemma = empty("gemma2", final_logit_softcapping=30.0)
-    with pytest.raises(UserError, match="soft-cap"):
-        use_chunked_loss(gemma, CHUNK, IGNORE_INDEX, explicit=True)
+    gemma = empty("gemma2", final_logit_softcapping=30.0)  # the head caps: the twin's forward returns its output
+    assert use_chunked_loss(gemma, CHUNK, IGNORE_INDEX, explicit=True)
+    assert gemma.get_output_embeddings().softcap == 30.0
+    granite = empty("granite", logits_scaling=8.0)  # the twin's forward divides by the neutral 1.0: a new tensor
+    assert use_chunked_loss(granite, CHUNK, IGNORE_INDEX, explicit=True)
+    assert granite.get_output_embeddings().scale == 8.0
     moe = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
     assert use_chunked_loss(empty("qwen3_moe", **moe), CHUNK, IGNORE_INDEX, explicit=False)
     assert not use_chunked_loss(empty("qwen3_moe", logit_scale=0.5, **moe), CHUNK, IGNORE_INDEX, explicit=False)

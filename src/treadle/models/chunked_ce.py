@@ -37,14 +37,23 @@ AUTO_CHUNK_TOKENS = 1024  # rows of logits per chunk: 1024 x 128k fp32 = 0.5 GiB
 
 
 class ChunkedLMHead(nn.Module):
-    """An ``lm_head`` that returns per-token cross-entropy ([B, L], fp32) while ``labels`` is set."""
+    """An ``lm_head`` that returns per-token cross-entropy ([B, L], fp32) while ``labels`` is set.
 
-    def __init__(self, head: nn.Linear, chunk_tokens: int, ignore_index: int = -100):
+    ``softcap`` / ``scale``: the model's own transform of its logits (Gemma 2/3 ``cap * tanh(logits / cap)``,
+    Granite ``logits / logits_scaling``), applied here inside each chunk; while scoring, the model's forward is
+    told not to apply it again (``neutral``: the config fields set to what makes its transform the identity).
+    """
+
+    def __init__(self, head: nn.Linear, chunk_tokens: int, ignore_index: int = -100, *, softcap: float | None = None,
+                 scale: float | None = None, neutral: tuple = ()):
         super().__init__()
         self.weight = head.weight  # the same Parameter: its key, its tie to the embedding and its sharding stay
         self.bias = head.bias
         self.chunk_tokens = chunk_tokens
         self.ignore_index = ignore_index
+        self.softcap = softcap
+        self.scale = scale  # the divisor of the logits (Granite's logits_scaling)
+        self.neutral = neutral  # ((config, field, neutral value), ...): a plain tuple, never a registered module
         self.labels: torch.Tensor | None = None
 
     @property
@@ -65,13 +74,45 @@ class ChunkedLMHead(nn.Module):
         # (bf16 would round every token's loss to 8 bits), and autocast must not lower it again.
         weight = at_least_fp32(self.weight)
         bias = at_least_fp32(self.bias) if self.bias is not None else None
+        flat, targets = at_least_fp32(hidden.flatten(0, -2)), labels.flatten()
         with torch.autocast(hidden.device.type, enabled=False):
-            loss = F.linear_cross_entropy(
-                at_least_fp32(hidden.flatten(0, -2)), weight, labels.flatten(), linear_bias=bias, reduction="none",
-                ignore_index=self.ignore_index,
-                # An explicit size: torch's "auto" sizing is ~3x slower on CPU fp32 (research/scale-apis.md 3.1).
-                options=nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=self.chunk_tokens))
+            if self.softcap is not None:  # a nonlinearity after the head: torch's fused op cannot apply it
+                loss = _checkpointed_ce(flat, weight, bias, targets, self.chunk_tokens, self.ignore_index,
+                                        self.softcap, self.scale)
+            else:
+                if self.scale is not None:  # (h W^T + b) / s = (h / s) W^T + b / s: the fused op stays
+                    flat = flat / self.scale
+                    bias = bias / self.scale if bias is not None else None
+                loss = F.linear_cross_entropy(
+                    flat, weight, targets, linear_bias=bias, reduction="none", ignore_index=self.ignore_index,
+                    # An explicit size: torch's "auto" sizing is ~3x slower on CPU fp32 (research/scale-apis.md 3.1).
+                    options=nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=self.chunk_tokens))
         return loss.view(labels.shape)
+
+
+def _capped_chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                     ignore_index: int, softcap: float, scale: float | None) -> torch.Tensor:
+    """One chunk's per-token CE of soft-capped logits, in the order the HF models compute them."""
+    logits = F.linear(hidden, weight, bias)
+    if scale is not None:
+        logits = logits / scale
+    logits = torch.tanh(logits / softcap) * softcap  # Gemma 2/3: logits / cap, tanh, * cap
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none")
+
+
+def _checkpointed_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                     chunk_tokens: int, ignore_index: int, softcap: float, scale: float | None) -> torch.Tensor:
+    """Per-token CE ``chunk_tokens`` rows at a time, each chunk's logits recomputed in backward (checkpointing),
+    as ``chunked_distillation_scores`` does: no [tokens, vocab] tensor exists whole, forward or backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    parts = []
+    for start in range(0, labels.shape[0], chunk_tokens):
+        args = (hidden[start:start + chunk_tokens], weight, bias, labels[start:start + chunk_tokens], ignore_index,
+                softcap, scale)
+        parts.append(checkpoint(_capped_chunk_ce, *args, use_reentrant=False) if grad else _capped_chunk_ce(*args))
+    return torch.cat(parts)
 
 
 def chunked_head(model: nn.Module) -> ChunkedLMHead | None:
@@ -83,10 +124,15 @@ def chunked_head(model: nn.Module) -> ChunkedLMHead | None:
 def scoring(head: ChunkedLMHead, labels: torch.Tensor) -> Iterator[ChunkedLMHead]:
     """While inside, the head returns each token's cross-entropy against ``labels`` instead of logits."""
     head.labels = labels
+    before = [(obj, field, getattr(obj, field)) for obj, field, _ in head.neutral]
+    for obj, field, value in head.neutral:  # the head applies the model's logit transform; its forward must not
+        setattr(obj, field, value)
     try:
         yield head
     finally:
         head.labels = None
+        for obj, field, value in before:
+            setattr(obj, field, value)
 
 
 def resolve_chunk_tokens(setting: int | str, vocab_size: int) -> int:
@@ -99,18 +145,22 @@ def resolve_chunk_tokens(setting: int | str, vocab_size: int) -> int:
 def use_chunked_loss(model: nn.Module, chunk_tokens: int, ignore_index: int = -100, explicit: bool = True) -> bool:
     """Replace ``model``'s LM head by a ``ChunkedLMHead`` (before any engine wraps it); True if it was.
 
-    Refused (``UserError`` if ``explicit``, else left unchunked) for a model whose forward changes the
-    head's output (a logit soft-cap or scale: the loss is no longer a cross-entropy of a linear layer),
-    or whose head is not a plain ``nn.Linear``.
+    A model whose forward soft-caps or scales its logits in a way read here (``_LOGIT_TRANSFORMS_HANDLED``: Gemma 2/3,
+    Granite) gets a head that applies that transform inside each chunk. Refused (``UserError`` if ``explicit``, else
+    left unchunked) for a model whose forward changes the head's output in any other way (the loss would no longer be
+    the model's own), or whose head is not a plain ``nn.Linear``.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     why = None
     if type(head) is not nn.Linear:
         why = f"its output layer is {type(head).__name__}, not a plain Linear"
     elif not _forward_returns_head_output(model):
-        why = "its forward transforms the LM head's output (e.g. a logit soft-cap or scale)"
+        unknown = _unhandled_transforms(model.config)
+        why = ("its forward transforms the LM head's output (a logit soft-cap or scale"
+               + (f": {', '.join(unknown)}" if unknown else "") + ") in a way the chunked loss does not apply for "
+               f"model_type {getattr(model.config, 'model_type', None)!r}")
     else:
-        model.set_output_embeddings(ChunkedLMHead(head, chunk_tokens, ignore_index))
+        model.set_output_embeddings(ChunkedLMHead(head, chunk_tokens, ignore_index, **_logit_transform(model.config)))
     if why is None:
         return True
     if explicit:
@@ -121,14 +171,44 @@ def use_chunked_loss(model: nn.Module, chunk_tokens: int, ignore_index: int = -1
 
 # Config fields of HF models whose forward changes the head's output; read only where no forward can tell.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "logit_softcapping")
+# The transforms the chunked head applies itself, by model_type, as each family's modeling code (transformers 5.x)
+# writes them right after ``logits = self.lm_head(hidden_states)``:
+#   softcap: ``logits / config.final_logit_softcapping; tanh; * config.final_logit_softcapping`` (skipped when None)
+#   scale:   ``logits / config.logits_scaling``
+_LOGIT_TRANSFORMS_HANDLED = {
+    **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma"), ("final_logit_softcapping", "softcap", None)),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa",
+                     "granitemoe_swa"), ("logits_scaling", "scale", 1.0)),
+}
+
+
+def _logit_transform(config) -> dict:
+    """The ``ChunkedLMHead`` arguments that apply ``config``'s model's logit transform inside the head."""
+    handled = _LOGIT_TRANSFORMS_HANDLED.get(getattr(config, "model_type", None))
+    if handled is None:
+        return {}
+    field, kind, neutral = handled
+    value = getattr(config, field, None)
+    if value is None or value == neutral:
+        return {}
+    return {kind: float(value), "neutral": ((config, field, neutral),)}
+
+
+def _unhandled_transforms(config) -> list[str]:
+    """The logit-transform fields set in ``config`` that the chunked head does not apply for its model_type."""
+    handled = _LOGIT_TRANSFORMS_HANDLED.get(getattr(config, "model_type", None), (None,))[0]
+    return [f"{key} = {getattr(config, key)}" for key in _LOGIT_TRANSFORMS
+            if key != handled and getattr(config, key, None) not in (None, 0, 1, 1.0, False)]
 
 
 def _forward_returns_head_output(model: nn.Module) -> bool:
-    """Whether the model's forward hands a ``ChunkedLMHead``'s output back as ``logits`` untouched.
+    """Whether the model's forward, its own logit transform turned off while scoring (``ChunkedLMHead.neutral``),
+    hands a ``ChunkedLMHead``'s output back as ``logits`` unchanged.
 
-    One 2-token forward with the head replaced: of the model itself when its weights are there, else (built on the
-    meta device for sharded loading, or partitioned by ZeRO-3) of a meta-device twin of its config, which computes
-    shapes only. A twin some op cannot run on meta (MoE's grouped matmuls) is judged by its config's fields.
+    One 2-token forward with the head replaced: of the model itself when its weights are there (the values compared),
+    else (built on the meta device for sharded loading, or partitioned by ZeRO-3) of a meta-device twin of its config,
+    which computes shapes only (the same tensor, or a transform the head applies). A twin some op cannot run on meta
+    (MoE's grouped matmuls) is judged by its config's fields.
     """
     weight = model.get_output_embeddings().weight
     whole = not weight.is_meta and not hasattr(weight, "ds_id")  # ds_id: a ZeRO-3 partition, not the weight
@@ -140,7 +220,8 @@ def _forward_returns_head_output(model: nn.Module) -> bool:
         # A 4-D mask: HF builds a 2-D one by reading values (packed-sequence detection), which meta tensors lack.
         device, mask = torch.device("meta"), torch.zeros(1, 1, 2, 2, device="meta")
     head = subject.get_output_embeddings()
-    chunked = ChunkedLMHead(head, 1)
+    transform = _logit_transform(subject.config)
+    chunked = ChunkedLMHead(head, 1, **transform)
     subject.set_output_embeddings(chunked)
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     seen = []
@@ -150,11 +231,16 @@ def _forward_returns_head_output(model: nn.Module) -> bool:
     try:
         with torch.no_grad(), scoring(chunked, torch.zeros_like(ids)):
             out = subject(input_ids=ids, use_cache=False, attention_mask=mask)
-        return bool(seen) and getattr(out, "logits", None) is seen[-1]
+        logits = getattr(out, "logits", None)
+        if not seen or logits is None:
+            return False
+        if whole:  # values: a neutralized ``logits / 1.0`` is another tensor holding the same numbers
+            return logits is seen[-1] or torch.equal(logits, seen[-1])
+        return logits is seen[-1] or (bool(transform) and not _unhandled_transforms(model.config))
     except RuntimeError:
         if whole:
             raise
-        return not any(getattr(model.config, key, None) for key in _LOGIT_TRANSFORMS)
+        return not _unhandled_transforms(model.config)
     finally:
         hook.remove()
         subject.set_output_embeddings(head)
