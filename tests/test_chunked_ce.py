@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                           LlamaForCausalLM)
 
@@ -160,14 +161,11 @@ def test_the_transformed_comparison_catches_a_forgotten_cap_or_scale(monkeypatch
     """The float64 bound is tight, not blind: a head that drops Gemma 2's soft-cap, or Granite's scale, fails it."""
     from treadle.models import chunked_ce
 
-    capped = chunked_ce._capped_chunk_ce
-    monkeypatch.setattr(chunked_ce, "_capped_chunk_ce",
-                        lambda h, w, b, y, ii, softcap, scale: capped(h, w, b, y, ii, 1e9, scale))
-    assert "loss" in transformed_mismatches(tiny_gemma2)
     transform = chunked_ce._logit_transform
-    monkeypatch.setattr(chunked_ce, "_logit_transform",  # the model's own scale still turned off, none applied
-                        lambda config: {k: v for k, v in transform(config).items() if k != "scale"})
-    assert "loss" in transformed_mismatches(tiny_granite)
+    for build, kind in ((tiny_gemma2, "softcap"), (tiny_granite, "scale")):
+        monkeypatch.setattr(chunked_ce, "_logit_transform",  # the model's own transform still off, none applied
+                            lambda config: {k: v for k, v in transform(config).items() if k != kind})
+        assert "loss" in transformed_mismatches(build), kind
 
 
 def test_the_models_own_transform_is_off_only_while_scoring():
@@ -289,3 +287,24 @@ def test_the_glide_comparison_catches_a_chunk_boundary_off_by_one(monkeypatch):
     monkeypatch.setattr(chunked_ce, "_chunk_scores", off_by_one)
     bad = glide_mismatches("kl")
     assert {"loss", "draft_kl", "target_loss"} <= set(bad), bad
+
+
+def test_the_capped_head_with_a_bias_and_a_scale_equals_its_formula():
+    """The hand-written backward of the soft-capped chunks, every input at once (a bias, a scale before the cap,
+    ignored rows, a partial last chunk), against autograd through the formula, float64."""
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(2, 9, 16, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    linear = torch.nn.Linear(16, 40, dtype=torch.float64)
+    labels = torch.randint(0, 40, (2, 9), generator=g)
+    labels[0, :3] = IGNORE_INDEX
+    head = ChunkedLMHead(linear, 4, IGNORE_INDEX, softcap=2.5, scale=1.5)
+    with scoring(head, labels):
+        got = head(hidden)
+    logits = torch.tanh(linear(hidden) / 1.5 / 2.5) * 2.5
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="none").view(labels.shape)
+    assert rel(got, want) <= RTOL64
+    weights = torch.rand(2, 9, generator=g, dtype=torch.float64)  # an upstream gradient that differs per token
+    params = (hidden, linear.weight, linear.bias)
+    for a, b in zip(torch.autograd.grad((got * weights).sum(), params), torch.autograd.grad((want * weights).sum(), params)):
+        assert rel(a, b) <= RTOL64
