@@ -9,6 +9,11 @@ cross-entropy instead of logits. It calls torch's own ``F.linear_cross_entropy``
 ``reduction="none"``: the forward computes ``chunk_tokens`` rows of logits at a time and
 keeps only the loss; the backward recomputes them chunk by chunk (torch >= 2.13).
 
+A model whose forward soft-caps (Gemma 2/3) or scales (Granite) its logits gets a head that applies the same
+transform inside each chunk, while its forward is told to skip its own (``scoring`` sets the config field to its
+neutral value and restores it): a scale keeps the fused op (its input divided), a soft-cap (a nonlinearity the fused
+op cannot apply) runs ``_SoftcappedCrossEntropy``, the same chunking with its backward written by hand.
+
 Why a replacement head and not a loss after the model: every engine gathers a sharded
 weight only inside a module's forward (FSDP2 around the root's forward, ZeRO-3 around
 each module's, DDP prepares its reducer in its forward), so the head must run inside the
