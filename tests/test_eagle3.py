@@ -286,8 +286,55 @@ def test_eagle3_run_resumes_bit_for_bit(shards, eagle3_target_dir, tmp_path):
                            f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 2
 
 
+def test_an_eagle3_run_starts_from_a_draft_in_the_eagle_layout(shards, eagle3_target_dir, tmp_path, capsys):
+    """draft.init: a treadle export or run, or a draft trained elsewhere (no treadle keys), starts a run; its weights,
+    feature layers and vocabulary map are the run's first draft, not the data's counts."""
+    from treadle.config import load_config
+    from treadle.train.run import build_trainer
+
+    target_dir, a = eagle3_target_dir, tmp_path / "a"
+    assert main(draft_args(shards, target_dir, a, "--train.max_steps=2", *EAGLE, "--draft.feature_layers=[1,2,3]")) == 0
+    want = load_file(a / "draft" / "model.safetensors")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    config = json.loads((a / "draft" / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in (
+        "treadle_draft_kind", "target", "target_config", "training")}))
+    shutil.copy(a / "draft" / "model.safetensors", foreign / "model.safetensors")
+    for init in (a, foreign):
+        trainer = build_trainer(load_config(None, draft_args(shards, target_dir, tmp_path / "b", "--train.max_steps=2",
+                                                             "--draft.kind=eagle3", f"--draft.init={init}")[1:]))
+        draft = trainer.engine.module.draft_model
+        assert draft.vocab_size == 200 and draft.feature_layers == (1, 2, 3)
+        got = {k: v for k, v in draft.state_dict().items()}
+        names = {"final_norm.weight": "norm.weight", "fc.weight": "fc.weight", "d2t": "d2t", "t2d": "t2d",
+                 "q_proj.weight": "midlayer.self_attn.q_proj.weight"}
+        assert all(torch.equal(got[ours], want[theirs]) for ours, theirs in names.items())
+        trainer.metrics.close()
+    # It trains, and exports a draft of the same layout.
+    assert main(draft_args(shards, target_dir, tmp_path / "c", "--train.max_steps=2", "--draft.kind=eagle3",
+                           f"--draft.init={foreign}")) == 0
+    assert load_file(tmp_path / "c" / "draft" / "model.safetensors")["d2t"].equal(want["d2t"])
+    # spec-eval measures the draft trained elsewhere against its target, losslessly.
+    out = tmp_path / "spec.json"
+    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(foreign), "--num-prompts", "1",
+                 "--prompt-len", "8", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["drafter"] == "eagle3" and got["lossless"] is True
+    # A draft.vocab_size other than the initial draft's, or a directory that is no EAGLE-3 draft, is one line.
+    capsys.readouterr()
+    for extra, word in (((f"--draft.init={foreign}", "--draft.vocab_size=100"), "draft.vocab_size"),
+                        ((f"--draft.init={shards}",), "draft.init")):
+        args = draft_args(shards, target_dir, tmp_path / "d", "--train.max_steps=2", "--draft.kind=eagle3", *extra)
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and word in err, err
+        assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize("bad, key", [
     (("--draft.kind=glide", "--draft.vocab_size=100"), "draft.vocab_size"),
+    (("--draft.kind=glide", "--draft.init=somewhere"), "draft.init"),  # GLIDE's import is not built yet
     (("--draft.kind=glide", "--draft.ttt_steps=3", "--model.loss_chunk_tokens=16"), "model.loss_chunk_tokens"),
     (("--draft.kind=eagle3", "--draft.feature_layers=[0,2]"), "draft.feature_layers"),  # three, as engines serve
     (("--draft.kind=eagle3", "--draft.feature_layers=[1,2,2]"), "draft.feature_layers"),  # strictly increasing

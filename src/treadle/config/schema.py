@@ -324,6 +324,10 @@ class DraftConfig(Section):
                                              "layer i's output, 1..N-1); unset = EAGLE-3's (2, N/2, N - 3)")
     vocab_size: int | None = Field(None, ge=1, description="eagle3: the draft head's vocabulary, the most frequent "
                                    "training tokens; unset = the target's whole vocabulary")
+    init: str | None = Field(None, description="eagle3: start from this EAGLE-3 draft (a directory in the EAGLE layout "
+                             "vLLM and SGLang load, treadle's export or one trained elsewhere for this target, or a "
+                             "treadle run directory); its feature layers and vocabulary map are the run's; unset = a "
+                             "new draft")
     ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3, glide: training-time-test unroll steps (the "
                                   "draft fed its own outputs); unset = 7 (eagle3), 1 (glide: no unroll)")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3, glide: weight of unroll step k's loss is ttt_decay**k")
@@ -429,7 +433,7 @@ class Config(Section):
         if self.draft.kind is not None and self.draft.target is None:
             raise ValueError("draft.kind is set but draft.target is not; accepted: a Hugging Face model directory or a treadle run directory")
         if self.draft.kind != "eagle3":
-            for key, kinds in (("feature_layers", ("eagle3",)), ("vocab_size", ("eagle3",)),
+            for key, kinds in (("feature_layers", ("eagle3",)), ("vocab_size", ("eagle3",)), ("init", ("eagle3",)),
                                ("ttt_steps", ("eagle3", "glide"))):
                 if getattr(self.draft, key) is not None and self.draft.kind not in kinds:
                     raise ValueError(f"draft.{key} is set but draft.kind = {self.draft.kind!r}; accepted: draft.kind = "

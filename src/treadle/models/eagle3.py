@@ -277,9 +277,18 @@ def check_feature_layers(layers: tuple[int, ...], num_layers: int, key: str) -> 
 
 def build_eagle3(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
     """(Eagle3Model, target dir, target identity) for a ``DraftConfig``; a reduced vocabulary's maps are left to
-    the caller (``Eagle3Draft.set_vocabulary``: a run counts its data, a checkpoint or export holds them)."""
+    the caller (``Eagle3Draft.set_vocabulary``: a run counts its data, a checkpoint or export holds them), except
+    for a draft started from ``draft.init``, whose weights, feature layers and map are the directory's."""
     target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
     target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
+    if cfg.init is not None:
+        draft = _draft_from_layout(init_dir(cfg.init), target, "draft.init")
+        for key, want, have in (("feature_layers", cfg.feature_layers, list(draft.feature_layers)),
+                                ("vocab_size", cfg.vocab_size, draft.vocab_size)):
+            if want is not None and want != have:
+                raise UserError(f"draft.{key} = {want} but draft.init {cfg.init} has {have}; accepted: draft.{key} "
+                                "unset (the initial draft's) or equal to it")
+        return Eagle3Model(target, draft), target_dir, ident
     num_layers = target.config.num_hidden_layers
     layers = tuple(cfg.feature_layers) if cfg.feature_layers else default_feature_layers(num_layers)
     check_feature_layers(layers, num_layers, "draft.feature_layers")
@@ -290,21 +299,38 @@ def build_eagle3(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
     return Eagle3Model(target, Eagle3Draft(target.config, layers, vocab)), target_dir, ident
 
 
-def load_eagle3(draft_dir, target) -> Eagle3Model:
-    """An EAGLE-3 draft in the EAGLE layout (treadle's export, or one trained elsewhere for this target) attached to
-    ``target``. A treadle export is also checked against its target's config fingerprint."""
+def init_dir(path) -> Path:
+    """``draft.init``: an EAGLE-3 draft directory, or a treadle run directory holding one in draft/."""
+    path = Path(path)
+    if not (path / "config.json").is_file() and (path / "draft" / "config.json").is_file():
+        return path / "draft"
+    return path
+
+
+def _draft_from_layout(draft_dir, target, where: str) -> Eagle3Draft:
+    """The Eagle3Draft an EAGLE-layout directory holds, checked against ``target`` (a treadle export also by its
+    target's config fingerprint, one trained elsewhere by its dimensions)."""
     from safetensors.torch import load_file
 
     config = read_draft_config(draft_dir)
     if config is None or not eagle3_layout.is_layout(config):
-        raise UserError(f"{draft_dir} is not an EAGLE-3 draft in the EAGLE layout (config.json with architectures = "
-                        f"[{eagle3_layout.ARCHITECTURE!r}]); a treadle export written before that layout: export its "
-                        "run's checkpoint again (treadle export RUN OUT)")
+        raise UserError(f"{where} {draft_dir} is not an EAGLE-3 draft in the EAGLE layout (config.json with "
+                        f"architectures = [{eagle3_layout.ARCHITECTURE!r}]); a treadle export written before that "
+                        "layout: export its run's checkpoint again (treadle export RUN OUT)")
     if "target" in config:
         checked_export(draft_dir, target, KIND, "an eagle3")
     eagle3_layout.check_fits(config, target.config, draft_dir)
     layers = eagle3_layout.feature_layers(config, target.config.num_hidden_layers, draft_dir)
     draft = Eagle3Draft(target.config, layers, config.get("draft_vocab_size") or target.config.vocab_size)
+    if draft.vocab_size > draft.target_vocab_size:
+        raise UserError(f"{where} {draft_dir}: draft_vocab_size {draft.vocab_size} exceeds the target's vocabulary "
+                        f"({draft.target_vocab_size})")
     tensors = load_file(str(Path(draft_dir) / "model.safetensors"))
     draft.load_state_dict(eagle3_layout.import_weights(tensors, draft, draft_dir))
-    return Eagle3Model(target, draft).eval()
+    return draft
+
+
+def load_eagle3(draft_dir, target) -> Eagle3Model:
+    """An EAGLE-3 draft in the EAGLE layout (treadle's export, or one trained elsewhere for this target) attached to
+    ``target``. A treadle export is also checked against its target's config fingerprint."""
+    return Eagle3Model(target, _draft_from_layout(draft_dir, target, "draft")).eval()
