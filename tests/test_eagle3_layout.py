@@ -140,16 +140,19 @@ def _sharp(draft):
         p.data = (torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 2 else 0.5) + (0.0 if p.dim() == 2 else 1.0))
 
 
-@pytest.fixture
-def exported(tmp_path):
-    """(Eagle3Model, target, export dir): a reduced-vocabulary draft of an 8-layer llama3-rotary target, exported."""
+@pytest.fixture(params=[DRAFT_VOCAB, None], ids=["reduced", "full"])
+def exported(tmp_path, request):
+    """(Eagle3Model, target, export dir): a draft of an 8-layer llama3-rotary target, exported; its head scores
+    DRAFT_VOCAB tokens (a d2t map) or the target's whole vocabulary (zero offsets, an all-true t2d)."""
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(LlamaConfig(**TARGET)).eval()
     target_dir = tmp_path / "target"
     target.save_pretrained(target_dir)
-    draft = Eagle3Draft(target.config, LAYERS, DRAFT_VOCAB)
+    draft = Eagle3Draft(target.config, LAYERS, request.param)
     _sharp(draft)
-    draft.set_vocabulary(torch.randperm(TARGET["vocab_size"], generator=torch.Generator().manual_seed(3))[:DRAFT_VOCAB].sort().values)
+    if request.param:
+        draft.set_vocabulary(torch.randperm(TARGET["vocab_size"], generator=torch.Generator().manual_seed(3))[
+            :DRAFT_VOCAB].sort().values)
     model = Eagle3Model(target, draft).eval()
     out = tmp_path / "export"
     export_draft(model, model.state_dict(), out, target_dir, target_identity(target_dir, target),
@@ -163,7 +166,7 @@ def test_the_export_config_is_the_eagle_layout_the_engines_read(exported):
     raw = json.loads((out / "config.json").read_text())
     assert c.model_type == "llama" and raw["architectures"] == ["LlamaForCausalLMEagle3"]
     assert c.num_hidden_layers == 1 and c.tie_word_embeddings is False
-    assert c.vocab_size == TARGET["vocab_size"] and c.draft_vocab_size == DRAFT_VOCAB
+    assert c.vocab_size == TARGET["vocab_size"] and c.draft_vocab_size == model.draft_model.vocab_size
     assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size) == (
         target.config.hidden_size, target.config.num_attention_heads, target.config.num_key_value_heads,
         target.config.head_dim, target.config.intermediate_size)
@@ -182,7 +185,7 @@ def test_the_export_config_is_the_eagle_layout_the_engines_read(exported):
 
 
 def test_the_export_weights_carry_the_consumers_names_and_shapes(exported):
-    _, _, out = exported
+    model, _, out = exported
     w = load_file(out / "model.safetensors")
     assert set(w) == REQUIRED
     assert not [k for k in w if k.startswith(("model.", "draft_model.")) or "embed" in k]
@@ -197,7 +200,10 @@ def test_the_export_weights_carry_the_consumers_names_and_shapes(exported):
               "d2t": (c["draft_vocab_size"],), "t2d": (c["vocab_size"],)}
     for k, shape in shapes.items():
         assert tuple(w[k].shape) == shape, k
-    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == DRAFT_VOCAB
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+    assert int(w["t2d"].sum()) == model.draft_model.vocab_size
+    if not model.draft_model.reduced:  # the identity map every engine accepts
+        assert not w["d2t"].any() and w["t2d"].all()
 
 
 def test_the_engines_forward_on_the_export_reproduces_treadles_draft_logits(exported):
@@ -207,9 +213,10 @@ def test_the_engines_forward_on_the_export_reproduces_treadles_draft_logits(expo
     ref0, ref1 = engine.two_steps(target, ids)
     with torch.no_grad():
         ours = model(ids, torch.arange(T).expand(2, T), steps=2).logits
-    to_target = model.draft_model.draft_to_target()
+    draft = model.draft_model
+    to_target = draft.draft_to_target() if draft.reduced else torch.arange(draft.vocab_size)
     for ref, got, rows in ((ref0, ours[0], T - 1), (ref1, ours[1], T - 2)):  # rows whose next tokens are real
-        assert torch.isinf(ref[..., :rows, :]).sum() == 2 * rows * (TARGET["vocab_size"] - DRAFT_VOCAB)
+        assert torch.isinf(ref[..., :rows, :]).sum() == 2 * rows * (TARGET["vocab_size"] - draft.vocab_size)
         torch.testing.assert_close(ref[:, :rows, to_target], got[:, :rows], rtol=0, atol=1e-5)
         assert torch.equal(ref[:, :rows].argmax(-1), to_target[got[:, :rows].argmax(-1)])
     # The chain guesses (the drafter's proposals) are the engine's argmaxes, in target ids.
@@ -258,6 +265,14 @@ def test_a_weight_the_layout_has_no_name_for_or_lacks_fails_the_export(exported,
         export_draft(model, state, out, tmp_path / "target", {"config_fingerprint": "x"},
                      DraftConfig(kind="eagle3", target="t"))
     assert not out.exists()
+
+
+def test_a_treadle_export_of_the_layout_before_this_one_is_refused_in_one_line(exported):
+    """treadle's earlier EAGLE-3 exports (its own names, no architectures) are not read as something else."""
+    _, target, out = exported
+    (out / "config.json").write_text(json.dumps({"treadle_draft_kind": "eagle3", "feature_layers": list(LAYERS)}))
+    with pytest.raises(UserError, match="treadle export"):
+        load_eagle3(out, target)
 
 
 def test_a_foreign_weight_name_fails_the_load(exported, tmp_path):
