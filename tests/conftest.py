@@ -40,3 +40,18 @@ def target_dir(shards, tmp_path_factory):
     AutoModelForCausalLM.from_config(LlamaConfig(**TARGET)).save_pretrained(d)
     AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def eagle3_target_dir(shards, tmp_path_factory):
+    """TARGET with 4 decoder layers: the shallowest target with three distinct features an engine can serve
+    (output_hidden_states 1, 2, 3)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from tests.helpers import TARGET
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("eagle3-target")
+    AutoModelForCausalLM.from_config(LlamaConfig(**{**TARGET, "num_hidden_layers": 4})).save_pretrained(d)
+    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(d)
+    return d

@@ -23,7 +23,7 @@ directory. To fit in a few minutes on 2 cores, commands are shortened by appendi
 
 - ``treadle train`` (also under torchrun): ``TRAIN_SHORT`` below (2 steps of 2 sequences, one eval batch, fp32, no
   compile, one thread; ``seq_len`` stays the page's, so SFT examples still fit); and ``TINY_MODEL`` (hidden 32,
-  2 layers) when the run builds its model from a preset (no ``model.path``, not a draft run), or ``DRAFT_SHORT``
+  4 layers: the shallowest target with three distinct EAGLE-3 features an engine serves) when the run builds its model from a preset (no ``model.path``, not a draft run), or ``DRAFT_SHORT``
   (2 acceptance prompts of 8 tokens, 12 new) in a draft run.
 - ``treadle spec-eval``: ``--num-prompts 2 --prompt-len 16 --max-new-tokens 8 --threads 1``.
 - ``treadle generate``: ``--max-new-tokens 8``.
@@ -53,7 +53,7 @@ RUNNABLE = {"toml", "python", "bash", "console"}
 TRAIN_SHORT = ["--train.max_steps=2", "--train.micro_batch_size=2", "--train.grad_accum_steps=1",
                "--train.eval_batches=1", "--train.log_every=1", "--train.threads=1", "--model.dtype=fp32",
                "--model.compile=false"]
-TINY_MODEL = ["--model.overrides={hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,"
+TINY_MODEL = ["--model.overrides={hidden_size=32,intermediate_size=64,num_hidden_layers=4,num_attention_heads=4,"
               "num_key_value_heads=2}"]
 DRAFT_SHORT = ["--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12"]
 APPENDED = {"spec-eval": ["--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "8", "--threads", "1"],

@@ -39,7 +39,7 @@ def eagle3(seed=1, vocab=None):
 
 def test_default_feature_layers_are_eagle3s_and_fit_shallow_targets():
     assert default_feature_layers(32) == (2, 16, 29)  # EAGLE-3's picks for Llama-3-8B
-    assert default_feature_layers(4) == (1, 2, 3) and default_feature_layers(2) == (1, 1, 1)
+    assert default_feature_layers(4) == (1, 2, 3)
 
 
 def test_ttt_mask_and_scored_rows_match_a_naive_reference():
@@ -196,9 +196,10 @@ def test_frequent_tokens_pick_the_most_counted_ids():
     assert draft.to_target_ids(torch.tensor([2, 0])).tolist() == [5, 2]
 
 
-def test_eagle3_run_trains_exports_and_decodes(shards, target_dir, tmp_path, capsys):
+def test_eagle3_run_trains_exports_and_decodes(shards, eagle3_target_dir, tmp_path, capsys):
     from treadle.checkpoint.safety import read_metadata
 
+    target_dir = eagle3_target_dir
     run = tmp_path / "run"
     assert main(draft_args(shards, target_dir, run, "--train.max_steps=3", *EAGLE)) == 0
     # Per-step accuracy of the unroll, the target's reference loss and tau_sim are logged.
@@ -215,8 +216,11 @@ def test_eagle3_run_trains_exports_and_decodes(shards, target_dir, tmp_path, cap
     export = run / "draft"
     st = load_file(export / "model.safetensors")
     config = json.loads((export / "config.json").read_text())
-    assert config["treadle_draft_kind"] == "eagle3" and config["vocab_size"] == 200
-    assert config["feature_layers"] == [1, 1, 1] and not (export / "draft_model_weights.pth").exists()
+    assert config["treadle_draft_kind"] == "eagle3" and config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["vocab_size"] == 512 and config["draft_vocab_size"] == 200 and config["dtype"] == "float32"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert not (export / "draft_model_weights.pth").exists()
     assert st["lm_head.weight"].shape == (200, TARGET["hidden_size"]) and st["t2d"].dtype == torch.bool
     # The map is the 200 most frequent training tokens.
     from treadle.data.packed import PackedDataset
@@ -232,6 +236,7 @@ def test_eagle3_run_trains_exports_and_decodes(shards, target_dir, tmp_path, cap
     assert main(["export", str(run), "--dtype", "bf16", str(tmp_path / "bf16")]) == 0
     half = load_file(tmp_path / "bf16" / "model.safetensors")
     assert half["d2t"].dtype == torch.long and half["fc.weight"].dtype == torch.bfloat16
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
     # Reloaded, the export gives the trained draft's unroll.
     reloaded = load_eagle3(export, AutoModelForCausalLM.from_pretrained(target_dir))
@@ -264,7 +269,8 @@ def test_eagle3_run_trains_exports_and_decodes(shards, target_dir, tmp_path, cap
     assert len(err.splitlines()) == 1 and "d2t" in err
 
 
-def test_eagle3_run_resumes_bit_for_bit(shards, target_dir, tmp_path):
+def test_eagle3_run_resumes_bit_for_bit(shards, eagle3_target_dir, tmp_path):
+    target_dir = eagle3_target_dir
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(draft_args(shards, target_dir, a, "--train.max_steps=4", "--checkpoint.every=2", "--draft.loss=mix",
                            *EAGLE)) == 0
@@ -280,19 +286,78 @@ def test_eagle3_run_resumes_bit_for_bit(shards, target_dir, tmp_path):
                            f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 2
 
 
+def test_an_eagle3_run_starts_from_a_draft_in_the_eagle_layout(shards, eagle3_target_dir, tmp_path, capsys):
+    """draft.init: a treadle export or run, or a draft trained elsewhere (no treadle keys), starts a run; its weights,
+    feature layers and vocabulary map are the run's first draft, not the data's counts."""
+    from treadle.config import load_config
+    from treadle.train.run import build_trainer
+
+    target_dir, a = eagle3_target_dir, tmp_path / "a"
+    assert main(draft_args(shards, target_dir, a, "--train.max_steps=2", *EAGLE, "--draft.feature_layers=[1,2,3]")) == 0
+    want = load_file(a / "draft" / "model.safetensors")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    config = json.loads((a / "draft" / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in (
+        "treadle_draft_kind", "target", "target_config", "training")}))
+    shutil.copy(a / "draft" / "model.safetensors", foreign / "model.safetensors")
+    for init in (a, foreign):
+        trainer = build_trainer(load_config(None, draft_args(shards, target_dir, tmp_path / "b", "--train.max_steps=2",
+                                                             "--draft.kind=eagle3", f"--draft.init={init}")[1:]))
+        draft = trainer.engine.module.draft_model
+        assert draft.vocab_size == 200 and draft.feature_layers == (1, 2, 3)
+        got = {k: v for k, v in draft.state_dict().items()}
+        names = {"final_norm.weight": "norm.weight", "fc.weight": "fc.weight", "d2t": "d2t", "t2d": "t2d",
+                 "q_proj.weight": "midlayer.self_attn.q_proj.weight"}
+        assert all(torch.equal(got[ours], want[theirs]) for ours, theirs in names.items())
+        trainer.metrics.close()
+    # It trains, and exports a draft of the same layout.
+    assert main(draft_args(shards, target_dir, tmp_path / "c", "--train.max_steps=2", "--draft.kind=eagle3",
+                           f"--draft.init={foreign}")) == 0
+    assert load_file(tmp_path / "c" / "draft" / "model.safetensors")["d2t"].equal(want["d2t"])
+    # spec-eval measures the draft trained elsewhere against its target, losslessly.
+    out = tmp_path / "spec.json"
+    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(foreign), "--num-prompts", "1",
+                 "--prompt-len", "8", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["drafter"] == "eagle3" and got["lossless"] is True
+    # A draft.vocab_size other than the initial draft's, or a directory that is no EAGLE-3 draft, is one line.
+    capsys.readouterr()
+    for extra, word in (((f"--draft.init={foreign}", "--draft.vocab_size=100"), "draft.vocab_size"),
+                        ((f"--draft.init={shards}",), "draft.init")):
+        args = draft_args(shards, target_dir, tmp_path / "d", "--train.max_steps=2", "--draft.kind=eagle3", *extra)
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and word in err, err
+        assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize("bad, key", [
     (("--draft.kind=glide", "--draft.vocab_size=100"), "draft.vocab_size"),
+    (("--draft.kind=glide", "--draft.init=somewhere"), "draft.init"),  # GLIDE's import is not built yet
     (("--draft.kind=glide", "--draft.ttt_steps=3", "--model.loss_chunk_tokens=16"), "model.loss_chunk_tokens"),
-    (("--draft.kind=eagle3", "--draft.feature_layers=[0,2]"), "draft.feature_layers"),  # the target has 2 layers
+    (("--draft.kind=eagle3", "--draft.feature_layers=[0,2]"), "draft.feature_layers"),  # three, as engines serve
+    (("--draft.kind=eagle3", "--draft.feature_layers=[1,2,2]"), "draft.feature_layers"),  # strictly increasing
+    (("--draft.kind=eagle3", "--draft.feature_layers=[0,1,2]"), "draft.feature_layers"),  # 0: the embeddings
+    (("--draft.kind=eagle3", "--draft.feature_layers=[1,2,3,4]"), "draft.feature_layers"),
+    (("--draft.kind=eagle3", "--draft.feature_layers=[1,2,4]"), "draft.feature_layers"),  # the target has 4 layers
     (("--draft.kind=eagle3", "--draft.vocab_size=9999"), "draft.vocab_size"),
     (("--draft.kind=eagle3", "--draft.window=8"), "draft.window"),
     (("--draft.kind=eagle3", "--model.loss_chunk_tokens=16"), "model.loss_chunk_tokens"),
     (("--draft.kind=eagle3", "--distributed.context_parallel=2"), "distributed.context_parallel"),
 ])
-def test_bad_eagle3_settings_are_one_line(shards, target_dir, tmp_path, capsys, bad, key):
-    assert main(draft_args(shards, target_dir, tmp_path / "run", "--train.max_steps=2", *bad)) == 2
+def test_bad_eagle3_settings_are_one_line(shards, eagle3_target_dir, tmp_path, capsys, bad, key):
+    assert main(draft_args(shards, eagle3_target_dir, tmp_path / "run", "--train.max_steps=2", *bad)) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and key in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_eagle3_draft_of_a_target_too_shallow_to_serve_is_refused(shards, target_dir, tmp_path, capsys):
+    """Two decoder layers have no three distinct features: what vLLM and SGLang could not serve is not trained."""
+    assert main(draft_args(shards, target_dir, tmp_path / "run", "--train.max_steps=2", "--draft.kind=eagle3")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "draft.feature_layers" in err and "2 decoder layers" in err, err
     assert not (tmp_path / "run").exists()
 
 

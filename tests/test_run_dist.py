@@ -168,12 +168,13 @@ EAGLE3 = ["--draft.kind=eagle3", "--draft.vocab_size=200", "--draft.ttt_steps=3"
 DRAFT_ENGINES["eagle3-fsdp2"] = DRAFT_ENGINES["fsdp2"] + EAGLE3
 
 
-def _draft_runs(rank, world_size, shards, target_dir, out):
+def _draft_runs(rank, world_size, shards, target_dir, eagle3_target_dir, out):
     from treadle.train.run import build_trainer
 
     got = {}
     for name, extra in DRAFT_ENGINES.items():
-        trainer = build_trainer(load_config(None, draft_args(shards, target_dir, out / name, "--train.max_steps=3",
+        target = eagle3_target_dir if name.startswith("eagle3") else target_dir
+        trainer = build_trainer(load_config(None, draft_args(shards, target, out / name, "--train.max_steps=3",
                                                              "--train.threads=1", *extra)[1:]))
         before = trainer.engine.export_state_dict()  # full weights on rank 0 (gathered: every rank calls it)
         trainer.fit()
@@ -200,11 +201,13 @@ def _checkpoint_tensor_names(step_dir) -> list[str]:
     return names
 
 
-def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, target_dir, tmp_path):
-    res = run_distributed(_draft_runs, world_size=2, timeout=360, shards=shards, target_dir=target_dir, out=tmp_path)[0]
+def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, target_dir, eagle3_target_dir,
+                                                                         tmp_path):
+    res = run_distributed(_draft_runs, world_size=2, timeout=360, shards=shards, target_dir=target_dir,
+                          eagle3_target_dir=eagle3_target_dir, out=tmp_path)[0]
     one, one_eagle3 = tmp_path / "one", tmp_path / "one-eagle3"
     assert main(draft_args(shards, target_dir, one, "--train.max_steps=3", "--train.grad_accum_steps=4")) == 0
-    assert main(draft_args(shards, target_dir, one_eagle3, "--train.max_steps=3", "--train.grad_accum_steps=4",
+    assert main(draft_args(shards, eagle3_target_dir, one_eagle3, "--train.max_steps=3", "--train.grad_accum_steps=4",
                            *EAGLE3)) == 0
     for name in DRAFT_ENGINES:
         got, run = res[name], tmp_path / name

@@ -30,9 +30,10 @@ def no_warnings():
 
 
 @pytest.mark.parametrize("kind", ["glide", "eagle3"])
-def test_a_draft_step_and_spec_eval_warn_nothing(shards, target_dir, tmp_path, kind):
+def test_a_draft_step_and_spec_eval_warn_nothing(shards, target_dir, eagle3_target_dir, tmp_path, kind):
     """One optimizer step of each draft kind (its eval decodes with the target's KV cache), then spec-eval with it:
     greedy chain, sampled static tree, greedy and sampled dynamic tree."""
+    target_dir = eagle3_target_dir if kind == "eagle3" else target_dir
     run = tmp_path / "run"
     extra = EAGLE if kind == "eagle3" else ()
     with no_warnings():
@@ -47,10 +48,11 @@ def test_a_draft_step_and_spec_eval_warn_nothing(shards, target_dir, tmp_path, k
         assert json.loads(out.read_text())["drafter"] == kind
 
 
-def test_an_eagle3_step_under_bf16_autocast_has_no_dtype_mismatch(shards, target_dir, tmp_path):
+def test_an_eagle3_step_under_bf16_autocast_has_no_dtype_mismatch(shards, eagle3_target_dir, tmp_path):
     """bf16 autocast over fp32 weights: the draft's norms see bf16 activations (fc's output) and fp32 weights, which
     torch's fused RMSNorm refuses with "Mismatch dtype ... Cannot dispatch to fused implementation"."""
-    argv = [a for a in draft_args(shards, target_dir, tmp_path / "run", *SHORT, *EAGLE) if a != "--model.dtype=fp32"]
+    argv = [a for a in draft_args(shards, eagle3_target_dir, tmp_path / "run", *SHORT, *EAGLE)
+            if a != "--model.dtype=fp32"]
     with no_warnings():
         assert main([*argv, "--model.dtype=bf16"]) == 0
 

@@ -19,7 +19,7 @@ _HARMLESS_MODEL_KEYS = {"model.dtype", "model.compile", "model.loss_chunk_tokens
                         "model.activation_checkpointing_every", "model.activation_checkpointing_save_ops",
                         "model.router_aux_loss_coef", "model.router_z_loss_coef"}
 # [draft] keys that shape the trained module; the rest (objective, lag, offsets, eval) are training choices.
-_DRAFT_ARCH_KEYS = {"draft.kind", "draft.window", "draft.feature_layers", "draft.vocab_size"}
+_DRAFT_ARCH_KEYS = {"draft.kind", "draft.window", "draft.feature_layers", "draft.vocab_size", "draft.init"}
 _META_KEYS = ("vocab_size", "tokenizer_fingerprint", "target_fingerprint")
 
 

@@ -97,14 +97,15 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
 
 def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity: dict, cfg, step: int | None = None,
                  command: str = "train", dtype: str = "fp32") -> Path:
-    """The draft alone, in two forms, with what it needs to find its target again.
+    """The draft alone, with what it needs to find its target again; ``treadle.models.drafts.load_draft`` loads it.
 
-    ``model.safetensors`` + ``config.json`` (draft kind, hyper-parameters, the target's
-    path and fingerprints) load with ``treadle.models.drafts.load_draft``; for GLIDE,
-    ``draft_model_weights.pth`` is the same state dict with the ``draft_model.`` prefix
-    stripped, LongSpec's format, for tooling that expects it. ``dtype``: the weights' dtype on disk
-    (loading casts them to the model's own); integer and boolean tensors (an eagle3 draft's vocabulary
-    map ``d2t`` / ``t2d``) keep theirs.
+    EAGLE-3: the original EAGLE layout vLLM, SGLang, SpecForge and TensorRT-LLM load (``eagle3_layout``: config.json
+    a Hugging Face Llama config, ``model.safetensors`` under the consumers' names), treadle's metadata (the target's
+    path and fingerprints, the run's config and step) as extra config keys. GLIDE: ``model.safetensors`` +
+    ``config.json`` (draft kind, hyper-parameters, target, training) and ``draft_model_weights.pth``, the same state
+    dict with the ``draft_model.`` prefix stripped. ``dtype``: the weights' dtype on disk (loading casts them to the
+    model's own); integer and boolean tensors (an eagle3 draft's vocabulary map ``d2t`` / ``t2d``) keep theirs.
+    A weight the layout has no name for, or one it needs and the draft lacks, is refused before anything is written.
     """
     from safetensors.torch import save_file
 
@@ -113,13 +114,18 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
     torch_dtype = _torch_dtype(dtype)
     weights = {k[len(prefix):]: v.detach().to("cpu", torch_dtype if v.is_floating_point() else v.dtype).contiguous()
                for k, v in state_dict.items() if k.startswith(prefix)}
-    config = {
-        **draft.export_config(),
-        "dtype": dtype,
+    meta = {
         "target": identity,
         "target_config": model.target.config.to_dict(),
         "training": {**cfg.model_dump(mode="json"), "step": step},
     }
+    if draft.export_config()["treadle_draft_kind"] == "eagle3":
+        from treadle.models.eagle3_layout import export as eagle3_export
+
+        weights, config = eagle3_export(draft, weights, model.target.config, torch_dtype,
+                                        {**draft.export_config(), **meta})
+    else:
+        config = {**draft.export_config(), "dtype": dtype, **meta}
     out = Path(out)
     with atomic_directory(out, command) as tmp:
         tmp.mkdir()

@@ -319,11 +319,15 @@ class DraftConfig(Section):
     eval_prompts: int = Field(8, ge=1, description="held-out prompts whose target-greedy continuations measure acceptance")
     eval_prompt_len: int = Field(32, ge=1)
     eval_new_tokens: int = Field(64, ge=2)
-    feature_layers: list[int] | None = Field(None, description="eagle3: target hidden states fused (low, mid, high), "
-                                             "as output_hidden_states indices (0 = embeddings, i = decoder layer i's "
-                                             "output, < N); unset = EAGLE-3's (2, N/2, N - 3)")
+    feature_layers: list[int] | None = Field(None, description="eagle3: the three target hidden states fused (low, mid, "
+                                             "high), strictly increasing output_hidden_states indices (i = decoder "
+                                             "layer i's output, 1..N-1); unset = EAGLE-3's (2, N/2, N - 3)")
     vocab_size: int | None = Field(None, ge=1, description="eagle3: the draft head's vocabulary, the most frequent "
                                    "training tokens; unset = the target's whole vocabulary")
+    init: str | None = Field(None, description="eagle3: start from this EAGLE-3 draft (a directory in the EAGLE layout "
+                             "vLLM and SGLang load, treadle's export or one trained elsewhere for this target, or a "
+                             "treadle run directory); its feature layers and vocabulary map are the run's; unset = a "
+                             "new draft")
     ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3, glide: training-time-test unroll steps (the "
                                   "draft fed its own outputs); unset = 7 (eagle3), 1 (glide: no unroll)")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3, glide: weight of unroll step k's loss is ttt_decay**k")
@@ -429,7 +433,7 @@ class Config(Section):
         if self.draft.kind is not None and self.draft.target is None:
             raise ValueError("draft.kind is set but draft.target is not; accepted: a Hugging Face model directory or a treadle run directory")
         if self.draft.kind != "eagle3":
-            for key, kinds in (("feature_layers", ("eagle3",)), ("vocab_size", ("eagle3",)),
+            for key, kinds in (("feature_layers", ("eagle3",)), ("vocab_size", ("eagle3",)), ("init", ("eagle3",)),
                                ("ttt_steps", ("eagle3", "glide"))):
                 if getattr(self.draft, key) is not None and self.draft.kind not in kinds:
                     raise ValueError(f"draft.{key} is set but draft.kind = {self.draft.kind!r}; accepted: draft.kind = "
@@ -437,6 +441,12 @@ class Config(Section):
         elif self.draft.window:
             raise ValueError(f"draft.window = {self.draft.window} with draft.kind = 'eagle3' (it has no windowed "
                              "self-attention); accepted: draft.window = 0")
+        else:
+            layers = self.draft.feature_layers
+            if layers is not None and (len(layers) != 3 or layers[0] < 1 or not layers[0] < layers[1] < layers[2]):
+                raise ValueError(f"draft.feature_layers = {layers}: accepted: three strictly increasing "
+                                 "output_hidden_states indices >= 1 (i = decoder layer i's output; < the target's "
+                                 "layer count), what vLLM and SGLang serve; unset = EAGLE-3's (2, N/2, N - 3)")
         if self.draft.eval_new_tokens <= self.draft.gamma:
             raise ValueError(f"draft.eval_new_tokens={self.draft.eval_new_tokens} must exceed draft.gamma={self.draft.gamma}")
         if not self.data.train:

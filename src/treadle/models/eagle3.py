@@ -28,7 +28,7 @@ the draft, in its checkpoints and export, and a reduced draft without them is re
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -39,9 +39,10 @@ from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
+from treadle.models import eagle3_layout
 from treadle.models.glide import (
     DraftRunModel, GlideShape, RMSNorm, attention_mask, causal_document_mask, checked_export, checked_target,
-    document_ids, init_linears, sdpa, self_attention_inputs, ttt_mask,
+    document_ids, init_linears, read_draft_config, sdpa, self_attention_inputs, ttt_mask,
 )
 from treadle.models.hf import decoder_layers, greedy_continuations
 
@@ -112,9 +113,11 @@ class Eagle3Draft(nn.Module):
         self.fc = nn.Linear(len(self.feature_layers) * d, d, bias=False)
         self.embed_norm = RMSNorm(d, eps=s.rms_norm_eps)
         self.feature_norm = RMSNorm(d, eps=s.rms_norm_eps)
-        self.q_proj = nn.Linear(2 * d, q_out, bias=s.attention_bias)
-        self.k_proj = nn.Linear(2 * d, kv_out, bias=s.attention_bias)
-        self.v_proj = nn.Linear(2 * d, kv_out, bias=s.attention_bias)
+        # Bias-free whatever the target has (as SpecForge builds it): SGLang's layer has no q/k/v bias and skips a
+        # checkpoint's without a word, vLLM would want an o_proj bias with it.
+        self.q_proj = nn.Linear(2 * d, q_out, bias=False)
+        self.k_proj = nn.Linear(2 * d, kv_out, bias=False)
+        self.v_proj = nn.Linear(2 * d, kv_out, bias=False)
         self.o_proj = nn.Linear(q_out, d, bias=False)
         self.mlp_norm = RMSNorm(d, eps=s.rms_norm_eps)
         self.gate_proj = nn.Linear(d, s.intermediate_size, bias=False)
@@ -186,9 +189,8 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(self.final_norm(x))
 
     def export_config(self) -> dict:
-        """What ``load_eagle3`` needs besides the weights (export.py writes it to config.json)."""
-        return {"treadle_draft_kind": KIND, "feature_layers": list(self.feature_layers),
-                "vocab_size": self.vocab_size, "shape": asdict(self.shape)}
+        """treadle's own key in config.json; the rest of it is the EAGLE layout's (``eagle3_layout.config_of``)."""
+        return {"treadle_draft_kind": KIND}
 
 
 # ----------------------------------------------------------------------------- draft and target together
@@ -269,18 +271,24 @@ def frequent_tokens(counts: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def check_feature_layers(layers: tuple[int, ...], num_layers: int, key: str) -> None:
-    bad = [i for i in layers if not 0 <= i < num_layers]
-    if bad or not layers:
-        raise UserError(f"{key} = {list(layers)}: the target has {num_layers} decoder layers; accepted: "
-                        f"output_hidden_states indices 0..{num_layers - 1} (0 = embeddings, i = decoder layer i's "
-                        f"output; default {list(default_feature_layers(num_layers))})")
+    """Refused when the run is configured, not discovered at export: what the engines cannot serve."""
+    eagle3_layout.check_feature_layers(layers, num_layers, key)
 
 
 def build_eagle3(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
     """(Eagle3Model, target dir, target identity) for a ``DraftConfig``; a reduced vocabulary's maps are left to
-    the caller (``Eagle3Draft.set_vocabulary``: a run counts its data, a checkpoint or export holds them)."""
+    the caller (``Eagle3Draft.set_vocabulary``: a run counts its data, a checkpoint or export holds them), except
+    for a draft started from ``draft.init``, whose weights, feature layers and map are the directory's."""
     target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
     target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
+    if cfg.init is not None:
+        draft = _draft_from_layout(init_dir(cfg.init), target, "draft.init")
+        for key, want, have in (("feature_layers", cfg.feature_layers, list(draft.feature_layers)),
+                                ("vocab_size", cfg.vocab_size, draft.vocab_size)):
+            if want is not None and want != have:
+                raise UserError(f"draft.{key} = {want} but draft.init {cfg.init} has {have}; accepted: draft.{key} "
+                                "unset (the initial draft's) or equal to it")
+        return Eagle3Model(target, draft), target_dir, ident
     num_layers = target.config.num_hidden_layers
     layers = tuple(cfg.feature_layers) if cfg.feature_layers else default_feature_layers(num_layers)
     check_feature_layers(layers, num_layers, "draft.feature_layers")
@@ -291,16 +299,38 @@ def build_eagle3(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
     return Eagle3Model(target, Eagle3Draft(target.config, layers, vocab)), target_dir, ident
 
 
-def load_eagle3(draft_dir, target) -> Eagle3Model:
-    """An exported eagle3 draft attached to ``target``, which must be the architecture it was trained for."""
+def init_dir(path) -> Path:
+    """``draft.init``: an EAGLE-3 draft directory, or a treadle run directory holding one in draft/."""
+    path = Path(path)
+    if not (path / "config.json").is_file() and (path / "draft" / "config.json").is_file():
+        return path / "draft"
+    return path
+
+
+def _draft_from_layout(draft_dir, target, where: str) -> Eagle3Draft:
+    """The Eagle3Draft an EAGLE-layout directory holds, checked against ``target`` (a treadle export also by its
+    target's config fingerprint, one trained elsewhere by its dimensions)."""
     from safetensors.torch import load_file
 
-    config = checked_export(draft_dir, target, KIND, "an eagle3")
-    draft = Eagle3Draft(target.config, tuple(config["feature_layers"]), config["vocab_size"])
-    weights = load_file(str(Path(draft_dir) / "model.safetensors"))
-    if draft.reduced and not {"d2t", "t2d"} <= weights.keys():
-        raise UserError(f"draft {draft_dir} scores a reduced vocabulary of {draft.vocab_size} tokens but its "
-                        "model.safetensors has no d2t / t2d vocabulary map; accepted: an export written by treadle "
-                        "(its proposals would be wrong token ids without it)")
-    draft.load_state_dict(weights)
-    return Eagle3Model(target, draft).eval()
+    config = read_draft_config(draft_dir)
+    if config is None or not eagle3_layout.is_layout(config):
+        raise UserError(f"{where} {draft_dir} is not an EAGLE-3 draft in the EAGLE layout (config.json with "
+                        f"architectures = [{eagle3_layout.ARCHITECTURE!r}]); a treadle export written before that "
+                        "layout: export its run's checkpoint again (treadle export RUN OUT)")
+    if "target" in config:
+        checked_export(draft_dir, target, KIND, "an eagle3")
+    eagle3_layout.check_fits(config, target.config, draft_dir)
+    layers = eagle3_layout.feature_layers(config, target.config.num_hidden_layers, draft_dir)
+    draft = Eagle3Draft(target.config, layers, config.get("draft_vocab_size") or target.config.vocab_size)
+    if draft.vocab_size > draft.target_vocab_size:
+        raise UserError(f"{where} {draft_dir}: draft_vocab_size {draft.vocab_size} exceeds the target's vocabulary "
+                        f"({draft.target_vocab_size})")
+    tensors = load_file(str(Path(draft_dir) / "model.safetensors"))
+    draft.load_state_dict(eagle3_layout.import_weights(tensors, draft, draft_dir))
+    return draft
+
+
+def load_eagle3(draft_dir, target) -> Eagle3Model:
+    """An EAGLE-3 draft in the EAGLE layout (treadle's export, or one trained elsewhere for this target) attached to
+    ``target``. A treadle export is also checked against its target's config fingerprint."""
+    return Eagle3Model(target, _draft_from_layout(draft_dir, target, "draft")).eval()

@@ -509,7 +509,13 @@ def read_draft_config(draft_dir) -> dict | None:
         config = json.loads((Path(draft_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return config if isinstance(config, dict) and "treadle_draft_kind" in config else None
+    if not isinstance(config, dict):
+        return None
+    from treadle.models.eagle3_layout import is_layout
+
+    if "treadle_draft_kind" not in config and is_layout(config):  # an EAGLE-3 draft trained elsewhere
+        config["treadle_draft_kind"] = "eagle3"
+    return config if "treadle_draft_kind" in config else None
 
 
 def checked_export(draft_dir, target, kind: str, title: str) -> dict:

@@ -41,8 +41,8 @@ class Eagle3Objective(GlideObjective):
 
 
 def eagle3_setup(cfg, model, datasets) -> Eagle3Objective:
-    """What an eagle3 run adds to a draft run's setup: its vocabulary map (from the training data's token counts)
-    and its objective. The chunked loss is not built for it: an explicit ``model.loss_chunk_tokens`` is refused."""
+    """What an eagle3 run adds to a draft run's setup: its vocabulary map (from the training data's token counts,
+    unless the draft starts from ``draft.init``) and its objective. The chunked loss is not built for it: an explicit ``model.loss_chunk_tokens`` is refused."""
     import numpy as np
 
     from treadle.models.eagle3 import frequent_tokens
@@ -50,7 +50,7 @@ def eagle3_setup(cfg, model, datasets) -> Eagle3Objective:
     refuse_chunked_loss(cfg.model.loss_chunk_tokens, "draft.kind = 'eagle3'",
                         "and draft.vocab_size to shrink its head instead")
     draft = model.draft_model
-    if draft.reduced:
+    if draft.reduced and cfg.draft.init is None:  # a draft.init brings its own map, which its head was trained on
         counts = sum(np.asarray(ds.token_counts(draft.target_vocab_size)) for ds in datasets)
         draft.set_vocabulary(frequent_tokens(torch.from_numpy(counts), draft.vocab_size))
     return Eagle3Objective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
