@@ -158,12 +158,12 @@ def feature_layers(config: dict, num_layers: int, where) -> tuple[int, ...]:
 def check_fits(config: dict, target_config, where) -> None:
     """A draft in this layout fits ``target``: the same dimensions and vocabulary (a treadle draft is also checked
     by its target's fingerprint; one trained elsewhere has only these)."""
-    from treadle.models.glide import GlideShape
-
-    s = GlideShape.of(target_config)
-    want = {"hidden_size": s.hidden_size, "num_attention_heads": s.num_attention_heads,
-            "num_key_value_heads": s.num_key_value_heads, "head_dim": s.head_dim,
-            "vocab_size": target_config.vocab_size, "num_hidden_layers": 1}
+    c = target_config  # read here, not through glide.GlideShape: glide reads this layout (no import circle)
+    heads = c.num_attention_heads
+    want = {"hidden_size": c.hidden_size, "num_attention_heads": heads,
+            "num_key_value_heads": getattr(c, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
+            "vocab_size": c.vocab_size, "num_hidden_layers": 1}
     for key, value in want.items():
         if key in config and config[key] != value:
             raise UserError(f"draft {where}: config.json {key} = {config[key]} does not fit the target ({value}); "
