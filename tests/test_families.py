@@ -87,3 +87,72 @@ def test_family_drafts_eagle3_everywhere_and_glide_where_it_can_read_the_cache(f
         assert rc == 0, (kind, err)
         assert sorted(records(run)) == [1, 2] and all(math.isfinite(v) for v in records(run).values())
         spec_eval_is_lossless(target, run, tmp_path, kind)
+
+
+def test_glide_decides_from_the_config_not_the_family_name():
+    """The same family is refused or drafted by what its config says: a sliding window shorter than the context (or
+    a sliding last layer) keeps no cache of every position; a full-attention last layer or an unlimited window does."""
+    import transformers
+
+    from treadle.models.target_families import glide_obstacle
+
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512)
+    assert "sliding window" in glide_obstacle(transformers.MistralConfig(sliding_window=64, **small))
+    assert glide_obstacle(transformers.MistralConfig(sliding_window=None, **small)) is None
+    assert glide_obstacle(transformers.MistralConfig(sliding_window=512, **small)) is None  # the whole context
+    sliding_last = transformers.Qwen3Config(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"],
+                                            sliding_window=16, use_sliding_window=True, **small)
+    assert "'sliding_attention' layer" in glide_obstacle(sliding_last)
+    full_last = transformers.Qwen3Config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                                         sliding_window=16, use_sliding_window=True, **small)
+    assert glide_obstacle(full_last) is None
+    # SmolLM3 without its no-RoPE layers is a Llama for GLIDE.
+    assert glide_obstacle(transformers.SmolLM3Config(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 1], **small)) is None
+
+
+def test_a_target_no_draft_kind_can_read_is_refused_for_both(shards, tmp_path, capsys):
+    """GPT-2 (learned positions, no rotary embedding, no model.layers): refused in one line for either kind."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = tmp_path / "gpt2"
+    config = transformers.GPT2Config(vocab_size=512, n_embd=32, n_layer=4, n_head=4, n_positions=128,
+                                     bos_token_id=0, eos_token_id=0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(target)
+    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(target)
+    for kind in ("eagle3", "glide"):
+        capsys.readouterr()
+        assert main(draft_family_args(shards, target, tmp_path / kind, kind)) == 2
+        err = capsys.readouterr().err
+        assert "no draft kind can read" in err and "rotary" in err and not (tmp_path / kind).exists(), err
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "granite", "gpt_oss"])
+def test_eagle3_reads_the_embedding_and_teacher_the_target_computes(family, shards, tmp_path):
+    """Gemma scales its embedding by sqrt(d) inside the embedding module, Granite multiplies it in the model's
+    forward: either way the draft's first norm sees what the target's first layer does (RMSNorm ignores the scale, up to its eps).
+    The teacher is the target's own distribution: Gemma's soft-capped, Granite's scaled logits, and causal also
+    where the target's attention is eager (Gemma 2, gpt-oss), which adds a 4-D mask to its scores."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from treadle.models.eagle3 import Eagle3Draft, Eagle3Model
+
+    config = build_family(family, tmp_path / "t", shards / "tok", layers=4)
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32).eval()
+    model = Eagle3Model(target, Eagle3Draft(target.config, (1, 2, 3)))
+    ids = torch.randint(0, 512, (1, 12))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        norm = model.draft_model.embed_norm
+        embeds = target.get_input_embeddings()(ids)
+        torch.testing.assert_close(norm(embeds), norm(out.hidden_states[0]), rtol=1e-2, atol=1e-2)  # up to eps
+        got = model(ids, torch.arange(12)[None]).target_logits
+    torch.testing.assert_close(got, out.logits)
+    raw = target.lm_head(out.hidden_states[-1])
+    if family == "granite":
+        torch.testing.assert_close(got, raw / config.logits_scaling)
+    elif family != "gpt_oss":
+        cap = config.final_logit_softcapping
+        torch.testing.assert_close(got, torch.tanh(raw / cap) * cap)

@@ -106,6 +106,8 @@ def refuse_for(kind: str, target_path, key: str, target=None) -> None:
             config = AutoConfig.from_pretrained(path)
         except (OSError, ValueError, KeyError):
             return  # load_causal_lm refuses it in its own line
+        if not (getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None)):
+            return  # no rotary decoder: no draft kind reads it (check_target says so once it is loaded)
         why, model_type = glide_obstacle(config), config.model_type
     else:
         why, model_type = glide_module_obstacle(target), target.config.model_type
