@@ -156,3 +156,15 @@ def test_eagle3_reads_the_embedding_and_teacher_the_target_computes(family, shar
     elif family != "gpt_oss":
         cap = config.final_logit_softcapping
         torch.testing.assert_close(got, torch.tanh(raw / cap) * cap)
+
+
+def test_glide_scores_a_transformed_teacher_only_with_the_plain_loss(shards, tmp_path, capsys):
+    """Granite scales its logits: GLIDE's chunked scores (the raw shared head) would score another teacher, so an
+    explicit chunk size is refused in one line and nothing is written."""
+    build_family("granite", tmp_path / "t", shards / "tok", layers=4)
+    capsys.readouterr()
+    out = tmp_path / "run"
+    assert main([*draft_family_args(shards, tmp_path / "t", out, "glide"), "--draft.ttt_steps=1",
+                 "--model.loss_chunk_tokens=7"]) == 2
+    err = capsys.readouterr().err
+    assert "logits_scaling = 4.0" in err and "accepted: 0 or auto" in err and not out.exists(), err

@@ -123,3 +123,17 @@ def check_target(target, key: str, path) -> None:
     if why is not None:
         raise UserError(f"{key} {path} is a {model_type!r} model that no draft kind can read: {why}; accepted: "
                         "decoders with rotary embeddings and a model.layers stack (Llama, Qwen, Mixtral, Gemma ...)")
+
+
+def glide_chunked_loss_obstacle(config) -> str | None:
+    """Why GLIDE's chunked loss would not score against this target's distribution (None: it does): it runs both
+    models' hidden states through the raw shared head, so a target whose forward soft-caps or scales its logits
+    (Gemma, Granite) would be a different teacher than the plain loss's."""
+    from treadle.models.chunked_ce import _LOGIT_TRANSFORMS
+
+    found = [f"{k} = {getattr(config, k)}" for k in _LOGIT_TRANSFORMS
+             if getattr(config, k, None) not in (None, 0, 1, 1.0, False)]
+    if not found:
+        return None
+    return (f"the target's forward transforms its logits ({', '.join(found)}), which GLIDE's chunked scores "
+            "through the raw head would not")
