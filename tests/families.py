@@ -33,14 +33,28 @@ FAMILIES = {
 }
 
 
-def build_family(name: str, directory, tokenizer_dir, seed: int = 0):
-    """Save a random ``name`` model at ``directory`` (Hugging Face layout) with the tokenizer of ``tokenizer_dir``."""
+# Why GLIDE refuses a family (a phrase of its one-line refusal); the others train GLIDE drafts.
+GLIDE_REFUSED = {
+    "gpt_oss": "cos/sin for 8-wide heads",  # half-width rotary (its own rotation convention)
+    "deepseek_v3": "multi-head latent attention",
+    "olmo2": "k_norm normalizes all K/V heads together",
+    "gemma2": "hidden_activation",
+    "gemma3_text": "'sliding_attention' layer",  # 4 layers: all sliding (one full layer in 6)
+    "phi3": "fused qkv_proj",
+    "glm4": "partial_rotary_factor = 0.5",
+    "smollm3": "no rotary embedding",
+}
+
+
+def build_family(name: str, directory, tokenizer_dir, seed: int = 0, layers: int | None = None):
+    """Save a random ``name`` model at ``directory`` (Hugging Face layout) with the tokenizer of ``tokenizer_dir``;
+    ``layers`` overrides the 2 decoder layers (a draft's target: EAGLE-3 reads three layers of at least 4)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cls, extra = FAMILIES[name]
-    config = getattr(transformers, cls)(**{**COMMON, **extra})
+    config = getattr(transformers, cls)(**{**COMMON, **extra, **({"num_hidden_layers": layers} if layers else {})})
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)

@@ -9,11 +9,12 @@ computed on the same weights, so the two agree to fp32's rounding; step 2 after 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
-from tests.families import FAMILIES, build_family
+from tests.families import FAMILIES, GLIDE_REFUSED, build_family
 from tests.helpers import EXACT, records
 from treadle.cli import main
 
@@ -45,3 +46,125 @@ def test_family_pretrains_with_the_plain_and_the_chunked_loss(family, shards, tm
     plain, chunked = losses[0], losses[CHUNK]
     assert chunked[1] == pytest.approx(plain[1], rel=1e-6), (plain, chunked)
     assert chunked[2] == pytest.approx(plain[2], rel=1e-5), (plain, chunked)
+
+
+def draft_family_args(shards, target, out, kind):
+    """Two steps of a ``kind`` draft run, tiny (DRAFT_SHORT's acceptance settings, one eval batch)."""
+    return [
+        "train", f"--train.output_dir={out}", f"--data.train={shards / 'train'}", f"--data.val={shards / 'val'}",
+        f"--draft.kind={kind}", f"--draft.target={target}", "--data.seq_len=32", "--train.micro_batch_size=2",
+        "--train.grad_accum_steps=1", "--train.log_every=1", "--train.eval_batches=1", "--train.max_steps=2",
+        "--schedule.warmup_steps=1", "--draft.eval_prompts=2", "--draft.eval_prompt_len=8",
+        "--draft.eval_new_tokens=8", "--draft.max_position_offset=64", *EXACT,
+    ]
+
+
+def spec_eval_is_lossless(target, run, tmp_path, kind):
+    out = tmp_path / f"spec-{kind}.json"
+    assert main(["spec-eval", "--target", str(target), "--draft", str(run), "--num-prompts", "2", "--prompt-len", "8",
+                 "--max-new-tokens", "8", "--threads", "1", "--json", str(out)]) == 0, kind
+    got = json.loads(out.read_text())
+    assert got["lossless"] is True and got["drafter"] == kind and 1.0 <= got["tau"], got
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_drafts_eagle3_everywhere_and_glide_where_it_can_read_the_cache(family, shards, tmp_path, capsys):
+    """Per family, a 4-layer target (EAGLE-3's three feature layers need 4): two steps of an EAGLE-3 draft and a
+    lossless greedy spec-eval with it; GLIDE likewise, or (GLIDE_REFUSED) refused in one line that names the reason
+    and EAGLE-3 as the alternative, exit 2, before anything is written."""
+    target = tmp_path / "target"
+    build_family(family, target, shards / "tok", layers=4)
+    for kind in ("eagle3", "glide"):
+        run = tmp_path / kind
+        capsys.readouterr()
+        rc = main(draft_family_args(shards, target, run, kind))
+        err = capsys.readouterr().err
+        if kind == "glide" and family in GLIDE_REFUSED:
+            assert rc == 2 and not run.exists(), (rc, err)
+            line = [x for x in err.splitlines() if "GLIDE cannot draft" in x]
+            assert len(line) == 1 and GLIDE_REFUSED[family] in line[0] and "draft.kind = 'eagle3'" in line[0], err
+            continue
+        assert rc == 0, (kind, err)
+        assert sorted(records(run)) == [1, 2] and all(math.isfinite(v) for v in records(run).values())
+        spec_eval_is_lossless(target, run, tmp_path, kind)
+
+
+def test_glide_decides_from_the_config_not_the_family_name():
+    """The same family is refused or drafted by what its config says: a sliding window shorter than the context (or
+    a sliding last layer) keeps no cache of every position; a full-attention last layer or an unlimited window does."""
+    import transformers
+
+    from treadle.models.target_families import glide_obstacle
+
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512)
+    assert "sliding window" in glide_obstacle(transformers.MistralConfig(sliding_window=64, **small))
+    assert glide_obstacle(transformers.MistralConfig(sliding_window=None, **small)) is None
+    assert glide_obstacle(transformers.MistralConfig(sliding_window=512, **small)) is None  # the whole context
+    sliding_last = transformers.Qwen3Config(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"],
+                                            sliding_window=16, use_sliding_window=True, **small)
+    assert "'sliding_attention' layer" in glide_obstacle(sliding_last)
+    full_last = transformers.Qwen3Config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                                         sliding_window=16, use_sliding_window=True, **small)
+    assert glide_obstacle(full_last) is None
+    # SmolLM3 without its no-RoPE layers is a Llama for GLIDE.
+    assert glide_obstacle(transformers.SmolLM3Config(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 1], **small)) is None
+
+
+def test_a_target_no_draft_kind_can_read_is_refused_for_both(shards, tmp_path, capsys):
+    """GPT-2 (learned positions, no rotary embedding, no model.layers): refused in one line for either kind."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = tmp_path / "gpt2"
+    config = transformers.GPT2Config(vocab_size=512, n_embd=32, n_layer=4, n_head=4, n_positions=128,
+                                     bos_token_id=0, eos_token_id=0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(target)
+    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(target)
+    for kind in ("eagle3", "glide"):
+        capsys.readouterr()
+        assert main(draft_family_args(shards, target, tmp_path / kind, kind)) == 2
+        err = capsys.readouterr().err
+        assert "no draft kind can read" in err and "rotary" in err and not (tmp_path / kind).exists(), err
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "granite", "gpt_oss"])
+def test_eagle3_reads_the_embedding_and_teacher_the_target_computes(family, shards, tmp_path):
+    """Gemma scales its embedding by sqrt(d) inside the embedding module, Granite multiplies it in the model's
+    forward: either way the draft's first norm sees what the target's first layer does (RMSNorm ignores the scale, up to its eps).
+    The teacher is the target's own distribution: Gemma's soft-capped, Granite's scaled logits, and causal also
+    where the target's attention is eager (Gemma 2, gpt-oss), which adds a 4-D mask to its scores."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from treadle.models.eagle3 import Eagle3Draft, Eagle3Model
+
+    config = build_family(family, tmp_path / "t", shards / "tok", layers=4)
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32).eval()
+    model = Eagle3Model(target, Eagle3Draft(target.config, (1, 2, 3)))
+    ids = torch.randint(0, 512, (1, 12))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        norm = model.draft_model.embed_norm
+        embeds = target.get_input_embeddings()(ids)
+        torch.testing.assert_close(norm(embeds), norm(out.hidden_states[0]), rtol=1e-2, atol=1e-2)  # up to eps
+        got = model(ids, torch.arange(12)[None]).target_logits
+    torch.testing.assert_close(got, out.logits)
+    raw = target.lm_head(out.hidden_states[-1])
+    if family == "granite":
+        torch.testing.assert_close(got, raw / config.logits_scaling)
+    elif family != "gpt_oss":
+        cap = config.final_logit_softcapping
+        torch.testing.assert_close(got, torch.tanh(raw / cap) * cap)
+
+
+def test_glide_scores_a_transformed_teacher_only_with_the_plain_loss(shards, tmp_path, capsys):
+    """Granite scales its logits: GLIDE's chunked scores (the raw shared head) would score another teacher, so an
+    explicit chunk size is refused in one line and nothing is written."""
+    build_family("granite", tmp_path / "t", shards / "tok", layers=4)
+    capsys.readouterr()
+    out = tmp_path / "run"
+    assert main([*draft_family_args(shards, tmp_path / "t", out, "glide"), "--draft.ttt_steps=1",
+                 "--model.loss_chunk_tokens=7"]) == 2
+    err = capsys.readouterr().err
+    assert "logits_scaling = 4.0" in err and "accepted: 0 or auto" in err and not out.exists(), err

@@ -12,8 +12,12 @@ def build_draft(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, em
 
         return build_eagle3(cfg, data_vocab, data_tokenizer_fingerprint, empty)
     from treadle.models.glide import build_glide
+    from treadle.models.target_families import refuse_for
 
-    return build_glide(cfg, data_vocab, data_tokenizer_fingerprint, empty)
+    refuse_for("glide", cfg.target, "draft.target")  # from its config, before a weight is read
+    built = build_glide(cfg, data_vocab, data_tokenizer_fingerprint, empty)
+    refuse_for("glide", cfg.target, "draft.target", built[0].target)  # and what its modules show
+    return built
 
 
 def load_draft(draft_dir, target):

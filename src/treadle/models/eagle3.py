@@ -96,6 +96,43 @@ class FeatureTap:
 # ----------------------------------------------------------------------------- the draft block
 
 
+def draft_shape(target_config) -> GlideShape:
+    """The draft layer's dimensions: the target's attention dimensions, a Llama layer's SiLU MLP and no biases,
+    whatever the family (vLLM's and SGLang's Llama draft layer runs SiLU only).
+
+    Its MLP width is the target config's ``intermediate_size``, for MoE targets too, as the engines' reference drafts
+    take it: the dense MLP width where the config has one beside the experts' (Qwen3-MoE, DeepSeek-V3's dense
+    layers; SpecForge's Qwen3-30B-A3B draft has 6144, not the experts' 768), the one expert's width where it has
+    only that (Mixtral, gpt-oss).
+    """
+    c = target_config
+    heads = c.num_attention_heads
+    return GlideShape(
+        hidden_size=c.hidden_size, num_attention_heads=heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps, hidden_act="silu", attention_bias=False,
+    )
+
+
+def draft_rotary(target_config) -> nn.Module:
+    """The draft layer's rotary embedding: a Llama rotary over the whole head with the target's rotary parameters
+    (theta, scaling), what an engine builds from the export's config.json. Not the target's own module, which for
+    some families rotates differently shaped heads (gpt-oss's half-width cos/sin, GLM-4's partial rotary) or holds
+    one set per layer type (Gemma 3: the draft takes the full-attention layers')."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    s = draft_shape(target_config)
+    rope = dict(getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    if isinstance(rope.get("full_attention"), dict):
+        rope = dict(rope["full_attention"])
+    rope.pop("partial_rotary_factor", None)
+    config = LlamaConfig(hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads, head_dim=s.head_dim,
+                         max_position_embeddings=target_config.max_position_embeddings, rope_parameters=rope)
+    return LlamaRotaryEmbedding(config=config)
+
+
 class Eagle3Draft(nn.Module):
     """The trainable draft: fc, one decoder layer on [embedding ; feature], its own norm and LM head.
 
@@ -104,7 +141,7 @@ class Eagle3Draft(nn.Module):
 
     def __init__(self, target_config, feature_layers: tuple[int, ...], vocab_size: int | None = None):
         super().__init__()
-        s = self.shape = GlideShape.of(target_config)
+        s = self.shape = draft_shape(target_config)
         d = s.hidden_size
         self.feature_layers = tuple(feature_layers)
         self.target_vocab_size = target_config.vocab_size
@@ -202,12 +239,24 @@ class Eagle3Output:
     target_logits: torch.Tensor  # the frozen target's [B, T, V] on the same input
 
 
+def target_mask(target, position_ids: torch.Tensor) -> torch.Tensor:
+    """``causal_document_mask`` as the target's attention reads a 4-D mask: eager attention (Gemma 2's, gpt-oss's
+    default: soft-capped scores, sinks) adds it to the scores, so it gets 0 / the dtype's minimum, not booleans
+    (which it would add as 1 / 0, hiding nothing)."""
+    mask = causal_document_mask(position_ids)
+    if getattr(target.config, "_attn_implementation", None) != "eager":
+        return mask
+    dtype = target.get_input_embeddings().weight.dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
 class Eagle3Model(DraftRunModel):
     """What an eagle3 draft run trains: a frozen target and a trainable ``draft_model`` on its fused features.
     ``loss_chunk_tokens`` stays 0: the chunked loss is not built for eagle3 (run.py refuses it)."""
 
     def __init__(self, target, draft_model: Eagle3Draft):
         super().__init__(target, draft_model)
+        self.rotary = draft_rotary(target.config)  # buffers only, not saved
 
     # Methods evaluations call directly: a sharding engine gathers parameters around them (see GlideModel).
     fsdp_forward_methods = ("chain_guesses", "continue_greedily")
@@ -232,7 +281,7 @@ class Eagle3Model(DraftRunModel):
         """The target's logits and its features ([B, T, len(feature_layers) * d]) for packed rows, without grad."""
         with torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap:
             out = self.target(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                              attention_mask=causal_document_mask(position_ids))
+                              attention_mask=target_mask(self.target, position_ids))
             return out.logits, tap.take()
 
     def _unroll(self, input_ids: torch.Tensor, position_ids: torch.Tensor, features: torch.Tensor, steps: int,
@@ -319,7 +368,7 @@ def _draft_from_layout(draft_dir, target, where: str) -> Eagle3Draft:
                         "layout: export its run's checkpoint again (treadle export RUN OUT)")
     if "target" in config:
         checked_export(draft_dir, target, KIND, "an eagle3")
-    eagle3_layout.check_fits(config, target.config, draft_dir)
+    eagle3_layout.check_fits(config, _with_hidden_act(target.config), draft_dir)
     layers = eagle3_layout.feature_layers(config, target.config.num_hidden_layers, draft_dir)
     draft = Eagle3Draft(target.config, layers, config.get("draft_vocab_size") or target.config.vocab_size)
     if draft.vocab_size > draft.target_vocab_size:
@@ -328,6 +377,17 @@ def _draft_from_layout(draft_dir, target, where: str) -> Eagle3Draft:
     tensors = load_file(str(Path(draft_dir) / "model.safetensors"))
     draft.load_state_dict(eagle3_layout.import_weights(tensors, draft, draft_dir))
     return draft
+
+
+def _with_hidden_act(target_config):
+    """``target_config`` as the layout's checks read it: Gemma's configs name their activation hidden_activation."""
+    import copy
+
+    if getattr(target_config, "hidden_act", None) is not None:
+        return target_config
+    config = copy.copy(target_config)
+    config.hidden_act = getattr(target_config, "hidden_activation", None) or "silu"
+    return config
 
 
 def load_eagle3(draft_dir, target) -> Eagle3Model:

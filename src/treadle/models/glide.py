@@ -547,9 +547,9 @@ def load_glide(draft_dir, target) -> GlideModel:
 def load_target(path: Path, key: str = "draft.target", empty: bool = False):
     """The target in fp32 and eval mode (``empty``: see ``load_causal_lm``); ``GlideModel`` freezes it."""
     target = load_causal_lm(path, key, empty)
-    if target.config.model_type not in ("llama", "qwen2", "qwen3", "mistral"):
-        raise UserError(f"{key} {path} is a {target.config.model_type!r} model; accepted: llama, qwen2, qwen3, "
-                        "mistral (decoders with q/k/v/o attention and rotary embeddings)")
+    from treadle.models.target_families import check_target
+
+    check_target(target, key, path)  # what every draft kind needs; each kind's own: drafts.build_draft
     target.config.use_cache = False  # training packs documents: no cache (PLATFORM.md)
     return target
 

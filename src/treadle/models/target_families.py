@@ -1,0 +1,139 @@
+"""Which targets each draft kind can read, decided from what the target's config and modules say.
+
+EAGLE-3 reads hidden states: any Hugging Face decoder with a ``model.layers`` stack, a rotary embedding
+(``model.rotary_emb``, which the draft's own Llama-style layer reuses for its positions) and the usual attention
+dimensions qualifies, dense or MoE (Llama, Qwen2/3, Qwen3-MoE, Mistral, Mixtral, gpt-oss, DeepSeek-V3, OLMo-2,
+Gemma 2/3, Phi-3, Granite, GLM-4, SmolLM3 are tested: tests/test_families.py).
+
+GLIDE reads the target's last-layer K/V cache: that layer must project per-head keys and values (``k_proj`` /
+``v_proj``, equal key and value head dims, not DeepSeek's MLA latents), rotate its keys with rotary embeddings over
+the whole head (no partial rotary, no RoPE-less layer) and keep every position in its cache (no sliding window
+shorter than the context). Anything else is refused in one line that names the reason and EAGLE-3 as the
+alternative.
+"""
+
+from __future__ import annotations
+
+from treadle.errors import UserError
+
+KINDS = ("glide", "eagle3")
+
+
+def _last_layer_type(config) -> str | None:
+    types = getattr(config, "layer_types", None)
+    return types[-1] if types else None
+
+
+def glide_obstacle(config) -> str | None:
+    """Why a GLIDE draft cannot read this target's last-layer K/V cache (None: it can), from the config alone."""
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "v_head_dim", None) and (
+            getattr(config, "qk_nope_head_dim", 0) + getattr(config, "qk_rope_head_dim", 0) != config.v_head_dim):
+        return "its attention is multi-head latent attention (MLA): the cache holds a compressed latent and keys and " \
+               "values of different head dims, no per-head K/V a draft can cross-attend to"
+    layer_type = _last_layer_type(config)
+    window = getattr(config, "sliding_window", None)
+    if layer_type is not None:
+        if layer_type != "full_attention":
+            return f"its last layer is a {layer_type!r} layer (window {window}): its cache does not keep every position"
+    elif window and window < config.max_position_embeddings and getattr(config, "use_sliding_window", True):
+        return f"its layers attend through a {window}-token sliding window: the cache does not keep every position"
+    rope = getattr(config, "rope_parameters", None) or {}
+    partial = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
+    if float(partial) != 1.0:
+        return (f"its keys are rotated over a part of each head (partial_rotary_factor = {partial}): GLIDE's "
+                "queries rotate the whole head")
+    if getattr(config, "hidden_act", None) is None:
+        return (f"its config names its activation {getattr(config, 'hidden_activation', None)!r} under "
+                "hidden_activation, not the hidden_act GLIDE's block reads")
+    no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 0 marks a layer without RoPE
+    if no_rope and not no_rope[config.num_hidden_layers - 1]:
+        return "its last layer uses no rotary embedding (no_rope_layers): GLIDE's cross-attention rotates its queries"
+    return None
+
+
+def glide_module_obstacle(target) -> str | None:
+    """What the last layer's modules show that the config does not (projections GLIDE's capture hooks need)."""
+    from treadle.models.hf import decoder_layers
+
+    attn = getattr(decoder_layers(target)[-1], "self_attn", None)
+    if attn is None or not all(hasattr(attn, n) for n in ("k_proj", "v_proj")):
+        return "its last layer has no separate k_proj / v_proj (e.g. a fused qkv_proj) to read per-head K/V from"
+    head_dim = getattr(attn, "head_dim", None)
+    k_norm = getattr(attn, "k_norm", None)
+    width = getattr(k_norm, "normalized_shape", None) or getattr(getattr(k_norm, "weight", None), "shape", None)
+    if k_norm is not None and width is not None and tuple(width)[-1] != head_dim:
+        return (f"its k_norm normalizes all K/V heads together ({tuple(width)[-1]} wide), not each head "
+                f"({head_dim}), as GLIDE's K/V capture does")
+    import torch
+
+    with torch.no_grad():  # GLIDE rotates in the rotate-half convention, with cos/sin as wide as a head
+        cos, _ = target.model.rotary_emb(torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))
+    if cos.shape[-1] != head_dim:
+        return (f"its rotary embedding hands {cos.shape[-1]}-wide cos/sin for {head_dim}-wide heads (another "
+                "rotation convention than the rotate-half one GLIDE's K/V capture applies)")
+    return None
+
+
+def eagle3_obstacle(target) -> str | None:
+    """Why EAGLE-3 cannot read this target (None: it can)."""
+    inner = getattr(target, "model", None)
+    if inner is None or getattr(inner, "rotary_emb", None) is None:
+        return "it has no model.rotary_emb (a rotary-embedding decoder's) for the draft layer's positions"
+    from torch import nn
+
+    if not isinstance(getattr(inner, "layers", None), nn.ModuleList):
+        return "it has no model.layers stack of decoder layers to read hidden states from"
+    for field in ("hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps"):
+        if getattr(target.config, field, None) is None:
+            return f"its config has no {field}"
+    return None
+
+
+def refuse_for(kind: str, target_path, key: str, target=None) -> None:
+    """Refuse, in one line, a ``kind`` draft for the target at ``target_path``: from its config.json alone (before
+    its weights load), or, given the loaded ``target``, also from its modules."""
+    from pathlib import Path
+
+    from treadle.model_dirs import resolve_model_dir
+
+    if kind != "glide":
+        return
+    path = resolve_model_dir(Path(target_path), key)
+    if target is None:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError, KeyError):
+            return  # load_causal_lm refuses it in its own line
+        if not (getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None)):
+            return  # no rotary decoder: no draft kind reads it (check_target says so once it is loaded)
+        why, model_type = glide_obstacle(config), config.model_type
+    else:
+        why, model_type = glide_module_obstacle(target), target.config.model_type
+    if why is not None:
+        raise UserError(f"{key} {path} is a {model_type!r} model GLIDE cannot draft for: {why}; "
+                        "use draft.kind = 'eagle3' (it reads the target's hidden states) instead")
+
+
+def check_target(target, key: str, path) -> None:
+    """Refuse, in one line, a target that no draft kind can read (what each kind adds: ``refuse_for``)."""
+    model_type = target.config.model_type
+    why = eagle3_obstacle(target)
+    if why is not None:
+        raise UserError(f"{key} {path} is a {model_type!r} model that no draft kind can read: {why}; accepted: "
+                        "decoders with rotary embeddings and a model.layers stack (Llama, Qwen, Mixtral, Gemma ...)")
+
+
+def glide_chunked_loss_obstacle(config) -> str | None:
+    """Why GLIDE's chunked loss would not score against this target's distribution (None: it does): it runs both
+    models' hidden states through the raw shared head, so a target whose forward soft-caps or scales its logits
+    (Gemma, Granite) would be a different teacher than the plain loss's."""
+    from treadle.models.chunked_ce import _LOGIT_TRANSFORMS
+
+    found = [f"{k} = {getattr(config, k)}" for k in _LOGIT_TRANSFORMS
+             if getattr(config, k, None) not in (None, 0, 1, 1.0, False)]
+    if not found:
+        return None
+    return (f"the target's forward transforms its logits ({', '.join(found)}), which GLIDE's chunked scores "
+            "through the raw head would not")
