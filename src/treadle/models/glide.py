@@ -8,6 +8,13 @@ The draft block (LongSpec's design, written here from the paper's description):
     h = h + MLP(norm(h))
     logits = lm_head(norm(h))                       the target's LM head, frozen
 
+Two layouts of that block (``draft.layout``): ``treadle`` (above; q/k/v biased only where the target's are, the
+window ``draft.window``) and ``longspec``, the block LongSpec's code runs (sail-sg/LongSpec
+``LlamaGlideDecoderLayer`` / ``Qwen2GlideDecoderLayer``): q/k/v always biased, a self-attention window of 512 earlier
+tokens (``LONGSPEC_WINDOW`` in treadle's count, which includes the token itself), and no final norm: the layer's
+output goes straight into the target's LM head (LongSpec applies neither a norm of its own nor the target's).
+``glide_layout`` converts the weights to LongSpec's names at the edge.
+
 Because the draft has one layer whose self-attention keys and values depend only
 on token and position, its cached self-attention K/V stay exact whatever target
 context the cross-attention saw: that is what makes a decode-time cache cheap.
@@ -189,35 +196,54 @@ class GlideShape:
         )
 
 
-class GlideDraft(nn.Module):
-    """The trainable draft block. It owns no embedding or LM head (the target's are shared)."""
+LAYOUTS = ("treadle", "longspec")
+# LongSpec's self-attention: flash-attn window_size=(512, -1), query i reads keys j with i - j <= 512; treadle's
+# window counts the tokens read, the query's own included (``attention_mask``: q - k < window).
+LONGSPEC_WINDOW = 513
 
-    def __init__(self, target_config, window: int = 0):
+
+class GlideDraft(nn.Module):
+    """The trainable draft block. It owns no embedding or LM head (the target's are shared).
+
+    ``layout``: ``"treadle"`` or ``"longspec"`` (the module docstring); a longspec block's ``window`` is LongSpec's
+    (``LONGSPEC_WINDOW``), whatever is passed as 0.
+    """
+
+    def __init__(self, target_config, window: int = 0, layout: str = "treadle"):
         super().__init__()
         s = self.shape = GlideShape.of(target_config)
-        self.window = window
+        if layout == "longspec":
+            from treadle.models.glide_layout import check_target
+
+            check_target(target_config, window)
+            window = LONGSPEC_WINDOW
+        elif layout != "treadle":
+            raise UserError(f"draft.layout = {layout!r}; accepted: {', '.join(map(repr, LAYOUTS))}")
+        self.window, self.layout = window, layout
+        bias = s.attention_bias or layout == "longspec"  # LongSpec hard-codes bias=True on q/k/v
         q_out, kv_out = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
         self.self_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
-        self.q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attention_bias)
-        self.k_proj = nn.Linear(s.hidden_size, kv_out, bias=s.attention_bias)
-        self.v_proj = nn.Linear(s.hidden_size, kv_out, bias=s.attention_bias)
+        self.q_proj = nn.Linear(s.hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(s.hidden_size, kv_out, bias=bias)
+        self.v_proj = nn.Linear(s.hidden_size, kv_out, bias=bias)
         self.o_proj = nn.Linear(q_out, s.hidden_size, bias=False)
         self.cross_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
-        self.cross_q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attention_bias)
+        self.cross_q_proj = nn.Linear(s.hidden_size, q_out, bias=bias)
         self.cross_o_proj = nn.Linear(q_out, s.hidden_size, bias=False)
         self.mlp_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
         self.act = ACT2FN[s.hidden_act]
-        self.final_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        # LongSpec's block has none: its output is what the LM head reads.
+        self.final_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps) if layout == "treadle" else None
         init_linears(self, target_config)
 
     def export_config(self) -> dict:
         """What ``load_glide`` needs besides the weights (export.py writes it to config.json)."""
         from dataclasses import asdict
 
-        return {"treadle_draft_kind": KIND, "window": self.window, "shape": asdict(self.shape)}
+        return {"treadle_draft_kind": KIND, "layout": self.layout, "window": self.window, "shape": asdict(self.shape)}
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(*x.shape[:2], -1, self.shape.head_dim).transpose(1, 2)  # [B, H, T, D]
@@ -232,7 +258,8 @@ class GlideDraft(nn.Module):
                 target_kv: tuple[torch.Tensor, torch.Tensor], self_mask: torch.Tensor, cross_mask: torch.Tensor,
                 past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                 gather: Callable[[torch.Tensor, int], torch.Tensor] | None = None):
-        """Hidden states after the final norm, and this call's self-attention K/V (for a decode cache).
+        """Hidden states the LM head reads (after the final norm, if the layout has one), and this call's
+        self-attention K/V (for a decode cache).
 
         ``past_kv`` holds self-attention K/V of earlier tokens (decode); ``self_mask``
         then covers past + new keys. ``gather`` (context parallelism: ``embeds`` is a slice of the sequence)
@@ -261,7 +288,7 @@ class GlideDraft(nn.Module):
 
         h = self.mlp_norm(x)
         x = x + self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
-        return self.final_norm(x), new_kv
+        return (x if self.final_norm is None else self.final_norm(x)), new_kv
 
 
 # ----------------------------------------------------------------------------- the target side
@@ -511,10 +538,12 @@ def read_draft_config(draft_dir) -> dict | None:
         return None
     if not isinstance(config, dict):
         return None
-    from treadle.models.eagle3_layout import is_layout
+    from treadle.models import eagle3_layout, glide_layout
 
-    if "treadle_draft_kind" not in config and is_layout(config):  # an EAGLE-3 draft trained elsewhere
+    if "treadle_draft_kind" not in config and eagle3_layout.is_layout(config):  # an EAGLE-3 draft trained elsewhere
         config["treadle_draft_kind"] = "eagle3"
+    if "treadle_draft_kind" not in config and glide_layout.is_layout(config):  # a GLIDE draft trained with LongSpec
+        config["treadle_draft_kind"] = KIND
     return config if "treadle_draft_kind" in config else None
 
 
@@ -532,13 +561,11 @@ def checked_export(draft_dir, target, kind: str, title: str) -> dict:
 
 
 def load_glide(draft_dir, target) -> GlideModel:
-    """An exported GLIDE draft attached to ``target``, which must be the architecture it was trained for."""
-    from safetensors.torch import load_file
+    """An exported GLIDE draft (either layout; a LongSpec draft directory or its ``draft_model_weights.pth``)
+    attached to ``target``, which must be the architecture it was trained for."""
+    from treadle.models.glide_layout import read_draft
 
-    config = checked_export(draft_dir, target, KIND, "a GLIDE")
-    draft = GlideDraft(target.config, window=config["window"])
-    draft.load_state_dict(load_file(str(Path(draft_dir) / "model.safetensors")))
-    return GlideModel(target, draft).eval()
+    return GlideModel(target, read_draft(draft_dir, target, "draft")).eval()
 
 
 # ----------------------------------------------------------------------------- a draft run's target
@@ -585,4 +612,10 @@ def build_glide(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, em
     """
     target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
     target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
-    return GlideModel(target, GlideDraft(target.config, window=cfg.window)), target_dir, ident
+    if cfg.init is not None:
+        from treadle.models.glide_layout import init_draft
+
+        draft = init_draft(cfg, target)
+    else:
+        draft = GlideDraft(target.config, window=cfg.window, layout=cfg.layout)
+    return GlideModel(target, draft), target_dir, ident
