@@ -278,3 +278,35 @@ def test_what_longspec_cannot_run_is_refused_in_one_line():
                           (["--draft.layout=longspec", "--draft.target=x"], "accepted: draft.kind = 'glide'")):
         with pytest.raises(UserError, match=message):
             load_config(None, [*base, *args])
+
+
+def test_a_longspec_layout_run_exports_loads_evaluates_and_restarts(shards, target_dir, tmp_path, capsys):
+    """End to end: a run of layout longspec writes LongSpec's directory in draft/; spec-eval measures it losslessly;
+    draft.init starts a run from it (the run, or LongSpec's .pth alone); a layout other than the init's is one line."""
+    from tests.helpers import draft_args
+    from treadle.cli import main
+    from treadle.config import load_config
+    from treadle.train.run import build_trainer
+
+    run = tmp_path / "run"
+    assert main(draft_args(shards, target_dir, run, "--train.max_steps=2", "--draft.layout=longspec")) == 0
+    layer = LongSpecGlideLayer(AutoConfig.from_pretrained(run / "draft"))
+    layer.load_state_dict(torch.load(run / "draft" / "draft_model_weights.pth", weights_only=True), strict=True)
+    out = tmp_path / "spec.json"
+    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
+                 "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["lossless"] is True and got["drafter"] == "glide"
+
+    want = load_file(run / "draft" / "model.safetensors")
+    for init in (run, run / "draft" / "draft_model_weights.pth"):
+        trainer = build_trainer(load_config(None, draft_args(shards, target_dir, tmp_path / "b", "--train.max_steps=2",
+                                                             "--draft.layout=longspec", f"--draft.init={init}")[1:]))
+        draft = trainer.engine.module.draft_model
+        assert draft.layout == "longspec" and draft.final_norm is None and draft.window == 513
+        assert torch.equal(draft.state_dict()["cross_q_proj.bias"], want["cross_attn.q_proj.bias"])
+        trainer.metrics.close()
+    capsys.readouterr()
+    assert main(draft_args(shards, target_dir, tmp_path / "c", "--train.max_steps=2", f"--draft.init={run}")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "draft.layout = 'longspec'" in err, err
