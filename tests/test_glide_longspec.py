@@ -110,7 +110,6 @@ class LlamaGlideDecoderLayer(PreTrainedModel):
 
     def __init__(self, config):
         super().__init__(config)
-        self.layer = None
         layer = LongSpecGlideLayer(config)
         for name, module in layer.named_children():
             self.add_module(name, module)

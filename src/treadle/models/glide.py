@@ -205,8 +205,8 @@ LONGSPEC_WINDOW = 513
 class GlideDraft(nn.Module):
     """The trainable draft block. It owns no embedding or LM head (the target's are shared).
 
-    ``layout``: ``"treadle"`` or ``"longspec"`` (the module docstring); a longspec block's ``window`` is LongSpec's
-    (``LONGSPEC_WINDOW``), whatever is passed as 0.
+    ``layout``: ``"treadle"`` or ``"longspec"`` (the module docstring); a longspec block's ``window`` is always
+    LongSpec's, ``LONGSPEC_WINDOW`` (``window`` may be passed as 0 or that; anything else is refused).
     """
 
     def __init__(self, target_config, window: int = 0, layout: str = "treadle"):
