@@ -19,6 +19,8 @@ projected speedup = tau / that.
 
     python bench/spec.py [--train-seconds 150] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1,dynamic-t1] [--reuse-trained]
 
+``glide-kl-longspec`` (not in the default list) is glide-kl in LongSpec's layout (``draft.layout = "longspec"``),
+the row to set beside glide-kl to choose the default layout: ``--only glide-kl,glide-kl-longspec``.
 ``glide-kl-regen`` (not in the default list) trains GLIDE-kl on *regenerated* data: prompts cut from the
 built-in corpus' train split, answered greedily by the target itself (``treadle generate``), trained as SFT.
 Results go to stdout as a table and to ``runs/bench-spec/results.json``; rows of earlier invocations with the same
@@ -45,7 +47,7 @@ from transformers import AutoTokenizer
 from treadle.config import load_config
 from treadle.corpus import corpus_files, split_of
 from treadle.models.eagle3 import load_eagle3
-from treadle.models.glide import load_glide
+from treadle.models.glide_layout import load_glide
 from treadle.model_dirs import resolve_model_dir
 from treadle.models.hf import load_causal_lm
 from treadle.speculative.acceptance import lookup_tau
@@ -98,10 +100,11 @@ class Recipe:
     family: str
 
 
-def _glide_args(loss: str, regen: bool = False, ttt_steps: int = 1):
+def _glide_args(loss: str, regen: bool = False, ttt_steps: int = 1, layout: str = "treadle"):
     def args_for(args) -> list[str]:
         return [*_data_args(args, regen), "--draft.kind=glide", f"--draft.target={args.target}",
-                f"--draft.loss={loss}", f"--draft.gamma={args.gamma}", f"--draft.ttt_steps={ttt_steps}"]
+                f"--draft.loss={loss}", f"--draft.gamma={args.gamma}", f"--draft.ttt_steps={ttt_steps}",
+                f"--draft.layout={layout}"]
     return args_for
 
 
@@ -131,6 +134,8 @@ RECIPES = [
     Recipe("glide-ce", _glide_args("ce"), _glide, "glide"),
     Recipe("glide-kl-ttt", _glide_args("kl", ttt_steps=3), _glide, "glide"),  # the training-time test, 3 steps
     Recipe("glide-kl-regen", _glide_args("kl", regen=True), _glide, "glide"),
+    # LongSpec's layer (draft.layout = "longspec": biased q/k/v, 512-token window, no final norm), vs glide-kl's.
+    Recipe("glide-kl-longspec", _glide_args("kl", layout="longspec"), _glide, "glide"),
     Recipe("eagle3", _eagle3_args, lambda run, target: Eagle3Drafter(load_eagle3(run / "draft", target)), "eagle3"),
     Recipe("lm", _lm_args, lambda run, target: ModelDrafter(load_causal_lm(run / "hf", "lm draft"), name="lm"), "lm"),
     Recipe("prompt-lookup", None, lambda run, target: PromptLookupDrafter(), "prompt-lookup"),

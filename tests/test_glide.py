@@ -11,8 +11,9 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 from tests.helpers import TARGET, draft_args, records
 from treadle.cli import main
 from treadle.models.glide import (
-    GlideDraft, GlideModel, anchored_positions, attention_mask, capture_last_kv, document_ids, load_glide,
+    GlideDraft, GlideModel, anchored_positions, attention_mask, capture_last_kv, document_ids,
 )
+from treadle.models.glide_layout import load_glide
 from treadle.models.hf import cache_kwargs, greedy_continuations
 from treadle.speculative.acceptance import chain_acceptance
 from treadle.speculative.decode import TargetState

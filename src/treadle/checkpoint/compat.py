@@ -19,7 +19,10 @@ _HARMLESS_MODEL_KEYS = {"model.dtype", "model.compile", "model.loss_chunk_tokens
                         "model.activation_checkpointing_every", "model.activation_checkpointing_save_ops",
                         "model.router_aux_loss_coef", "model.router_z_loss_coef"}
 # [draft] keys that shape the trained module; the rest (objective, lag, offsets, eval) are training choices.
-_DRAFT_ARCH_KEYS = {"draft.kind", "draft.window", "draft.feature_layers", "draft.vocab_size", "draft.init"}
+_DRAFT_ARCH_KEYS = {"draft.kind", "draft.window", "draft.layout", "draft.feature_layers", "draft.vocab_size",
+                    "draft.init"}
+# Keys added after checkpoints were written without them: the value those runs had.
+_DRAFT_ARCH_DEFAULTS = {"draft.layout": "treadle"}
 _META_KEYS = ("vocab_size", "tokenizer_fingerprint", "target_fingerprint")
 
 
@@ -27,6 +30,7 @@ def _architecture(config: dict) -> dict[str, Any]:
     """The config keys that decide which tensors a checkpoint holds."""
     model = {k: v for k, v in flatten(config.get("model", {}), "model.").items() if k not in _HARMLESS_MODEL_KEYS}
     draft = {k: v for k, v in flatten(config.get("draft", {}), "draft.").items() if k in _DRAFT_ARCH_KEYS}
+    draft = _DRAFT_ARCH_DEFAULTS | draft
     return model | draft
 
 

@@ -101,9 +101,13 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
 
     EAGLE-3: the original EAGLE layout vLLM, SGLang, SpecForge and TensorRT-LLM load (``eagle3_layout``: config.json
     a Hugging Face Llama config, ``model.safetensors`` under the consumers' names), treadle's metadata (the target's
-    path and fingerprints, the run's config and step) as extra config keys. GLIDE: ``model.safetensors`` +
-    ``config.json`` (draft kind, hyper-parameters, target, training) and ``draft_model_weights.pth``, the same state
-    dict with the ``draft_model.`` prefix stripped. ``dtype``: the weights' dtype on disk (loading casts them to the
+    path and fingerprints, the run's config and step) as extra config keys. GLIDE of layout ``longspec``: the
+    Hugging Face directory LongSpec's ``LlamaGlideDecoderLayer`` / ``Qwen2GlideDecoderLayer.from_pretrained`` loads
+    (``glide_layout``: config.json the target's config, ``model.safetensors`` under LongSpec's names) and
+    ``draft_model_weights.pth``, the same tensors (what LongSpec's trainer reloads), treadle's metadata as extra
+    config keys. GLIDE of layout ``treadle``: ``model.safetensors`` + ``config.json`` (draft kind, hyper-parameters,
+    target, training) and ``draft_model_weights.pth``, the same state dict in treadle's names (the file name and
+    prefix stripping of LongSpec's trainer, not its names: LongSpec cannot load it). ``dtype``: the weights' dtype on disk (loading casts them to the
     model's own); integer and boolean tensors (an eagle3 draft's vocabulary map ``d2t`` / ``t2d``) keep theirs.
     A weight the layout has no name for, or one it needs and the draft lacks, is refused before anything is written.
     """
@@ -124,6 +128,11 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
 
         weights, config = eagle3_export(draft, weights, model.target.config, torch_dtype,
                                         {**draft.export_config(), **meta})
+    elif draft.export_config().get("layout") == "longspec":
+        from treadle.models.glide_layout import export as longspec_export
+
+        weights, config = longspec_export(draft, weights, model.target.config, torch_dtype,
+                                          {**draft.export_config(), **meta})
     else:
         config = {**draft.export_config(), "dtype": dtype, **meta}
     out = Path(out)

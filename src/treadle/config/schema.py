@@ -313,7 +313,12 @@ class DraftConfig(Section):
     kl_weight: float = Field(0.5, ge=0.0, le=1.0, description="mix: weight of kl (ce gets 1 - kl_weight)")
     gamma: int = Field(4, ge=1, le=16, description="draft tokens per verification: the KV lag range and the acceptance chain")
     kv_lag: bool = Field(True, description="train with a lag drawn in [1, gamma] per batch (false: always lag 1)")
-    window: int = Field(0, ge=0, description="draft self-attention window in tokens; 0 = full causal")
+    window: int = Field(0, ge=0, description="draft self-attention window in tokens; 0 = full causal (layout "
+                        "longspec: LongSpec's, 513 = the token and the 512 before it)")
+    layout: Literal["treadle", "longspec"] = Field("treadle", description="glide: the block trained and exported; "
+                                                   "treadle: with a final norm; longspec: the layer LongSpec's code "
+                                                   "loads and runs (biased q/k/v, 512-token window, no final norm), "
+                                                   "exported under its names")
     anchor_positions: int = Field(4, ge=1, description="positions kept as they are before the random offset starts")
     max_position_offset: int = Field(0, ge=0, description="offsets drawn in [0, this] shift later positions; 0 = off")
     eval_prompts: int = Field(8, ge=1, description="held-out prompts whose target-greedy continuations measure acceptance")
@@ -326,8 +331,9 @@ class DraftConfig(Section):
                                    "training tokens; unset = the target's whole vocabulary")
     init: str | None = Field(None, description="eagle3: start from this EAGLE-3 draft (a directory in the EAGLE layout "
                              "vLLM and SGLang load, treadle's export or one trained elsewhere for this target, or a "
-                             "treadle run directory); its feature layers and vocabulary map are the run's; unset = a "
-                             "new draft")
+                             "treadle run directory); its feature layers and vocabulary map are the run's; glide: "
+                             "from this GLIDE draft (a treadle export or run directory, a LongSpec draft directory or "
+                             "its draft_model_weights.pth) of the run's layout; unset = a new draft")
     ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3, glide: training-time-test unroll steps (the "
                                   "draft fed its own outputs); unset = 7 (eagle3), 1 (glide: no unroll)")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3, glide: weight of unroll step k's loss is ttt_decay**k")
@@ -433,11 +439,21 @@ class Config(Section):
         if self.draft.kind is not None and self.draft.target is None:
             raise ValueError("draft.kind is set but draft.target is not; accepted: a Hugging Face model directory or a treadle run directory")
         if self.draft.kind != "eagle3":
-            for key, kinds in (("feature_layers", ("eagle3",)), ("vocab_size", ("eagle3",)), ("init", ("eagle3",)),
-                               ("ttt_steps", ("eagle3", "glide"))):
+            for key, kinds in (("feature_layers", ("eagle3",)), ("vocab_size", ("eagle3",)),
+                               ("init", ("eagle3", "glide")), ("ttt_steps", ("eagle3", "glide"))):
                 if getattr(self.draft, key) is not None and self.draft.kind not in kinds:
                     raise ValueError(f"draft.{key} is set but draft.kind = {self.draft.kind!r}; accepted: draft.kind = "
                                      f"{' or '.join(map(repr, kinds))}, or leave it unset")
+            if self.draft.layout != "treadle" and self.draft.kind != "glide":
+                raise ValueError(f"draft.layout = {self.draft.layout!r} is set but draft.kind = {self.draft.kind!r}; "
+                                 "accepted: draft.kind = 'glide', or leave it unset")
+            if self.draft.layout == "longspec" and self.draft.window not in (0, 513):
+                raise ValueError(f"draft.window = {self.draft.window} with draft.layout = 'longspec': LongSpec's "
+                                 "self-attention reads the 512 tokens before each token, fixed in its code; "
+                                 "accepted: draft.window = 0 or 513 (treadle counts the token itself)")
+        elif self.draft.layout != "treadle":
+            raise ValueError(f"draft.layout = {self.draft.layout!r} with draft.kind = 'eagle3' (its layout is the "
+                             "EAGLE one vLLM and SGLang load); accepted: draft.layout unset")
         elif self.draft.window:
             raise ValueError(f"draft.window = {self.draft.window} with draft.kind = 'eagle3' (it has no windowed "
                              "self-attention); accepted: draft.window = 0")

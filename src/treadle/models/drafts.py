@@ -11,7 +11,7 @@ def build_draft(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, em
         from treadle.models.eagle3 import build_eagle3
 
         return build_eagle3(cfg, data_vocab, data_tokenizer_fingerprint, empty)
-    from treadle.models.glide import build_glide
+    from treadle.models.glide_layout import build_glide
     from treadle.models.target_families import refuse_for
 
     refuse_for("glide", cfg.target, "draft.target")  # from its config, before a weight is read
@@ -27,7 +27,7 @@ def load_draft(draft_dir, target):
     config = read_draft_config(draft_dir)
     kind = config and config["treadle_draft_kind"]
     if kind == "glide":
-        from treadle.models.glide import load_glide
+        from treadle.models.glide_layout import load_glide
 
         return load_glide(draft_dir, target)
     if kind == "eagle3":

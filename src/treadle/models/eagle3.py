@@ -41,10 +41,11 @@ from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
 from treadle.models import eagle3_layout
 from treadle.models.glide import (
-    DraftRunModel, GlideShape, RMSNorm, attention_mask, causal_document_mask, checked_export, checked_target,
-    document_ids, init_linears, read_draft_config, sdpa, self_attention_inputs, ttt_mask,
+    DraftRunModel, GlideShape, RMSNorm, attention_mask, causal_document_mask, checked_export, document_ids,
+    init_linears, read_draft_config, sdpa, self_attention_inputs, ttt_mask,
 )
 from treadle.models.hf import decoder_layers, greedy_continuations
+from treadle.models.target_families import checked_target
 
 KIND = "eagle3"
 

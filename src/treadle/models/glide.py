@@ -8,6 +8,13 @@ The draft block (LongSpec's design, written here from the paper's description):
     h = h + MLP(norm(h))
     logits = lm_head(norm(h))                       the target's LM head, frozen
 
+Two layouts of that block (``draft.layout``): ``treadle`` (above; q/k/v biased only where the target's are, the
+window ``draft.window``) and ``longspec``, the block LongSpec's code runs (sail-sg/LongSpec
+``LlamaGlideDecoderLayer`` / ``Qwen2GlideDecoderLayer``): q/k/v always biased, a self-attention window of 512 earlier
+tokens (``LONGSPEC_WINDOW`` in treadle's count, which includes the token itself), and no final norm: the layer's
+output goes straight into the target's LM head (LongSpec applies neither a norm of its own nor the target's).
+``glide_layout`` converts the weights to LongSpec's names at the edge.
+
 Because the draft has one layer whose self-attention keys and values depend only
 on token and position, its cached self-attention K/V stay exact whatever target
 context the cross-attention saw: that is what makes a decode-time cache cheap.
@@ -41,10 +48,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
-from treadle.model_dirs import resolve_model_dir
 from treadle.models.chunked_ce import chunked_distillation_scores
-from treadle.models.hf import greedy_continuations, load_causal_lm
-from treadle.tokenizer import tokenizer_fingerprint
+from treadle.models.hf import greedy_continuations
 
 KIND = "glide"
 
@@ -189,35 +194,83 @@ class GlideShape:
         )
 
 
-class GlideDraft(nn.Module):
-    """The trainable draft block. It owns no embedding or LM head (the target's are shared)."""
+LAYOUTS = ("treadle", "longspec")
+# LongSpec's self-attention: flash-attn window_size=(512, -1), query i reads keys j with i - j <= 512; treadle's
+# window counts the tokens read, the query's own included (``attention_mask``: q - k < window).
+LONGSPEC_WINDOW = 513
 
-    def __init__(self, target_config, window: int = 0):
+# The target families LongSpec has a decoder layer for, and that layer's class (config.json ``architectures``).
+ARCHITECTURES = {"llama": "LlamaGlideDecoderLayer", "qwen2": "Qwen2GlideDecoderLayer"}
+
+
+def is_layout(config: dict) -> bool:
+    """A config.json of a GLIDE draft in LongSpec's layout (treadle's or one trained with LongSpec)."""
+    return any(a in ARCHITECTURES.values() for a in config.get("architectures") or ())
+
+
+def check_longspec_target(target_config, window: int = 0) -> None:
+    """What LongSpec's layer can be built for: a Llama or Qwen2 target with head_dim = hidden / heads and no MLP
+    bias; its self-attention window is fixed (``draft.window`` 0 or 513, treadle's count of LongSpec's 512)."""
+    family = target_config.model_type
+    if family not in ARCHITECTURES:
+        raise UserError(f"draft.layout = 'longspec' with a {family!r} target: LongSpec has GLIDE layers for "
+                        f"{', '.join(map(repr, ARCHITECTURES))} targets only; accepted: such a target, or "
+                        "draft.layout = 'treadle'")
+    heads, hidden = target_config.num_attention_heads, target_config.hidden_size
+    head_dim = getattr(target_config, "head_dim", None) or hidden // heads
+    if head_dim * heads != hidden:
+        raise UserError(f"draft.layout = 'longspec' with a target whose head_dim ({head_dim}) x heads ({heads}) != "
+                        f"hidden_size ({hidden}): LongSpec's layer computes head_dim = hidden_size / heads; "
+                        "accepted: draft.layout = 'treadle'")
+    if getattr(target_config, "mlp_bias", False):
+        raise UserError("draft.layout = 'longspec' with a target whose MLP has biases (mlp_bias = true): treadle's "
+                        "GLIDE MLP has none; accepted: draft.layout = 'treadle'")
+    if window not in (0, LONGSPEC_WINDOW):
+        raise UserError(f"draft.window = {window} with draft.layout = 'longspec': LongSpec's self-attention reads "
+                        f"the 512 tokens before each token, fixed in its code; accepted: draft.window = 0 or "
+                        f"{LONGSPEC_WINDOW} (treadle counts the token itself)")
+
+
+class GlideDraft(nn.Module):
+    """The trainable draft block. It owns no embedding or LM head (the target's are shared).
+
+    ``layout``: ``"treadle"`` or ``"longspec"`` (the module docstring); a longspec block's ``window`` is always
+    LongSpec's, ``LONGSPEC_WINDOW`` (``window`` may be passed as 0 or that; anything else is refused).
+    """
+
+    def __init__(self, target_config, window: int = 0, layout: str = "treadle"):
         super().__init__()
         s = self.shape = GlideShape.of(target_config)
-        self.window = window
+        if layout == "longspec":
+            check_longspec_target(target_config, window)
+            window = LONGSPEC_WINDOW
+        elif layout != "treadle":
+            raise UserError(f"draft.layout = {layout!r}; accepted: {', '.join(map(repr, LAYOUTS))}")
+        self.window, self.layout = window, layout
+        bias = s.attention_bias or layout == "longspec"  # LongSpec hard-codes bias=True on q/k/v
         q_out, kv_out = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
         self.self_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
-        self.q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attention_bias)
-        self.k_proj = nn.Linear(s.hidden_size, kv_out, bias=s.attention_bias)
-        self.v_proj = nn.Linear(s.hidden_size, kv_out, bias=s.attention_bias)
+        self.q_proj = nn.Linear(s.hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(s.hidden_size, kv_out, bias=bias)
+        self.v_proj = nn.Linear(s.hidden_size, kv_out, bias=bias)
         self.o_proj = nn.Linear(q_out, s.hidden_size, bias=False)
         self.cross_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
-        self.cross_q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attention_bias)
+        self.cross_q_proj = nn.Linear(s.hidden_size, q_out, bias=bias)
         self.cross_o_proj = nn.Linear(q_out, s.hidden_size, bias=False)
         self.mlp_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
         self.act = ACT2FN[s.hidden_act]
-        self.final_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        # LongSpec's block has none: its output is what the LM head reads.
+        self.final_norm = RMSNorm(s.hidden_size, eps=s.rms_norm_eps) if layout == "treadle" else None
         init_linears(self, target_config)
 
     def export_config(self) -> dict:
         """What ``load_glide`` needs besides the weights (export.py writes it to config.json)."""
         from dataclasses import asdict
 
-        return {"treadle_draft_kind": KIND, "window": self.window, "shape": asdict(self.shape)}
+        return {"treadle_draft_kind": KIND, "layout": self.layout, "window": self.window, "shape": asdict(self.shape)}
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(*x.shape[:2], -1, self.shape.head_dim).transpose(1, 2)  # [B, H, T, D]
@@ -232,7 +285,8 @@ class GlideDraft(nn.Module):
                 target_kv: tuple[torch.Tensor, torch.Tensor], self_mask: torch.Tensor, cross_mask: torch.Tensor,
                 past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                 gather: Callable[[torch.Tensor, int], torch.Tensor] | None = None):
-        """Hidden states after the final norm, and this call's self-attention K/V (for a decode cache).
+        """Hidden states the LM head reads (after the final norm, if the layout has one), and this call's
+        self-attention K/V (for a decode cache).
 
         ``past_kv`` holds self-attention K/V of earlier tokens (decode); ``self_mask``
         then covers past + new keys. ``gather`` (context parallelism: ``embeds`` is a slice of the sequence)
@@ -261,7 +315,7 @@ class GlideDraft(nn.Module):
 
         h = self.mlp_norm(x)
         x = x + self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
-        return self.final_norm(x), new_kv
+        return (x if self.final_norm is None else self.final_norm(x)), new_kv
 
 
 # ----------------------------------------------------------------------------- the target side
@@ -511,10 +565,12 @@ def read_draft_config(draft_dir) -> dict | None:
         return None
     if not isinstance(config, dict):
         return None
-    from treadle.models.eagle3_layout import is_layout
+    from treadle.models import eagle3_layout
 
-    if "treadle_draft_kind" not in config and is_layout(config):  # an EAGLE-3 draft trained elsewhere
+    if "treadle_draft_kind" not in config and eagle3_layout.is_layout(config):  # an EAGLE-3 draft trained elsewhere
         config["treadle_draft_kind"] = "eagle3"
+    if "treadle_draft_kind" not in config and is_layout(config):  # a GLIDE draft trained with LongSpec
+        config["treadle_draft_kind"] = KIND
     return config if "treadle_draft_kind" in config else None
 
 
@@ -529,60 +585,3 @@ def checked_export(draft_dir, target, kind: str, title: str) -> dict:
         raise UserError(f"draft {draft_dir} was trained for a target with config fingerprint {want} "
                         f"({config['target']['path']}); this target has {have}")
     return config
-
-
-def load_glide(draft_dir, target) -> GlideModel:
-    """An exported GLIDE draft attached to ``target``, which must be the architecture it was trained for."""
-    from safetensors.torch import load_file
-
-    config = checked_export(draft_dir, target, KIND, "a GLIDE")
-    draft = GlideDraft(target.config, window=config["window"])
-    draft.load_state_dict(load_file(str(Path(draft_dir) / "model.safetensors")))
-    return GlideModel(target, draft).eval()
-
-
-# ----------------------------------------------------------------------------- a draft run's target
-
-
-def load_target(path: Path, key: str = "draft.target", empty: bool = False):
-    """The target in fp32 and eval mode (``empty``: see ``load_causal_lm``); ``GlideModel`` freezes it."""
-    target = load_causal_lm(path, key, empty)
-    from treadle.models.target_families import check_target
-
-    check_target(target, key, path)  # what every draft kind needs; each kind's own: drafts.build_draft
-    target.config.use_cache = False  # training packs documents: no cache (PLATFORM.md)
-    return target
-
-
-def target_identity(target_dir: Path, target) -> dict:
-    """What a draft records about its target, and what a resume must find unchanged."""
-    tok = target_dir / "tokenizer.json"
-    return {
-        "path": str(target_dir.resolve()),
-        "config_fingerprint": target_config_fingerprint(target.config),
-        "tokenizer_fingerprint": tokenizer_fingerprint(target_dir) if tok.is_file() else None,
-    }
-
-
-def checked_target(target_dir: Path, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
-    """(target, identity) of a draft run's ``draft.target``, checked against the data's vocabulary and tokenizer."""
-    target = load_target(target_dir, empty=empty)
-    ident = target_identity(target_dir, target)
-    if target.config.vocab_size < data_vocab:
-        raise UserError(f"draft.target {target_dir} has vocab_size {target.config.vocab_size}, smaller than the "
-                        f"data's {data_vocab}; accepted: data tokenized with the target's tokenizer")
-    theirs = ident["tokenizer_fingerprint"]
-    if theirs and data_tokenizer_fingerprint and theirs != data_tokenizer_fingerprint:
-        raise UserError(f"data.train was tokenized with tokenizer {data_tokenizer_fingerprint}, draft.target "
-                        f"{target_dir} uses {theirs}; accepted: shards made with the target's tokenizer")
-    return target, ident
-
-
-def build_glide(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
-    """(GlideModel, target dir, target identity) for a ``DraftConfig``, checked against the data. Seed torch first.
-
-    ``empty``: the target is built on the meta device (see ``load_causal_lm``); the draft is built whole.
-    """
-    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
-    target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
-    return GlideModel(target, GlideDraft(target.config, window=cfg.window)), target_dir, ident

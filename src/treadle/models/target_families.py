@@ -14,7 +14,12 @@ alternative.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from treadle.errors import UserError
+from treadle.models.glide import target_config_fingerprint
+from treadle.models.hf import load_causal_lm
+from treadle.tokenizer import tokenizer_fingerprint
 
 KINDS = ("glide", "eagle3")
 
@@ -137,3 +142,38 @@ def glide_chunked_loss_obstacle(config) -> str | None:
         return None
     return (f"the target's forward transforms its logits ({', '.join(found)}), which GLIDE's chunked scores "
             "through the raw head would not")
+
+
+# ----------------------------------------------------------------------------- a draft run's target
+
+
+def load_target(path: Path, key: str = "draft.target", empty: bool = False):
+    """The target in fp32 and eval mode (``empty``: see ``load_causal_lm``); ``GlideModel`` freezes it."""
+    target = load_causal_lm(path, key, empty)
+    check_target(target, key, path)  # what every draft kind needs; each kind's own: drafts.build_draft
+    target.config.use_cache = False  # training packs documents: no cache (PLATFORM.md)
+    return target
+
+
+def target_identity(target_dir: Path, target) -> dict:
+    """What a draft records about its target, and what a resume must find unchanged."""
+    tok = target_dir / "tokenizer.json"
+    return {
+        "path": str(target_dir.resolve()),
+        "config_fingerprint": target_config_fingerprint(target.config),
+        "tokenizer_fingerprint": tokenizer_fingerprint(target_dir) if tok.is_file() else None,
+    }
+
+
+def checked_target(target_dir: Path, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
+    """(target, identity) of a draft run's ``draft.target``, checked against the data's vocabulary and tokenizer."""
+    target = load_target(target_dir, empty=empty)
+    ident = target_identity(target_dir, target)
+    if target.config.vocab_size < data_vocab:
+        raise UserError(f"draft.target {target_dir} has vocab_size {target.config.vocab_size}, smaller than the "
+                        f"data's {data_vocab}; accepted: data tokenized with the target's tokenizer")
+    theirs = ident["tokenizer_fingerprint"]
+    if theirs and data_tokenizer_fingerprint and theirs != data_tokenizer_fingerprint:
+        raise UserError(f"data.train was tokenized with tokenizer {data_tokenizer_fingerprint}, draft.target "
+                        f"{target_dir} uses {theirs}; accepted: shards made with the target's tokenizer")
+    return target, ident
