@@ -334,7 +334,7 @@ def test_an_eagle3_run_starts_from_a_draft_in_the_eagle_layout(shards, eagle3_ta
 
 @pytest.mark.parametrize("bad, key", [
     (("--draft.kind=glide", "--draft.vocab_size=100"), "draft.vocab_size"),
-    (("--draft.kind=glide", "--draft.init=somewhere"), "draft.init"),  # GLIDE's import is not built yet
+    (("--draft.kind=glide", "--draft.init=somewhere"), "draft.init"),  # not a draft directory
     (("--draft.kind=glide", "--draft.ttt_steps=3", "--model.loss_chunk_tokens=16"), "model.loss_chunk_tokens"),
     (("--draft.kind=eagle3", "--draft.feature_layers=[0,2]"), "draft.feature_layers"),  # three, as engines serve
     (("--draft.kind=eagle3", "--draft.feature_layers=[1,2,2]"), "draft.feature_layers"),  # strictly increasing
