@@ -71,8 +71,12 @@ def glide_module_obstacle(target) -> str | None:
                 f"({head_dim}), as GLIDE's K/V capture does")
     import torch
 
-    with torch.no_grad():  # GLIDE rotates in the rotate-half convention, with cos/sin as wide as a head
-        cos, _ = target.model.rotary_emb(torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))
+    # GLIDE rotates in the rotate-half convention, with cos/sin as wide as a head. Only the width is read, so the
+    # call runs where the rotary's buffer lives: on the meta device for a target built empty (sharded loading).
+    device = next(target.model.rotary_emb.buffers(), torch.zeros(0)).device
+    with torch.no_grad():
+        cos, _ = target.model.rotary_emb(torch.zeros(1, 1, 1, device=device),
+                                         torch.zeros(1, 1, dtype=torch.long, device=device))
     if cos.shape[-1] != head_dim:
         return (f"its rotary embedding hands {cos.shape[-1]}-wide cos/sin for {head_dim}-wide heads (another "
                 "rotation convention than the rotate-half one GLIDE's K/V capture applies)")
