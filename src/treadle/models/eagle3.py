@@ -28,6 +28,7 @@ the draft, in its checkpoints and export, and a reduced draft without them is re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -106,14 +107,7 @@ def draft_shape(target_config) -> GlideShape:
     layers; SpecForge's Qwen3-30B-A3B draft has 6144, not the experts' 768), the one expert's width where it has
     only that (Mixtral, gpt-oss).
     """
-    c = target_config
-    heads = c.num_attention_heads
-    return GlideShape(
-        hidden_size=c.hidden_size, num_attention_heads=heads,
-        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-        intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps, hidden_act="silu", attention_bias=False,
-    )
+    return dataclasses.replace(GlideShape.of(target_config), hidden_act="silu", attention_bias=False)
 
 
 def draft_rotary(target_config) -> nn.Module:

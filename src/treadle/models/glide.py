@@ -189,7 +189,8 @@ class GlideShape:
             hidden_size=c.hidden_size, num_attention_heads=heads,
             num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps, hidden_act=c.hidden_act,
+            intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
+            hidden_act=getattr(c, "hidden_act", None) or "silu",  # Gemma's configs name it hidden_activation
             attention_bias=bool(getattr(c, "attention_bias", False)),
         )
 
