@@ -363,7 +363,7 @@ def _draft_from_layout(draft_dir, target, where: str) -> Eagle3Draft:
                         "layout: export its run's checkpoint again (treadle export RUN OUT)")
     if "target" in config:
         checked_export(draft_dir, target, KIND, "an eagle3")
-    eagle3_layout.check_fits(config, _with_hidden_act(target.config), draft_dir)
+    eagle3_layout.check_fits(config, target.config, draft_dir)
     layers = eagle3_layout.feature_layers(config, target.config.num_hidden_layers, draft_dir)
     draft = Eagle3Draft(target.config, layers, config.get("draft_vocab_size") or target.config.vocab_size)
     if draft.vocab_size > draft.target_vocab_size:
@@ -372,17 +372,6 @@ def _draft_from_layout(draft_dir, target, where: str) -> Eagle3Draft:
     tensors = load_file(str(Path(draft_dir) / "model.safetensors"))
     draft.load_state_dict(eagle3_layout.import_weights(tensors, draft, draft_dir))
     return draft
-
-
-def _with_hidden_act(target_config):
-    """``target_config`` as the layout's checks read it: Gemma's configs name their activation hidden_activation."""
-    import copy
-
-    if getattr(target_config, "hidden_act", None) is not None:
-        return target_config
-    config = copy.copy(target_config)
-    config.hidden_act = getattr(target_config, "hidden_activation", None) or "silu"
-    return config
 
 
 def load_eagle3(draft_dir, target) -> Eagle3Model:
