@@ -10,6 +10,8 @@ the others go on:
   torchrun    the tiny Llama under torchrun, one process: FSDP2 over NCCL
   glide       a GLIDE draft (configs/demo-draft.toml) against the tiny target trained by `tiny`
   eagle3      an EAGLE-3 draft (configs/demo-eagle3.toml) against the same target
+  glide-1b    the same two drafts against the 1.1B Llama (llama-1b's hf/), sequences of 2048; each export's
+  eagle3-1b   config.json and tensor names/shapes are copied beside the table (<item>.config.json, .weights.json)
   spec-glide  `treadle spec-eval` of the tiny target with each draft: tau, speed-up, lossless
   spec-eagle3
 
@@ -50,7 +52,7 @@ MARKER = ".gpu-check"  # the output directory is ours to clear only when it hold
 # exceeds the data's; it makes the [tokens, vocab] logits the chunked loss avoids as large as a real run's.
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=32768, max_position_embeddings=4096)
-LLAMA_TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+LLAMA_TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=32768, max_position_embeddings=512)
 
 
@@ -67,6 +69,7 @@ class Sizes:
     big_batch: int
     dist_steps: int
     draft_steps: int
+    draft_batch: int      # the drafts on the 1.1B target (sequences of big_seq)
     log_every: int        # the 1B's; the others log 4 windows per run
     eval_batches: int
     chunk_tokens: int     # model.loss_chunk_tokens: several chunks per micro-batch at either size
@@ -76,17 +79,19 @@ class Sizes:
 
 
 GPU = Sizes(tiny_steps=200, tiny_seq=256, tiny_batch=8, big=LLAMA_1B, big_steps=30, big_seq=2048, big_batch=8,
-            dist_steps=40, draft_steps=100, log_every=10, eval_batches=4, chunk_tokens=1024,
+            dist_steps=40, draft_steps=100, draft_batch=4, log_every=10, eval_batches=4, chunk_tokens=1024,
             draft_eval=["--draft.eval_prompts=8", "--draft.eval_new_tokens=32"],
             spec=["--num-prompts", "8", "--prompt-len", "64", "--max-new-tokens", "64"],
             timeout={"tiny": 420, "llama-1b": 600, "torchrun": 300, "glide": 300, "eagle3": 300,
-                     "spec-glide": 240, "spec-eagle3": 240})
+                     "spec-glide": 240, "spec-eagle3": 240,
+                     "glide-1b": 300, "eagle3-1b": 300})
 TOY = Sizes(tiny_steps=4, tiny_seq=64, tiny_batch=2, big=LLAMA_TOY, big_steps=4, big_seq=64, big_batch=2,
-            dist_steps=2, draft_steps=2, log_every=2, eval_batches=1, chunk_tokens=32,
+            dist_steps=2, draft_steps=2, draft_batch=2, log_every=2, eval_batches=1, chunk_tokens=32,
             draft_eval=["--draft.eval_prompts=2", "--draft.eval_prompt_len=16", "--draft.eval_new_tokens=8"],
             spec=["--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "8"],
             timeout={"tiny": 300, "llama-1b": 300, "torchrun": 300, "glide": 300, "eagle3": 300,
-                     "spec-glide": 300, "spec-eagle3": 300})
+                     "spec-glide": 300, "spec-eagle3": 300,
+                     "glide-1b": 300, "eagle3-1b": 300})
 
 
 @dataclass
@@ -110,7 +115,12 @@ def plan(out: Path, device: str, s: Sizes, only: list[str] | None = None) -> lis
     common = [f"--train.device={device}", f"--train.threads={0 if cuda else 1}", "--checkpoint.resume=none",
               "--checkpoint.keep_last=1", "--train.eval_at_start=false", f"--train.eval_batches={s.eval_batches}",
               f"--model.compile={'true' if cuda else 'false'}", "--model.dtype=bf16"]
-    features = ["--model.activation_checkpointing=full", f"--model.loss_chunk_tokens={s.chunk_tokens}"]
+    features = ["--model.activation_checkpointing=full"]
+    import torch.nn.functional as F
+
+    chunked = hasattr(F, "linear_cross_entropy")  # torch >= 2.13's fused op; an older GPU image's torch lacks it
+    features.append(f"--model.loss_chunk_tokens={s.chunk_tokens if chunked else 0}")
+    ckpt_loss = "act. ckpt, chunked loss" if chunked else "act. ckpt, no chunked loss (torch < 2.13)"
 
     def short(steps: int, seq: int, batch: int, log_every: int | None = None) -> list[str]:
         return [f"--train.max_steps={steps}", f"--train.log_every={log_every or max(steps // 4, 1)}",
@@ -120,15 +130,15 @@ def plan(out: Path, device: str, s: Sizes, only: list[str] | None = None) -> lis
     n_big = "1.1B" if s.big is LLAMA_1B else "toy-size"
     compiled = "compile" if cuda else "no compile"
     items = [
-        Item("tiny", f"tiny Llama (demo), bf16, {compiled}, act. ckpt, chunked loss",
+        Item("tiny", f"tiny Llama (demo), bf16, {compiled}, {ckpt_loss}",
              ["train", "configs/demo.toml", f"--train.output_dir={tiny}", *common, *features,
               *short(s.tiny_steps, s.tiny_seq, s.tiny_batch), "--train.eval_every=0"]),
         Item("llama-1b", f"{n_big} Llama from a config, seq {s.big_seq} x {s.big_batch}, bf16, {compiled}, "
-                         "act. ckpt, chunked loss",
+                         f"{ckpt_loss}",
              ["train", f"--train.output_dir={out / 'llama-1b'}", "--model.preset=tiny",
               f"--model.overrides={{{inline}}}", *common, *features,
               *short(s.big_steps, s.big_seq, s.big_batch, s.log_every),
-              "--optim.lr=3e-4", "--schedule.warmup_proportion=0.1", "--data.val=[]", "--checkpoint.export_hf=false"]),
+              "--optim.lr=3e-4", "--schedule.warmup_proportion=0.1", "--data.val=[]"]),  # its hf/ is the 1b drafts' target
         Item("torchrun", f"tiny Llama, torchrun 1 process, fsdp2, {'nccl' if cuda else 'gloo'}",
              ["train", "configs/demo.toml", f"--train.output_dir={out / 'torchrun'}", *common,
               *short(s.dist_steps, s.tiny_seq, s.tiny_batch), "--distributed.engine=fsdp2", "--data.val=[]",
@@ -143,6 +153,15 @@ def plan(out: Path, device: str, s: Sizes, only: list[str] | None = None) -> lis
                           ["train", config, f"--train.output_dir={out / kind}", f"--draft.target={tiny}", *common,
                            *short(s.draft_steps, s.tiny_seq, s.tiny_batch), "--train.eval_every=0", *s.draft_eval],
                           needs=tiny / "hf"))
+    big = out / "llama-1b"
+    for kind, config in (("glide", "configs/demo-draft.toml"), ("eagle3", "configs/demo-eagle3.toml")):
+        items.append(Item(f"{kind}-1b", f"{'GLIDE' if kind == 'glide' else 'EAGLE-3'} draft on the {n_big} Llama, "
+                                        f"seq {s.big_seq} x {s.draft_batch}, bf16, {compiled}, its export's config "
+                                        f"copied to {kind}-1b.config.json",
+                          ["train", config, f"--train.output_dir={out / f'{kind}-1b'}", f"--draft.target={big}",
+                           *common, *short(s.draft_steps, s.big_seq, s.draft_batch, s.log_every),
+                           "--train.eval_every=0", *s.draft_eval],
+                          needs=big / "hf"))
     for kind in ("glide", "eagle3"):
         items.append(Item(f"spec-{kind}", f"spec-eval, tiny target + {kind} draft, gamma 4",
                           ["spec-eval", "--target", str(tiny), "--draft", str(out / kind), "--gamma", "4", *s.spec,
@@ -226,6 +245,15 @@ def training_row(item: Item, out: Path, result: dict) -> dict:
         size = sum(p.stat().st_size for p in checkpoints.rglob("*") if p.is_file() and not p.is_symlink())
         shutil.rmtree(checkpoints)
         notes.append(f"its checkpoint ({size / 2**30:.1f} GiB) written, then removed")
+    export = run / "draft"
+    if item.name.endswith("-1b") and (export / "config.json").exists():  # what the engines would read, kept
+        shutil.copy(export / "config.json", out / f"{item.name}.config.json")
+        from safetensors import safe_open
+
+        with safe_open(str(export / "model.safetensors"), "pt") as f:
+            names = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        (out / f"{item.name}.weights.json").write_text(json.dumps(names, indent=1) + "\n")
+        notes.append(f"export: {len(names)} tensors, config and names in {item.name}.config/weights.json")
     mfu = last.get("mfu")
     return {**result, "tokens_per_s": last["tokens_per_s"], "mfu": mfu, "peak_gib": peak,
             "peak_kind": "alloc" if cuda else "RSS", "note": "; ".join(notes)}
@@ -327,7 +355,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check",
                    help="output directory (default: runs/gpu-check); its item directories are replaced")
     p.add_argument("--only", help="comma-separated items (default: all): tiny,llama-1b,torchrun,glide,eagle3,"
-                                  "spec-glide,spec-eagle3")
+                                  "glide-1b,eagle3-1b,spec-glide,spec-eagle3")
+    p.add_argument("--max-item-s", type=int, help="cap every item's time limit at this many seconds")
     p.add_argument("--dry-run", action="store_true", help="print and validate every command; run nothing")
     args = p.parse_args()
     out = args.out.resolve()
@@ -357,7 +386,7 @@ def main() -> int:
     for item in items:
         for stale in (out / item.name, out / f"{item.name}.json"):
             shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
-        timeout = (TOY if args.tiny else GPU).timeout[item.name]
+        timeout = min((TOY if args.tiny else GPU).timeout[item.name], args.max_item_s or 10**9)
         print(f"gpu-check: {item.name} ...", file=sys.stderr, flush=True)
         result = run_item(item, out, timeout)
         if result["status"] == "OK":
