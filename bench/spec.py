@@ -17,7 +17,7 @@ with c = draft step / target step, a chain of gamma costs 1 + gamma c target ste
 (the verify forward of gamma + 1 tokens about one step: memory-bound) and a tree costs 1 + depth c;
 projected speedup = tau / that.
 
-    python bench/spec.py [--train-seconds 150] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1,dynamic-t1] [--reuse-trained]
+    python bench/spec.py [--train-seconds 150 | --steps N] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1,dynamic-t1] [--reuse-trained]
 
 ``glide-kl-longspec`` (not in the default list) is glide-kl in LongSpec's layout (``draft.layout = "longspec"``),
 the row to set beside glide-kl to choose the default layout: ``--only glide-kl,glide-kl-longspec``.
@@ -206,12 +206,15 @@ def train(args, recipe: Recipe) -> dict:
     """Train for about ``args.train_seconds``: a probe measures the step time, the real run gets that many steps."""
     probe = _train(args, recipe, f"{recipe.name}-probe", args.probe_steps, eval_every=0)
     step_s = TOKENS_PER_STEP / probe.tokens_per_s
-    steps = max(args.probe_steps, int(args.train_seconds / step_s))
+    # --steps: the same step count for every drafter, for a machine others share (a probe's step time there is
+    # not the run's); the probe's step time is still reported, so equal steps can be read as equal wall time only
+    # where the recipes' step times are equal.
+    steps = args.steps or max(args.probe_steps, int(args.train_seconds / step_s))
     shutil.rmtree(args.out / f"{recipe.name}-probe", ignore_errors=True)
     print(f"training {recipe.name}: {step_s:.2f} s/step in the probe -> {steps} steps", file=sys.stderr, flush=True)
     summary = _train(args, recipe, recipe.name, steps, eval_every=steps)
     # train_s: the steps' time at the run's own pace (the budget spent); wall_s adds its start and evaluations.
-    return {"trainable_params": summary.parameters, "train_s": TOKENS_PER_STEP * steps / summary.tokens_per_s,
+    return {"probe_step_s": step_s, "trainable_params": summary.parameters, "train_s": TOKENS_PER_STEP * steps / summary.tokens_per_s,
             "wall_s": summary.elapsed_s, "steps": steps,
             "train_tokens_per_s": summary.tokens_per_s, "run": str(args.out / recipe.name)}
 
@@ -298,7 +301,7 @@ def loop_check(args, model_dirs: list[str]) -> int:
 
 def settings(args) -> dict:
     """What makes rows of two invocations comparable (one table)."""
-    return {k: str(getattr(args, k)) for k in ("target", "data", "train_seconds", "gamma", "prompts", "prompt_len",
+    return {k: str(getattr(args, k)) for k in ("target", "data", "train_seconds", "steps", "gamma", "prompts", "prompt_len",
                                                "max_new_tokens")}
 
 
@@ -325,6 +328,7 @@ def main() -> int:
     parser.add_argument("--target", default="runs/bench-target", help="where configs/bench-target.toml's run lives")
     parser.add_argument("--data", default="builtin", help="draft training data: shard dir or 'builtin'")
     parser.add_argument("--train-seconds", type=float, default=150.0, help="training wall time per drafter")
+    parser.add_argument("--steps", type=int, help="train every drafter this many steps instead of --train-seconds")
     parser.add_argument("--probe-steps", type=int, default=6, help="steps of the run that measures a recipe's step time")
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=8)
@@ -390,17 +394,19 @@ def main() -> int:
           f"lookup tau {r['lookup_tau']:.2f}" for who, r in (("its greedy outputs", loops["target"]),
                                                               ("its T = 1 samples", loops["target_t1"]),
                                                               ("the real continuations", loops["real"]))))
+    budget = f"{args.steps} steps" if args.steps else f"{args.train_seconds:.0f} s"
     print(f"gamma {args.gamma}, "
           f"tree {','.join(map(str, TREE))}, dynamic tree {DYNAMIC}, {args.prompts} held-out prompts x {args.max_new_tokens} new tokens; "
-          f"{args.train_seconds:.0f} s of training per drafter (8 x 256 tokens per step); "
+          f"{budget} of training per drafter (8 x 256 tokens per step); "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| drafter | mode | trainable params | steps | train s | tau | acceptance (conditional, k=1..) | "
+    print("| drafter | mode | trainable params | steps | probe s/step | train s | tau | acceptance (conditional, k=1..) | "
           "spec tok/s | target tok/s | speedup | c | projected | c (8B) | projected (8B) | lossless |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = ", ".join(f"{a:.2f}" if a is not None else "n/a" for a in r["acceptance_conditional"])
         lossless = "n/a (sampled)" if r["lossless"] is None else r["lossless"]
-        print(f"| {r['drafter']} | {r['mode']} | {r['trainable_params'] / 1e6:.2f}M | {r['steps']} | {r['train_s']:.0f} | "
+        print(f"| {r['drafter']} | {r['mode']} | {r['trainable_params'] / 1e6:.2f}M | {r['steps']} | "
+              f"{r.get('probe_step_s') or 0:.3f} | {r['train_s']:.0f} | "
               f"{r['tau']:.2f} | {acc} | {r['tokens_per_s_spec']:.0f} | {r['tokens_per_s_target']:.0f} | "
               f"{r['speedup']:.2f}x | {r['cost_ratio']:.3f} | {r['projected_speedup']:.2f}x | {r['cost_ratio_8b']:.3f} | "
               f"{r['projected_speedup_8b']:.2f}x | {lossless} |")
