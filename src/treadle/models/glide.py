@@ -366,15 +366,21 @@ def capture_last_kv(target) -> Iterator[dict]:
     result["v"] = got["v"].view(*got["v"].shape[:2], -1, head_dim).transpose(1, 2)
 
 
-def causal_document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal mask for packed rows, handed to the target explicitly.
+def causal_document_mask(position_ids: torch.Tensor, target=None) -> torch.Tensor:
+    """Block-diagonal causal mask for packed rows, handed to the target explicitly (GLIDE's and EAGLE-3's).
 
-    HF infers packing from position jumps, which anchor offsets also create; an
-    explicit 4-D mask keeps the target's view of the documents independent of that.
+    HF infers packing from position jumps, which anchor offsets also create; an explicit 4-D mask keeps the target's
+    view of the documents independent of that. HF hands it to the attention as it is: sdpa (and context parallelism's
+    sdpa) reads booleans, eager and flex attention (Gemma 2's, gpt-oss's default: eager) add it to the scores, where
+    booleans would hide nothing: for such a ``target`` the mask is additive, 0 / the dtype's min.
     """
     idx = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
     doc = document_ids(position_ids)
-    return attention_mask(idx, idx, q_doc=doc, k_doc=doc)
+    mask = attention_mask(idx, idx, q_doc=doc, k_doc=doc)
+    if target is None or target.config._attn_implementation == "sdpa":
+        return mask
+    dtype = target.get_input_embeddings().weight.dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 @dataclass
@@ -480,7 +486,7 @@ class GlideModel(DraftRunModel):
         """Logits (or, ``hidden``, the final hidden states the LM head would read) of ``input_ids``, and last-layer
         K/V of the whole sequence (``seq``: gathered when ``input_ids`` is this rank's slice)."""
         run = self.target.model if hidden else self.target
-        mask = causal_document_mask(seq.gather(position_ids, 1))  # the whole sequence's: one rule on every rank
+        mask = causal_document_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
         with torch.no_grad(), capture_last_kv(self.target) as kv, seq.attention(self.target):
             out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)
         return out.last_hidden_state if hidden else out.logits, (seq.gather(kv["k"], 2), seq.gather(kv["v"], 2))
