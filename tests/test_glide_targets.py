@@ -48,3 +48,82 @@ def test_glide_with_an_eager_target_equals_glide_with_an_sdpa_target():
     torch.testing.assert_close(outputs["eager"].target_logits, outputs["sdpa"].target_logits, **EAGER)
     torch.testing.assert_close(outputs["eager"].logits, outputs["sdpa"].logits, **EAGER)
     torch.testing.assert_close(losses["eager"], losses["sdpa"], **EAGER)
+
+
+def family_target(name: str, layers: int = 4, seed: int = 0):
+    """A tiny random ``name`` target of tests/families.py (4 layers, as the family matrix's draft targets), fp64."""
+    import transformers
+
+    from tests.families import COMMON, FAMILIES
+
+    cls, extra = FAMILIES[name]
+    config = getattr(transformers, cls)(**{**COMMON, **extra, "num_hidden_layers": layers})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).double().eval()
+
+
+def transform(config, raw):
+    """The families' logit transforms written out: Granite divides, Gemma soft-caps."""
+    if getattr(config, "logits_scaling", None):
+        return raw / config.logits_scaling
+    return torch.tanh(raw / config.final_logit_softcapping) * config.final_logit_softcapping
+
+
+@pytest.mark.parametrize("family", ["granite", "gemma2"])
+def test_glide_teacher_is_the_targets_distribution_and_the_draft_is_scored_as_its_head(family):
+    """GLIDE shares the target's head: the teacher is the target's own forward (its scaled / soft-capped logits), and
+    the draft's hidden states go through the head as the target's do, transform included (plain, unrolled, decode)."""
+    from treadle.speculative.glide_drafter import GlideDrafter
+
+    target = family_target(family)
+    model = GlideModel(target, GlideDraft(target.config).double()).eval()
+    ids, positions = packed_rows()
+    with torch.no_grad():
+        out = model(ids, positions, lag=2)
+        own = target(ids[1:]).logits[0]
+        torch.testing.assert_close(out.target_logits[1], own, **F64)
+        torch.testing.assert_close(out.target_logits[1].softmax(-1), own.softmax(-1), **F64)
+        _, kv = model._target_forward(ids, positions)
+        raw = target.lm_head(model._draft_hidden(ids, positions, kv, 2))
+        torch.testing.assert_close(out.logits, transform(target.config, raw), **F64)
+        assert not torch.allclose(out.logits, raw)  # the transform is not the identity here
+        steps = model._unroll_logits(ids, positions, kv, 2, steps=2)
+        torch.testing.assert_close(steps[0], out.logits, **F64)
+        # The decode drafter over row 1's first 4 tokens (one document), reading the target K/V of those 4.
+        few = (kv[0][1:, :, :4], kv[1][1:, :, :4])
+        decoded, _ = GlideDrafter(model)._run(ids[1:, :4], torch.arange(4)[None], torch.ones(1, 1, 4, 4).tril().bool(),
+                                              few, None)
+        torch.testing.assert_close(decoded, model.draft_logits(ids[1:, :4], positions[1:, :4], few, lag=1)[0], **F64)
+
+
+@pytest.mark.parametrize("family", ["granite", "gemma2"])
+def test_glide_chunked_scores_equal_the_plain_ones_for_transformed_logits(family):
+    """The chunked scores apply the target's logit transform inside each chunk: per-token CE, KL and the target's CE,
+    and the draft's gradients, equal the plain loss's (fp64)."""
+    import torch.nn.functional as F
+
+    target = family_target(family)
+    model = GlideModel(target, GlideDraft(target.config).double()).eval()
+    ids, positions = packed_rows()
+    labels = torch.cat((ids[:, 1:], torch.full((2, 1), -100)), dim=1)
+    labels[0, 4] = -100  # the first document's last token guesses nothing
+    scores, grads = {}, {}
+    for chunk in (0, 5):  # 5 divides neither the 24 tokens nor the vocabulary
+        model.zero_grad()
+        model.loss_chunk_tokens = chunk
+        out = model(ids, positions, lag=1, labels=labels)
+        if chunk:
+            got = (out.token_ce, out.token_kl, out.target_token_ce)
+        else:
+            logp, teacher = F.log_softmax(out.logits, -1), F.log_softmax(out.target_logits, -1)
+            valid = labels != -100
+            got = (F.nll_loss(logp.transpose(1, 2), labels, reduction="none"),
+                   F.kl_div(logp, teacher, log_target=True, reduction="none").sum(-1) * valid,
+                   F.nll_loss(teacher.transpose(1, 2), labels, reduction="none"))
+        (got[0] + got[1]).sum().backward()
+        scores[chunk] = [g.detach() for g in got]
+        grads[chunk] = {n: p.grad.clone() for n, p in model.draft_model.named_parameters()}
+    for plain, chunked in zip(scores[0], scores[5]):
+        torch.testing.assert_close(chunked, plain, **F64)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[5][name], grad, **F64, msg=name)

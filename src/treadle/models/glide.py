@@ -48,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
-from treadle.models.chunked_ce import chunked_distillation_scores
+from treadle.models.chunked_ce import chunked_distillation_scores, model_logits
 from treadle.models.hf import greedy_continuations
 
 KIND = "glide"
@@ -495,7 +495,7 @@ class GlideModel(DraftRunModel):
                       target_kv: tuple[torch.Tensor, torch.Tensor], lag: int,
                       doc_position_ids: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids)
-        return self.target.get_output_embeddings()(hidden)
+        return model_logits(self.target.config, self.target.get_output_embeddings()(hidden))  # as the target scores
 
     def _draft_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       target_kv: tuple[torch.Tensor, torch.Tensor], lag: int,
@@ -528,7 +528,7 @@ class GlideModel(DraftRunModel):
             hidden, (nk, nv) = self.draft_model(embeds, rope, target_kv, ttt_mask(doc, k, self.draft_model.window),
                                                 cross_mask, past_kv=keys)
             keys = (nk, nv) if keys is None else (torch.cat((keys[0], nk), 2), torch.cat((keys[1], nv), 2))
-            out.append(head(hidden))
+            out.append(model_logits(self.target.config, head(hidden)))  # the shared head scores as the target's does
             tokens = out[-1].detach().argmax(-1)  # the draft's own guess is the next step's input; no gradient
         return out
 
@@ -545,11 +545,13 @@ class GlideModel(DraftRunModel):
             target_hidden, target_kv = self._target_forward(input_ids, position_ids, hidden=True, seq=self.sequences)
             hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids, self.sequences)
             ce, kl, target_ce = chunked_distillation_scores(
-                hidden, target_hidden, self.target.get_output_embeddings().weight, labels, self.loss_chunk_tokens)
+                hidden, target_hidden, self.target.get_output_embeddings().weight, labels, self.loss_chunk_tokens,
+                config=self.target.config)  # the target's logit transform (soft-cap, scale) inside each chunk
             return GlideOutput(None, None, token_ce=ce, token_kl=kl, target_token_ce=target_ce)
         target_logits, target_kv = self._target_forward(input_ids, position_ids, seq=self.sequences)
         hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids, self.sequences)
-        return GlideOutput(logits=self.target.get_output_embeddings()(hidden), target_logits=target_logits)
+        logits = model_logits(self.target.config, self.target.get_output_embeddings()(hidden))
+        return GlideOutput(logits=logits, target_logits=target_logits)
 
 
 # ----------------------------------------------------------------------------- identity of a target

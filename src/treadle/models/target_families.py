@@ -50,6 +50,12 @@ def glide_obstacle(config) -> str | None:
     if getattr(config, "hidden_act", None) is None:
         return (f"its config names its activation {getattr(config, 'hidden_activation', None)!r} under "
                 "hidden_activation, not the hidden_act GLIDE's block reads")
+    from treadle.models.chunked_ce import _unhandled_transforms
+
+    unhandled = _unhandled_transforms(config)  # GLIDE's draft scores through the shared head as the target does
+    if unhandled:
+        return (f"its forward transforms its logits ({', '.join(unhandled)}) in a way treadle does not apply to the "
+                "draft's logits through the shared head")
     no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 0 marks a layer without RoPE
     if no_rope and not no_rope[config.num_hidden_layers - 1]:
         return "its last layer uses no rotary embedding (no_rope_layers): GLIDE's cross-attention rotates its queries"
@@ -132,20 +138,6 @@ def check_target(target, key: str, path) -> None:
     if why is not None:
         raise UserError(f"{key} {path} is a {model_type!r} model that no draft kind can read: {why}; accepted: "
                         "decoders with rotary embeddings and a model.layers stack (Llama, Qwen, Mixtral, Gemma ...)")
-
-
-def glide_chunked_loss_obstacle(config) -> str | None:
-    """Why GLIDE's chunked loss would not score against this target's distribution (None: it does): it runs both
-    models' hidden states through the raw shared head, so a target whose forward soft-caps or scales its logits
-    (Gemma, Granite) would be a different teacher than the plain loss's."""
-    from treadle.models.chunked_ce import _LOGIT_TRANSFORMS
-
-    found = [f"{k} = {getattr(config, k)}" for k in _LOGIT_TRANSFORMS
-             if getattr(config, k, None) not in (None, 0, 1, 1.0, False)]
-    if not found:
-        return None
-    return (f"the target's forward transforms its logits ({', '.join(found)}), which GLIDE's chunked scores "
-            "through the raw head would not")
 
 
 # ----------------------------------------------------------------------------- a draft run's target
