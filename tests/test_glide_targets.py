@@ -59,7 +59,8 @@ def family_target(name: str, layers: int = 4, seed: int = 0):
     cls, extra = FAMILIES[name]
     config = getattr(transformers, cls)(**{**COMMON, **extra, "num_hidden_layers": layers})
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).double().eval()
+    # eager experts: the grouped-matmul kernels of MoE families take no fp64
+    return AutoModelForCausalLM.from_config(config, experts_implementation="eager").double().eval()
 
 
 def transform(config, raw):
@@ -127,3 +128,50 @@ def test_glide_chunked_scores_equal_the_plain_ones_for_transformed_logits(family
         torch.testing.assert_close(chunked, plain, **F64)
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[5][name], grad, **F64, msg=name)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral", "granite"])
+def test_captured_kv_are_the_targets_own_cache_entries(family):
+    """What GLIDE's capture hooks rebuild from the last layer (its projections, norms and rotary) is what the target's
+    own KV cache holds there, per family (fp64); the draft embeds tokens as the target's first layer sees them
+    (Gemma's sqrt(d) scale included) and its MLP uses the target's activation."""
+    from transformers import DynamicCache
+
+    from treadle.models.glide import capture_last_kv
+    from treadle.models.hf import cache_kwargs
+
+    target = family_target(family)
+    ids = torch.randint(0, 512, (2, 20))  # longer than Gemma 2's 16-token window (its last layer is a full one)
+    with torch.no_grad():
+        cache = DynamicCache(config=target.config)
+        out = target(input_ids=ids, use_cache=True, output_hidden_states=True, **cache_kwargs(target, cache))
+        with capture_last_kv(target) as kv:
+            target(input_ids=ids, position_ids=torch.arange(20).expand(2, 20), use_cache=False)
+        embeds = target.get_input_embeddings()(ids)
+    torch.testing.assert_close(kv["k"], cache.layers[-1].keys, **F64)
+    torch.testing.assert_close(kv["v"], cache.layers[-1].values, **F64)
+    assert kv["k"].shape[2] == 20
+    if family == "gemma2":  # its embedding module scales by sqrt(d); Granite's multiplier sits in its forward, and
+        # every reader of the draft's residual stream is an RMSNorm, blind to a constant scale
+        torch.testing.assert_close(embeds, out.hidden_states[0], **F64)
+    acts = [getattr(m, a) for m in target.model.layers[-1].modules() for a in ("act_fn", "activation_fn")
+            if hasattr(m, a)]
+    x = torch.linspace(-4, 4, 50, dtype=torch.float64)
+    torch.testing.assert_close(GlideDraft(target.config).act(x), acts[0](x), **F64)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "gpt_oss"])
+def test_the_draft_runs_target_keeps_its_sliding_layers_windows(family):
+    """The 4-D mask a draft run hands its target is used by every layer as it is: the sliding layers (16 tokens here)
+    get their own windowed mask, so over 30 tokens the teacher (and EAGLE-3's features) are the target's own."""
+    from treadle.models.eagle3 import Eagle3Draft, Eagle3Model
+
+    target = family_target(family)
+    ids = torch.randint(0, 512, (1, 30))
+    models = [Eagle3Model(target, Eagle3Draft(target.config, (1, 2, 3)).double())]
+    if family == "gemma2":  # the others' last layers refuse GLIDE
+        models.append(GlideModel(target, GlideDraft(target.config).double()))
+    with torch.no_grad():
+        own = target(ids).logits
+        for model in models:
+            torch.testing.assert_close(model.eval()(ids, torch.arange(30)[None]).target_logits, own, **F64)

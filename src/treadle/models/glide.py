@@ -366,21 +366,26 @@ def capture_last_kv(target) -> Iterator[dict]:
     result["v"] = got["v"].view(*got["v"].shape[:2], -1, head_dim).transpose(1, 2)
 
 
-def causal_document_mask(position_ids: torch.Tensor, target=None) -> torch.Tensor:
-    """Block-diagonal causal mask for packed rows, handed to the target explicitly (GLIDE's and EAGLE-3's).
-
-    HF infers packing from position jumps, which anchor offsets also create; an explicit 4-D mask keeps the target's
-    view of the documents independent of that. HF hands it to the attention as it is: sdpa (and context parallelism's
-    sdpa) reads booleans, eager and flex attention (Gemma 2's, gpt-oss's default: eager) add it to the scores, where
-    booleans would hide nothing: for such a ``target`` the mask is additive, 0 / the dtype's min.
-    """
+def causal_document_mask(position_ids: torch.Tensor, target=None):
+    """Block-diagonal causal mask for packed rows, handed to the target explicitly (GLIDE's and EAGLE-3's): HF infers
+    packing from position jumps, which anchor offsets also create. HF hands a 4-D mask to the attention as it is, so
+    for a ``target`` it holds what HF's masks would: the sliding window (a mask per layer type, Gemma 2/3, gpt-oss), and
+    it is additive (0 / the dtype's min) unless the attention is sdpa: eager and flex add it to the scores."""
     idx = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
     doc = document_ids(position_ids)
-    mask = attention_mask(idx, idx, q_doc=doc, k_doc=doc)
-    if target is None or target.config._attn_implementation == "sdpa":
+    c = getattr(target, "config", None)
+    window = (getattr(c, "use_sliding_window", True) is not False and getattr(c, "sliding_window", None)) or 0
+    types = getattr(c, "layer_types", None)
+    mask = attention_mask(idx, idx, window=0 if types else window, q_doc=doc, k_doc=doc)
+    if types and window and "sliding_attention" in types:
+        mask = {"full_attention": mask, "sliding_attention": attention_mask(idx, idx, window=window, q_doc=doc,
+                                                                            k_doc=doc)}
+    if target is None or c._attn_implementation == "sdpa":
         return mask
     dtype = target.get_input_embeddings().weight.dtype
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    additive = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
+                for k, m in (mask if isinstance(mask, dict) else {0: mask}).items()}
+    return additive if isinstance(mask, dict) else additive[0]
 
 
 @dataclass
