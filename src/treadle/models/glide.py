@@ -170,7 +170,7 @@ WHOLE = WholeSequences()
 
 @dataclass(frozen=True)
 class GlideShape:
-    """The draft's dimensions, all taken from the target so its K/V and LM head fit."""
+    """The draft's dimensions, all taken from the target so its K/V and LM head fit (Gemma: hidden_activation)."""
 
     hidden_size: int
     num_attention_heads: int
@@ -190,7 +190,7 @@ class GlideShape:
             num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
             intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
-            hidden_act=getattr(c, "hidden_act", None) or "silu",  # Gemma's configs name it hidden_activation
+            hidden_act=getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", None) or "silu",
             attention_bias=bool(getattr(c, "attention_bias", False)),
         )
 
@@ -555,8 +555,7 @@ class GlideModel(DraftRunModel):
             return GlideOutput(None, None, token_ce=ce, token_kl=kl, target_token_ce=target_ce)
         target_logits, target_kv = self._target_forward(input_ids, position_ids, seq=self.sequences)
         hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids, self.sequences)
-        logits = model_logits(self.target.config, self.target.get_output_embeddings()(hidden))
-        return GlideOutput(logits=logits, target_logits=target_logits)
+        return GlideOutput(model_logits(self.target.config, self.target.get_output_embeddings()(hidden)), target_logits)
 
 
 # ----------------------------------------------------------------------------- identity of a target

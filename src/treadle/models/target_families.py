@@ -47,9 +47,6 @@ def glide_obstacle(config) -> str | None:
     if float(partial) != 1.0:
         return (f"its keys are rotated over a part of each head (partial_rotary_factor = {partial}): GLIDE's "
                 "queries rotate the whole head")
-    if getattr(config, "hidden_act", None) is None:
-        return (f"its config names its activation {getattr(config, 'hidden_activation', None)!r} under "
-                "hidden_activation, not the hidden_act GLIDE's block reads")
     from treadle.models.chunked_ce import _unhandled_transforms
 
     unhandled = _unhandled_transforms(config)  # GLIDE's draft scores through the shared head as the target does
