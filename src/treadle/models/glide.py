@@ -346,9 +346,11 @@ def capture_last_kv(target) -> Iterator[dict]:
     def pre(_module, _args, kwargs):
         got["rope"] = kwargs["position_embeddings"]
 
+    # K as the layer's k_norm returns it where it has one (Qwen3's per head, OLMo-2's over all heads before the split)
+    k_source = getattr(attn, "k_norm", None) or attn.k_proj
     handles = [
         attn.register_forward_pre_hook(pre, with_kwargs=True),
-        attn.k_proj.register_forward_hook(lambda _m, _i, out: got.__setitem__("k", out)),
+        k_source.register_forward_hook(lambda _m, _i, out: got.__setitem__("k", out)),
         attn.v_proj.register_forward_hook(lambda _m, _i, out: got.__setitem__("v", out)),
     ]
     result: dict = {}
@@ -358,9 +360,7 @@ def capture_last_kv(target) -> Iterator[dict]:
         for h in handles:
             h.remove()
     head_dim = attn.head_dim
-    k = got["k"].view(*got["k"].shape[:2], -1, head_dim)
-    if getattr(attn, "k_norm", None) is not None:  # Qwen3-style per-head norm before RoPE
-        k = attn.k_norm(k)
+    k = got["k"].reshape(*got["k"].shape[:2], -1, head_dim)
     cos, sin = got["rope"]
     result["k"] = rotate(k.transpose(1, 2), cos, sin)
     result["v"] = got["v"].view(*got["v"].shape[:2], -1, head_dim).transpose(1, 2)

@@ -67,11 +67,6 @@ def glide_module_obstacle(target) -> str | None:
     if attn is None or not all(hasattr(attn, n) for n in ("k_proj", "v_proj")):
         return "its last layer has no separate k_proj / v_proj (e.g. a fused qkv_proj) to read per-head K/V from"
     head_dim = getattr(attn, "head_dim", None)
-    k_norm = getattr(attn, "k_norm", None)
-    width = getattr(k_norm, "normalized_shape", None) or getattr(getattr(k_norm, "weight", None), "shape", None)
-    if k_norm is not None and width is not None and tuple(width)[-1] != head_dim:
-        return (f"its k_norm normalizes all K/V heads together ({tuple(width)[-1]} wide), not each head "
-                f"({head_dim}), as GLIDE's K/V capture does")
     import torch
 
     # GLIDE rotates in the rotate-half convention, with cos/sin as wide as a head. Only the width is read, so the
