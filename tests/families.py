@@ -38,7 +38,6 @@ GLIDE_REFUSED = {
     "gpt_oss": "cos/sin for 8-wide heads",  # half-width rotary (its own rotation convention)
     "deepseek_v3": "multi-head latent attention",
     "gemma3_text": "'sliding_attention' layer",  # 4 layers: all sliding (one full layer in 6)
-    "phi3": "fused qkv_proj",
     "glm4": "partial_rotary_factor = 0.5",
     "smollm3": "no rotary embedding",
 }

@@ -130,7 +130,7 @@ def test_glide_chunked_scores_equal_the_plain_ones_for_transformed_logits(family
         torch.testing.assert_close(grads[5][name], grad, **F64, msg=name)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral", "granite", "gemma2", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral", "granite", "gemma2", "olmo2", "phi3"])
 def test_captured_kv_are_the_targets_own_cache_entries(family):
     """What GLIDE's capture hooks rebuild from the last layer (its projections, norms and rotary) is what the target's
     own KV cache holds there, per family (fp64); the draft embeds tokens as the target's first layer sees them

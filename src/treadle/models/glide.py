@@ -326,7 +326,7 @@ def last_attention(target) -> nn.Module:
     from treadle.models.hf import decoder_layers
 
     attn = getattr(decoder_layers(target)[-1], "self_attn", None)
-    if attn is None or not all(hasattr(attn, n) for n in ("k_proj", "v_proj")):
+    if attn is None or not (all(hasattr(attn, n) for n in ("k_proj", "v_proj")) or hasattr(attn, "qkv_proj")):
         raise UserError(f"draft.target {type(target).__name__} has no q/k/v/o self-attention in its last layer; "
                         "accepted: Llama / Qwen2 / Mistral-family decoders")
     return attn
@@ -336,23 +336,20 @@ def last_attention(target) -> nn.Module:
 def capture_last_kv(target) -> Iterator[dict]:
     """Record the target's last-layer post-RoPE K/V during a forward without a KV cache.
 
-    Training must run the target without a cache (packed documents stay apart only
-    then, PLATFORM.md), so the K/V are rebuilt from the projections the layer computes
-    anyway plus the rotary embedding it is handed; they equal the cache's exactly.
-    """
+    Training must run the target without a cache (packed documents stay apart only then, PLATFORM.md), so the K/V
+    are rebuilt from the projections the layer computes anyway plus the rotary embedding it is handed; they equal
+    the cache's exactly (tests/test_glide_targets.py, per family)."""
     attn = last_attention(target)
     got: dict = {}
 
     def pre(_module, _args, kwargs):
         got["rope"] = kwargs["position_embeddings"]
 
-    # K as the layer's k_norm returns it where it has one (Qwen3's per head, OLMo-2's over all heads before the split)
-    k_source = getattr(attn, "k_norm", None) or attn.k_proj
-    handles = [
-        attn.register_forward_pre_hook(pre, with_kwargs=True),
-        k_source.register_forward_hook(lambda _m, _i, out: got.__setitem__("k", out)),
-        attn.v_proj.register_forward_hook(lambda _m, _i, out: got.__setitem__("v", out)),
-    ]
+    # K as the layer's k_norm returns it (Qwen3: per head, OLMo-2: all heads); Phi-3's fused qkv_proj cut as it does
+    fused = getattr(attn, "qkv_proj", None)
+    sources = {"k": getattr(attn, "k_norm", None) or fused or attn.k_proj, "v": fused or attn.v_proj}
+    handles = [attn.register_forward_pre_hook(pre, with_kwargs=True)] + [
+        m.register_forward_hook(lambda _m, _i, out, n=n: got.__setitem__(n, out)) for n, m in sources.items()]
     result: dict = {}
     try:
         yield result
@@ -360,10 +357,12 @@ def capture_last_kv(target) -> Iterator[dict]:
         for h in handles:
             h.remove()
     head_dim = attn.head_dim
+    if fused is not None:
+        q, kv = target.config.num_attention_heads * head_dim, target.config.num_key_value_heads * head_dim
+        got["k"], got["v"] = got["k"][..., q:q + kv] if sources["k"] is fused else got["k"], got["v"][..., q + kv:]
     k = got["k"].reshape(*got["k"].shape[:2], -1, head_dim)
-    cos, sin = got["rope"]
-    result["k"] = rotate(k.transpose(1, 2), cos, sin)
-    result["v"] = got["v"].view(*got["v"].shape[:2], -1, head_dim).transpose(1, 2)
+    result["k"] = rotate(k.transpose(1, 2), *got["rope"])
+    result["v"] = got["v"].reshape(*got["v"].shape[:2], -1, head_dim).transpose(1, 2)
 
 
 def causal_document_mask(position_ids: torch.Tensor, target=None):

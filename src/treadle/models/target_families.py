@@ -64,8 +64,8 @@ def glide_module_obstacle(target) -> str | None:
     from treadle.models.hf import decoder_layers
 
     attn = getattr(decoder_layers(target)[-1], "self_attn", None)
-    if attn is None or not all(hasattr(attn, n) for n in ("k_proj", "v_proj")):
-        return "its last layer has no separate k_proj / v_proj (e.g. a fused qkv_proj) to read per-head K/V from"
+    if attn is None or not (all(hasattr(attn, n) for n in ("k_proj", "v_proj")) or hasattr(attn, "qkv_proj")):
+        return "its last layer has no k_proj / v_proj (nor a fused qkv_proj, as Phi-3's) to read per-head K/V from"
     head_dim = getattr(attn, "head_dim", None)
     import torch
 
