@@ -119,10 +119,7 @@ def draft_rotary(target_config) -> nn.Module:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     s = draft_shape(target_config)
-    rope = dict(getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
-    if isinstance(rope.get("full_attention"), dict):
-        rope = dict(rope["full_attention"])
-    rope.pop("partial_rotary_factor", None)
+    rope = eagle3_layout.draft_rope_parameters(target_config)  # what the export writes: one source for both
     config = LlamaConfig(hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads, head_dim=s.head_dim,
                          max_position_embeddings=target_config.max_position_embeddings, rope_parameters=rope)
     return LlamaRotaryEmbedding(config=config)
