@@ -35,7 +35,6 @@ FAMILIES = {
 
 # Why GLIDE refuses a family (a phrase of its one-line refusal); the others train GLIDE drafts.
 GLIDE_REFUSED = {
-    "gpt_oss": "cos/sin for 8-wide heads",  # half-width rotary (its own rotation convention)
     "deepseek_v3": "multi-head latent attention",
     "gemma3_text": "'sliding_attention' layer",  # 4 layers: all sliding (one full layer in 6)
     "glm4": "partial_rotary_factor = 0.5",

@@ -135,6 +135,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in the rotate-half convention of Llama / Qwen2 / Mistral (cos, sin: [B, T, D])."""
+    if 2 * cos.shape[-1] == x.shape[-1]:  # gpt-oss's: one angle per pair (i, i + D/2), the same rotation
+        cos, sin = cos.repeat(1, 1, 2), sin.repeat(1, 1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -334,11 +336,9 @@ def last_attention(target) -> nn.Module:
 
 @contextlib.contextmanager
 def capture_last_kv(target) -> Iterator[dict]:
-    """Record the target's last-layer post-RoPE K/V during a forward without a KV cache.
-
-    Training must run the target without a cache (packed documents stay apart only then, PLATFORM.md), so the K/V
-    are rebuilt from the projections the layer computes anyway plus the rotary embedding it is handed; they equal
-    the cache's exactly (tests/test_glide_targets.py, per family)."""
+    """Record the target's last-layer post-RoPE K/V during a forward without a KV cache: training runs the target
+    without one (packed documents stay apart only then, PLATFORM.md), so the K/V are rebuilt from the projections the
+    layer computes plus the rotary it is handed; they equal the cache's exactly (tests/test_glide_targets.py)."""
     attn = last_attention(target)
     got: dict = {}
 

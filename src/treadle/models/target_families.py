@@ -69,15 +69,17 @@ def glide_module_obstacle(target) -> str | None:
     head_dim = getattr(attn, "head_dim", None)
     import torch
 
-    # GLIDE rotates in the rotate-half convention, with cos/sin as wide as a head. Only the width is read, so the
-    # call runs where the rotary's buffer lives: on the meta device for a target built empty (sharded loading).
+    # GLIDE rotates in the rotate-half convention, with cos/sin as wide as a head, or half as wide: gpt-oss's one angle
+    # per pair (i, i + D/2) is the same rotation (glide.rotate widens them; a partial rotary is refused from the
+    # config). Only the shape is read, so the call runs where the rotary's buffer lives: on the meta device for a
+    # target built empty (sharded loading).
     device = next(target.model.rotary_emb.buffers(), torch.zeros(0)).device
     with torch.no_grad():
         cos, _ = target.model.rotary_emb(torch.zeros(1, 1, 1, device=device),
                                          torch.zeros(1, 1, dtype=torch.long, device=device))
-    if cos.shape[-1] != head_dim:
-        return (f"its rotary embedding hands {cos.shape[-1]}-wide cos/sin for {head_dim}-wide heads (another "
-                "rotation convention than the rotate-half one GLIDE's K/V capture applies)")
+    if cos.is_complex() or cos.shape[-1] not in (head_dim, head_dim // 2):
+        return (f"its rotary embedding hands {cos.shape[-1]}-wide {cos.dtype} cos/sin for {head_dim}-wide heads "
+                "(another rotation convention than the rotate-half one GLIDE's K/V capture applies)")
     return None
 
 
