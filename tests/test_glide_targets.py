@@ -176,3 +176,13 @@ def test_the_draft_runs_target_keeps_its_sliding_layers_windows(family):
         own = target(ids).logits
         for model in models:
             torch.testing.assert_close(model.eval()(ids, torch.arange(30)[None]).target_logits, own, **F64)
+
+
+def test_a_gemma3_target_ending_on_a_full_layer_is_refused_for_its_per_layer_type_rotary():
+    """6 Gemma 3 layers end on a full-attention one (its 5-of-6 pattern): the config passes, the module check names
+    the rotary kept per layer type (called without one it would raise), not a traceback."""
+    from treadle.models.target_families import glide_module_obstacle, glide_obstacle
+
+    target = family_target("gemma3_text", layers=6)
+    assert target.config.layer_types[-1] == "full_attention" and glide_obstacle(target.config) is None
+    assert "per layer type" in glide_module_obstacle(target)

@@ -1,15 +1,32 @@
 """Which targets each draft kind can read, decided from what the target's config and modules say.
 
 EAGLE-3 reads hidden states: any Hugging Face decoder with a ``model.layers`` stack, a rotary embedding
-(``model.rotary_emb``, which the draft's own Llama-style layer reuses for its positions) and the usual attention
-dimensions qualifies, dense or MoE (Llama, Qwen2/3, Qwen3-MoE, Mistral, Mixtral, gpt-oss, DeepSeek-V3, OLMo-2,
-Gemma 2/3, Phi-3, Granite, GLM-4, SmolLM3 are tested: tests/test_families.py).
+(``model.rotary_emb``: the draft's Llama-style layer rotates with its parameters over the whole head, Gemma 3's
+full-attention set, as the export's config says) and the usual attention dimensions qualifies, dense or MoE (Llama,
+Qwen2/3, Qwen3-MoE, Mistral, Mixtral, gpt-oss, DeepSeek-V3, OLMo-2, Gemma 2/3, Phi-3, Granite, GLM-4, SmolLM3 are
+tested: tests/test_families.py).
 
 GLIDE reads the target's last-layer K/V cache: that layer must project per-head keys and values (``k_proj`` /
-``v_proj``, equal key and value head dims, not DeepSeek's MLA latents), rotate its keys with rotary embeddings over
-the whole head (no partial rotary, no RoPE-less layer) and keep every position in its cache (no sliding window
-shorter than the context). Anything else is refused in one line that names the reason and EAGLE-3 as the
-alternative.
+``v_proj`` or a fused ``qkv_proj``, equal key and value head dims, not DeepSeek's MLA latents), rotate its keys with
+rotary embeddings over the whole head (no partial rotary, no RoPE-less layer) and keep every position in its cache
+(no sliding window shorter than the context). Anything else is refused in one line that names the reason and EAGLE-3
+as the alternative. What each family gets (tests/test_families.py, tests/test_glide_targets.py):
+
+- Llama, Qwen2/3, Qwen3-MoE, Mistral, Mixtral: K/V as the projections and rotary compute them (Qwen3's per-head k_norm
+  read at its output).
+- OLMo-2: K read at the output of its k_norm over all heads (before the split into heads).
+- Phi-3: K/V cut from the fused ``qkv_proj`` output as its attention cuts it.
+- gpt-oss: half-wide cos/sin (one angle per pair i, i + D/2: rotate-half with the angles repeated); its eager attention
+  (sinks) gets an additive mask, its sliding layers their window.
+- Gemma 2: the draft's MLP takes ``hidden_activation`` (GELU tanh), the embedding module scales by sqrt(d), the draft's
+  logits through the shared head are soft-capped as the target's (plain and chunked); a sliding last layer (an odd
+  layer count) is refused. Granite: its ``logits_scaling`` likewise (its embedding multiplier sits in its forward,
+  outside the shared embedding; the draft's norms are blind to a constant scale).
+- Refused: DeepSeek-V3 (MLA), Gemma 3 (a sliding last layer in most sizes of its 5-of-6 pattern; a config that ends
+  on a full one keeps a rotary per layer type, which the draft does not pick), GLM-4 (partial, interleaved rotary: the
+  draft's cross-attention queries would need that rotation too), SmolLM3 (a RoPE-less last layer in its 4-layer
+  pattern: the draft's queries would have to stay unrotated), and any target whose forward transforms its logits in
+  a way ``chunked_ce`` does not apply.
 """
 
 from __future__ import annotations
@@ -67,6 +84,11 @@ def glide_module_obstacle(target) -> str | None:
     if attn is None or not (all(hasattr(attn, n) for n in ("k_proj", "v_proj")) or hasattr(attn, "qkv_proj")):
         return "its last layer has no k_proj / v_proj (nor a fused qkv_proj, as Phi-3's) to read per-head K/V from"
     head_dim = getattr(attn, "head_dim", None)
+    import inspect
+
+    if "layer_type" in inspect.signature(target.model.rotary_emb.forward).parameters:  # Gemma 3, a full last layer
+        return ("its rotary embedding keeps one rotation per layer type (layer_type), where GLIDE's draft takes the "
+                "one rotation the target's rotary hands")
     import torch
 
     # GLIDE rotates in the rotate-half convention, with cos/sin as wide as a head, or half as wide: gpt-oss's one angle
