@@ -35,12 +35,8 @@ FAMILIES = {
 
 # Why GLIDE refuses a family (a phrase of its one-line refusal); the others train GLIDE drafts.
 GLIDE_REFUSED = {
-    "gpt_oss": "cos/sin for 8-wide heads",  # half-width rotary (its own rotation convention)
     "deepseek_v3": "multi-head latent attention",
-    "olmo2": "k_norm normalizes all K/V heads together",
-    "gemma2": "hidden_activation",
     "gemma3_text": "'sliding_attention' layer",  # 4 layers: all sliding (one full layer in 6)
-    "phi3": "fused qkv_proj",
     "glm4": "partial_rotary_factor = 0.5",
     "smollm3": "no rotary embedding",
 }

@@ -283,3 +283,43 @@ def test_a_foreign_weight_name_fails_the_load(exported, tmp_path):
     save_file(w, str(out / "model.safetensors"))
     with pytest.raises(UserError, match="hidden_norm"):
         load_eagle3(out, target)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "glm4"])
+def test_the_export_of_a_draft_for_gemma3_or_glm4_computes_the_draft_logits_in_the_engines_forward(family, tmp_path):
+    """Gemma 3 keeps a rotary per layer type (full attention: theta 1e6, sliding: 1e4), GLM-4 rotates half of each
+    head: the export's rotary settings are the ones the draft layer computed with (the full-attention set over the
+    whole head), so the engines' Llama layer built from config.json reproduces the draft's logits (fp32)."""
+    import transformers
+
+    from tests.families import COMMON, FAMILIES
+
+    cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**COMMON, **extra, "num_hidden_layers": 4}))
+    target_dir = tmp_path / "target"
+    target.eval().save_pretrained(target_dir)
+    draft = Eagle3Draft(target.config, (1, 2, 3))
+    _sharp(draft)
+    model = Eagle3Model(target, draft).eval()
+    out = tmp_path / "export"
+    export_draft(model, model.state_dict(), out, target_dir, target_identity(target_dir, target),
+                 DraftConfig(kind="eagle3", target=str(target_dir)), step=0)
+    raw = json.loads((out / "config.json").read_text())
+    rope = target.config.rope_parameters
+    if family == "gemma3_text":
+        assert rope["full_attention"]["rope_theta"] != rope["sliding_attention"]["rope_theta"]
+        assert raw["rope_theta"] == rope["full_attention"]["rope_theta"]
+    else:
+        assert (rope.get("partial_rotary_factor") or target.config.partial_rotary_factor) == 0.5
+        # Readers that honour a partial factor in rope_parameters (vLLM's get_rope) would rotate half of each head;
+        # transformers' Llama rotary below ignores it, so the config is checked for it directly.
+        assert raw["rope_theta"] == rope["rope_theta"] and raw.get("partial_rotary_factor", 1.0) == 1.0
+        assert raw["rope_parameters"].get("partial_rotary_factor", 1.0) == 1.0
+    engine = EngineEagle3(out)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, T), generator=torch.Generator().manual_seed(5))
+    ref0, ref1 = engine.two_steps(target, ids)
+    with torch.no_grad():
+        ours = model(ids, torch.arange(T).expand(2, T), steps=2).logits
+    for ref, got, rows in ((ref0, ours[0], T - 1), (ref1, ours[1], T - 2)):  # rows whose next tokens are real
+        torch.testing.assert_close(ref[:, :rows], got[:, :rows], rtol=0, atol=1e-5)

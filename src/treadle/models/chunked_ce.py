@@ -95,13 +95,28 @@ class ChunkedLMHead(nn.Module):
         return loss.view(labels.shape)
 
 
-def _capped_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float,
+def _capped_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None,
                    scale: float | None) -> torch.Tensor:
     """One chunk's logits as the HF models compute them: ``linear``, ``/ scale``, then ``/ cap, tanh, * cap``."""
-    logits = F.linear(hidden, weight, bias)
+    return transformed_logits(F.linear(hidden, weight, bias), softcap, scale)
+
+
+def transformed_logits(logits: torch.Tensor, softcap: float | None = None, scale: float | None = None) -> torch.Tensor:
+    """A head's output (consumed: changed in place where autograd records nothing) as the model's forward transforms
+    it: ``/ scale``, then ``/ cap, tanh, * cap`` (None: not applied). Out of place where autograd needs the steps."""
+    grad = torch.is_grad_enabled() and logits.requires_grad
     if scale is not None:
-        logits.div_(scale)
-    return logits.div_(softcap).tanh_().mul_(softcap)
+        logits = logits / scale if grad else logits.div_(scale)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap if grad else logits.div_(softcap).tanh_().mul_(softcap)
+    return logits
+
+
+def model_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """A head's output (consumed) as ``config``'s model's forward transforms it (``_LOGIT_TRANSFORMS_HANDLED``): what
+    a draft scoring its hidden states through its target's head (GLIDE) must apply to be scored as the target is."""
+    transform = _logit_transform(config)
+    return transformed_logits(logits, transform.get("softcap"), transform.get("scale"))
 
 
 class _SoftcappedCrossEntropy(torch.autograd.Function):
@@ -292,11 +307,13 @@ def _forward_returns_head_output(model: nn.Module) -> bool:
 
 
 def _chunk_scores(hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                  ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's per-token CE, KL(teacher || student) and the teacher's CE; softmaxes in fp32."""
-    logp = F.log_softmax(at_least_fp32(F.linear(hidden, weight)), -1)
+                  ignore_index: int, softcap: float | None = None, scale: float | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's per-token CE, KL(teacher || student) and the teacher's CE; softmaxes in fp32; both models' logits
+    transformed (``softcap`` / ``scale``) inside the chunk as the model's forward transforms its head's output."""
+    logp = F.log_softmax(at_least_fp32(_capped_logits(hidden, weight, None, softcap, scale)), -1)
     with torch.no_grad():  # the teacher is fixed: recomputed in backward, never differentiated
-        teacher_logp = F.log_softmax(at_least_fp32(F.linear(teacher_hidden, weight)), -1)
+        teacher_logp = F.log_softmax(at_least_fp32(_capped_logits(teacher_hidden, weight, None, softcap, scale)), -1)
     valid = labels != ignore_index
     ce = F.nll_loss(logp, labels, ignore_index=ignore_index, reduction="none")
     kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1) * valid
@@ -305,11 +322,12 @@ def _chunk_scores(hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: to
 
 
 def chunked_distillation_scores(hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor,
-                                labels: torch.Tensor, chunk_tokens: int, ignore_index: int = -100
+                                labels: torch.Tensor, chunk_tokens: int, ignore_index: int = -100, config=None
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token ([B, L]) CE of the student, KL(teacher || student) and CE of the teacher, through one shared head
     ``weight``, ``chunk_tokens`` rows at a time: each chunk's logits (student's and teacher's) are recomputed in
-    backward (activation checkpointing per chunk), so neither model's [tokens, vocab] logits exist whole.
+    backward (activation checkpointing per chunk), so neither model's [tokens, vocab] logits exist whole. ``config``:
+    the head's model's, whose logit transform (soft-cap, scale: ``_logit_transform``) each chunk applies.
 
     torch's fused ``linear_cross_entropy`` has no KL; this is the same chunking written with ``checkpoint``.
     Call it inside a module's forward (sharded weights are gathered there).
@@ -318,9 +336,11 @@ def chunked_distillation_scores(hidden: torch.Tensor, teacher_hidden: torch.Tens
 
     flat = [hidden.flatten(0, -2), teacher_hidden.flatten(0, -2), labels.flatten()]
     grad = torch.is_grad_enabled() and hidden.requires_grad
+    transform = _logit_transform(config) if config is not None else {}
+    cap_scale = (transform.get("softcap"), transform.get("scale"))
     parts = []
     for start in range(0, flat[2].shape[0], chunk_tokens):
         h, t, y = (x[start:start + chunk_tokens] for x in flat)
-        parts.append(checkpoint(_chunk_scores, h, t, weight, y, ignore_index, use_reentrant=False) if grad
-                     else _chunk_scores(h, t, weight, y, ignore_index))
+        parts.append(checkpoint(_chunk_scores, h, t, weight, y, ignore_index, *cap_scale, use_reentrant=False) if grad
+                     else _chunk_scores(h, t, weight, y, ignore_index, *cap_scale))
     return tuple(torch.cat(p).view(labels.shape) for p in zip(*parts))

@@ -119,10 +119,7 @@ def draft_rotary(target_config) -> nn.Module:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     s = draft_shape(target_config)
-    rope = dict(getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
-    if isinstance(rope.get("full_attention"), dict):
-        rope = dict(rope["full_attention"])
-    rope.pop("partial_rotary_factor", None)
+    rope = eagle3_layout.draft_rope_parameters(target_config)  # what the export writes: one source for both
     config = LlamaConfig(hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads, head_dim=s.head_dim,
                          max_position_embeddings=target_config.max_position_embeddings, rope_parameters=rope)
     return LlamaRotaryEmbedding(config=config)
@@ -234,17 +231,6 @@ class Eagle3Output:
     target_logits: torch.Tensor  # the frozen target's [B, T, V] on the same input
 
 
-def target_mask(target, position_ids: torch.Tensor) -> torch.Tensor:
-    """``causal_document_mask`` as the target's attention reads a 4-D mask: eager attention (Gemma 2's, gpt-oss's
-    default: soft-capped scores, sinks) adds it to the scores, so it gets 0 / the dtype's minimum, not booleans
-    (which it would add as 1 / 0, hiding nothing)."""
-    mask = causal_document_mask(position_ids)
-    if getattr(target.config, "_attn_implementation", None) != "eager":
-        return mask
-    dtype = target.get_input_embeddings().weight.dtype
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-
-
 class Eagle3Model(DraftRunModel):
     """What an eagle3 draft run trains: a frozen target and a trainable ``draft_model`` on its fused features.
     ``loss_chunk_tokens`` stays 0: the chunked loss is not built for eagle3 (run.py refuses it)."""
@@ -276,7 +262,7 @@ class Eagle3Model(DraftRunModel):
         """The target's logits and its features ([B, T, len(feature_layers) * d]) for packed rows, without grad."""
         with torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap:
             out = self.target(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                              attention_mask=target_mask(self.target, position_ids))
+                              attention_mask=causal_document_mask(position_ids, self.target))
             return out.logits, tap.take()
 
     def _unroll(self, input_ids: torch.Tensor, position_ids: torch.Tensor, features: torch.Tensor, steps: int,

@@ -108,7 +108,10 @@ def config_of(draft, target_config, dtype: torch.dtype, extra: dict) -> dict:
         "head_dim": s.head_dim,
         "hidden_act": s.hidden_act,
         "rms_norm_eps": s.rms_norm_eps,
-        **rope_keys(t),
+        # the rotary the draft layer computes with (``draft_rope_parameters``), not the target's layer types' or
+        # partial rotation, so that a Llama layer built from this config rotates as the trained draft did
+        **rope_keys({"rope_parameters": draft_rope_parameters(target_config),
+                     "max_position_embeddings": t.get("max_position_embeddings")}),
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
@@ -126,6 +129,18 @@ def config_of(draft, target_config, dtype: torch.dtype, extra: dict) -> dict:
     if clash:
         raise UserError(f"eagle3 export: treadle's metadata keys {clash} would overwrite the layout's")
     return {**config, **extra}
+
+
+def draft_rope_parameters(target_config) -> dict:
+    """The rotary parameters of the draft's Llama layer (``eagle3.draft_rotary`` builds its rotary from them, the export
+    writes them): the target's theta and scaling over the whole head (a ``partial_rotary_factor`` dropped: GLM-4's
+    draft layer rotates every dim of its own heads), Gemma 3's ``full_attention`` set where the target has one per
+    layer type (its draft layer attends over the whole context, as a full-attention layer does)."""
+    rope = dict(getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    if isinstance(rope.get("full_attention"), dict):
+        rope = dict(rope["full_attention"])
+    rope.pop("partial_rotary_factor", None)
+    return rope
 
 
 def rope_keys(target: dict) -> dict:

@@ -48,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
-from treadle.models.chunked_ce import chunked_distillation_scores
+from treadle.models.chunked_ce import chunked_distillation_scores, model_logits
 from treadle.models.hf import greedy_continuations
 
 KIND = "glide"
@@ -135,6 +135,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in the rotate-half convention of Llama / Qwen2 / Mistral (cos, sin: [B, T, D])."""
+    if 2 * cos.shape[-1] == x.shape[-1]:  # gpt-oss's: one angle per pair (i, i + D/2), the same rotation
+        cos, sin = cos.repeat(1, 1, 2), sin.repeat(1, 1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -170,7 +172,7 @@ WHOLE = WholeSequences()
 
 @dataclass(frozen=True)
 class GlideShape:
-    """The draft's dimensions, all taken from the target so its K/V and LM head fit."""
+    """The draft's dimensions, all taken from the target so its K/V and LM head fit (Gemma: hidden_activation)."""
 
     hidden_size: int
     num_attention_heads: int
@@ -190,7 +192,7 @@ class GlideShape:
             num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
             intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
-            hidden_act=getattr(c, "hidden_act", None) or "silu",  # Gemma's configs name it hidden_activation
+            hidden_act=getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", None) or "silu",
             attention_bias=bool(getattr(c, "attention_bias", False)),
         )
 
@@ -326,7 +328,7 @@ def last_attention(target) -> nn.Module:
     from treadle.models.hf import decoder_layers
 
     attn = getattr(decoder_layers(target)[-1], "self_attn", None)
-    if attn is None or not all(hasattr(attn, n) for n in ("k_proj", "v_proj")):
+    if attn is None or not (all(hasattr(attn, n) for n in ("k_proj", "v_proj")) or hasattr(attn, "qkv_proj")):
         raise UserError(f"draft.target {type(target).__name__} has no q/k/v/o self-attention in its last layer; "
                         "accepted: Llama / Qwen2 / Mistral-family decoders")
     return attn
@@ -334,23 +336,20 @@ def last_attention(target) -> nn.Module:
 
 @contextlib.contextmanager
 def capture_last_kv(target) -> Iterator[dict]:
-    """Record the target's last-layer post-RoPE K/V during a forward without a KV cache.
-
-    Training must run the target without a cache (packed documents stay apart only
-    then, PLATFORM.md), so the K/V are rebuilt from the projections the layer computes
-    anyway plus the rotary embedding it is handed; they equal the cache's exactly.
-    """
+    """Record the target's last-layer post-RoPE K/V during a forward without a KV cache: training runs the target
+    without one (packed documents stay apart only then, PLATFORM.md), so the K/V are rebuilt from the projections the
+    layer computes plus the rotary it is handed; they equal the cache's exactly (tests/test_glide_targets.py)."""
     attn = last_attention(target)
     got: dict = {}
 
     def pre(_module, _args, kwargs):
         got["rope"] = kwargs["position_embeddings"]
 
-    handles = [
-        attn.register_forward_pre_hook(pre, with_kwargs=True),
-        attn.k_proj.register_forward_hook(lambda _m, _i, out: got.__setitem__("k", out)),
-        attn.v_proj.register_forward_hook(lambda _m, _i, out: got.__setitem__("v", out)),
-    ]
+    # K as the layer's k_norm returns it (Qwen3: per head, OLMo-2: all heads); Phi-3's fused qkv_proj cut as it does
+    fused = getattr(attn, "qkv_proj", None)
+    sources = {"k": getattr(attn, "k_norm", None) or fused or attn.k_proj, "v": fused or attn.v_proj}
+    handles = [attn.register_forward_pre_hook(pre, with_kwargs=True)] + [
+        m.register_forward_hook(lambda _m, _i, out, n=n: got.__setitem__(n, out)) for n, m in sources.items()]
     result: dict = {}
     try:
         yield result
@@ -358,23 +357,34 @@ def capture_last_kv(target) -> Iterator[dict]:
         for h in handles:
             h.remove()
     head_dim = attn.head_dim
-    k = got["k"].view(*got["k"].shape[:2], -1, head_dim)
-    if getattr(attn, "k_norm", None) is not None:  # Qwen3-style per-head norm before RoPE
-        k = attn.k_norm(k)
-    cos, sin = got["rope"]
-    result["k"] = rotate(k.transpose(1, 2), cos, sin)
-    result["v"] = got["v"].view(*got["v"].shape[:2], -1, head_dim).transpose(1, 2)
+    if fused is not None:
+        q, kv = target.config.num_attention_heads * head_dim, target.config.num_key_value_heads * head_dim
+        got["k"], got["v"] = got["k"][..., q:q + kv] if sources["k"] is fused else got["k"], got["v"][..., q + kv:]
+    k = got["k"].reshape(*got["k"].shape[:2], -1, head_dim)
+    result["k"] = rotate(k.transpose(1, 2), *got["rope"])
+    result["v"] = got["v"].reshape(*got["v"].shape[:2], -1, head_dim).transpose(1, 2)
 
 
-def causal_document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal mask for packed rows, handed to the target explicitly.
-
-    HF infers packing from position jumps, which anchor offsets also create; an
-    explicit 4-D mask keeps the target's view of the documents independent of that.
-    """
+def causal_document_mask(position_ids: torch.Tensor, target=None):
+    """Block-diagonal causal mask for packed rows, handed to the target explicitly (GLIDE's and EAGLE-3's): HF infers
+    packing from position jumps, which anchor offsets also create. HF hands a 4-D mask to the attention as it is, so
+    for a ``target`` it holds what HF's masks would: the sliding window (a mask per layer type, Gemma 2/3, gpt-oss), and
+    it is additive (0 / the dtype's min) unless the attention is sdpa: eager and flex add it to the scores."""
     idx = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
     doc = document_ids(position_ids)
-    return attention_mask(idx, idx, q_doc=doc, k_doc=doc)
+    c = getattr(target, "config", None)
+    window = (getattr(c, "use_sliding_window", True) is not False and getattr(c, "sliding_window", None)) or 0
+    types = getattr(c, "layer_types", None)
+    mask = attention_mask(idx, idx, window=0 if types else window, q_doc=doc, k_doc=doc)
+    if types and window and "sliding_attention" in types:
+        mask = {"full_attention": mask, "sliding_attention": attention_mask(idx, idx, window=window, q_doc=doc,
+                                                                            k_doc=doc)}
+    if target is None or c._attn_implementation == "sdpa":
+        return mask
+    dtype = target.get_input_embeddings().weight.dtype
+    additive = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
+                for k, m in (mask if isinstance(mask, dict) else {0: mask}).items()}
+    return additive if isinstance(mask, dict) else additive[0]
 
 
 @dataclass
@@ -480,7 +490,7 @@ class GlideModel(DraftRunModel):
         """Logits (or, ``hidden``, the final hidden states the LM head would read) of ``input_ids``, and last-layer
         K/V of the whole sequence (``seq``: gathered when ``input_ids`` is this rank's slice)."""
         run = self.target.model if hidden else self.target
-        mask = causal_document_mask(seq.gather(position_ids, 1))  # the whole sequence's: one rule on every rank
+        mask = causal_document_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
         with torch.no_grad(), capture_last_kv(self.target) as kv, seq.attention(self.target):
             out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)
         return out.last_hidden_state if hidden else out.logits, (seq.gather(kv["k"], 2), seq.gather(kv["v"], 2))
@@ -489,7 +499,7 @@ class GlideModel(DraftRunModel):
                       target_kv: tuple[torch.Tensor, torch.Tensor], lag: int,
                       doc_position_ids: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids)
-        return self.target.get_output_embeddings()(hidden)
+        return model_logits(self.target.config, self.target.get_output_embeddings()(hidden))  # as the target scores
 
     def _draft_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       target_kv: tuple[torch.Tensor, torch.Tensor], lag: int,
@@ -522,7 +532,7 @@ class GlideModel(DraftRunModel):
             hidden, (nk, nv) = self.draft_model(embeds, rope, target_kv, ttt_mask(doc, k, self.draft_model.window),
                                                 cross_mask, past_kv=keys)
             keys = (nk, nv) if keys is None else (torch.cat((keys[0], nk), 2), torch.cat((keys[1], nv), 2))
-            out.append(head(hidden))
+            out.append(model_logits(self.target.config, head(hidden)))  # the shared head scores as the target's does
             tokens = out[-1].detach().argmax(-1)  # the draft's own guess is the next step's input; no gradient
         return out
 
@@ -539,11 +549,12 @@ class GlideModel(DraftRunModel):
             target_hidden, target_kv = self._target_forward(input_ids, position_ids, hidden=True, seq=self.sequences)
             hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids, self.sequences)
             ce, kl, target_ce = chunked_distillation_scores(
-                hidden, target_hidden, self.target.get_output_embeddings().weight, labels, self.loss_chunk_tokens)
+                hidden, target_hidden, self.target.get_output_embeddings().weight, labels, self.loss_chunk_tokens,
+                config=self.target.config)  # the target's logit transform (soft-cap, scale) inside each chunk
             return GlideOutput(None, None, token_ce=ce, token_kl=kl, target_token_ce=target_ce)
         target_logits, target_kv = self._target_forward(input_ids, position_ids, seq=self.sequences)
         hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids, self.sequences)
-        return GlideOutput(logits=self.target.get_output_embeddings()(hidden), target_logits=target_logits)
+        return GlideOutput(model_logits(self.target.config, self.target.get_output_embeddings()(hidden)), target_logits)
 
 
 # ----------------------------------------------------------------------------- identity of a target

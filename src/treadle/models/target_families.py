@@ -1,15 +1,32 @@
 """Which targets each draft kind can read, decided from what the target's config and modules say.
 
 EAGLE-3 reads hidden states: any Hugging Face decoder with a ``model.layers`` stack, a rotary embedding
-(``model.rotary_emb``, which the draft's own Llama-style layer reuses for its positions) and the usual attention
-dimensions qualifies, dense or MoE (Llama, Qwen2/3, Qwen3-MoE, Mistral, Mixtral, gpt-oss, DeepSeek-V3, OLMo-2,
-Gemma 2/3, Phi-3, Granite, GLM-4, SmolLM3 are tested: tests/test_families.py).
+(``model.rotary_emb``: the draft's Llama-style layer rotates with its parameters over the whole head, Gemma 3's
+full-attention set, as the export's config says) and the usual attention dimensions qualifies, dense or MoE (Llama,
+Qwen2/3, Qwen3-MoE, Mistral, Mixtral, gpt-oss, DeepSeek-V3, OLMo-2, Gemma 2/3, Phi-3, Granite, GLM-4, SmolLM3 are
+tested: tests/test_families.py).
 
 GLIDE reads the target's last-layer K/V cache: that layer must project per-head keys and values (``k_proj`` /
-``v_proj``, equal key and value head dims, not DeepSeek's MLA latents), rotate its keys with rotary embeddings over
-the whole head (no partial rotary, no RoPE-less layer) and keep every position in its cache (no sliding window
-shorter than the context). Anything else is refused in one line that names the reason and EAGLE-3 as the
-alternative.
+``v_proj`` or a fused ``qkv_proj``, equal key and value head dims, not DeepSeek's MLA latents), rotate its keys with
+rotary embeddings over the whole head (no partial rotary, no RoPE-less layer) and keep every position in its cache
+(no sliding window shorter than the context). Anything else is refused in one line that names the reason and EAGLE-3
+as the alternative. What each family gets (tests/test_families.py, tests/test_glide_targets.py):
+
+- Llama, Qwen2/3, Qwen3-MoE, Mistral, Mixtral: K/V as the projections and rotary compute them (Qwen3's per-head k_norm
+  read at its output).
+- OLMo-2: K read at the output of its k_norm over all heads (before the split into heads).
+- Phi-3: K/V cut from the fused ``qkv_proj`` output as its attention cuts it.
+- gpt-oss: half-wide cos/sin (one angle per pair i, i + D/2: rotate-half with the angles repeated); its eager attention
+  (sinks) gets an additive mask, its sliding layers their window.
+- Gemma 2: the draft's MLP takes ``hidden_activation`` (GELU tanh), the embedding module scales by sqrt(d), the draft's
+  logits through the shared head are soft-capped as the target's (plain and chunked); a sliding last layer (an odd
+  layer count) is refused. Granite: its ``logits_scaling`` likewise (its embedding multiplier sits in its forward,
+  outside the shared embedding; the draft's norms are blind to a constant scale).
+- Refused: DeepSeek-V3 (MLA), Gemma 3 (a sliding last layer in most sizes of its 5-of-6 pattern; a config that ends
+  on a full one keeps a rotary per layer type, which the draft does not pick), GLM-4 (partial, interleaved rotary: the
+  draft's cross-attention queries would need that rotation too), SmolLM3 (a RoPE-less last layer in its 4-layer
+  pattern: the draft's queries would have to stay unrotated), and any target whose forward transforms its logits in
+  a way ``chunked_ce`` does not apply.
 """
 
 from __future__ import annotations
@@ -47,9 +64,12 @@ def glide_obstacle(config) -> str | None:
     if float(partial) != 1.0:
         return (f"its keys are rotated over a part of each head (partial_rotary_factor = {partial}): GLIDE's "
                 "queries rotate the whole head")
-    if getattr(config, "hidden_act", None) is None:
-        return (f"its config names its activation {getattr(config, 'hidden_activation', None)!r} under "
-                "hidden_activation, not the hidden_act GLIDE's block reads")
+    from treadle.models.chunked_ce import _unhandled_transforms
+
+    unhandled = _unhandled_transforms(config)  # GLIDE's draft scores through the shared head as the target does
+    if unhandled:
+        return (f"its forward transforms its logits ({', '.join(unhandled)}) in a way treadle does not apply to the "
+                "draft's logits through the shared head")
     no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 0 marks a layer without RoPE
     if no_rope and not no_rope[config.num_hidden_layers - 1]:
         return "its last layer uses no rotary embedding (no_rope_layers): GLIDE's cross-attention rotates its queries"
@@ -61,25 +81,27 @@ def glide_module_obstacle(target) -> str | None:
     from treadle.models.hf import decoder_layers
 
     attn = getattr(decoder_layers(target)[-1], "self_attn", None)
-    if attn is None or not all(hasattr(attn, n) for n in ("k_proj", "v_proj")):
-        return "its last layer has no separate k_proj / v_proj (e.g. a fused qkv_proj) to read per-head K/V from"
+    if attn is None or not (all(hasattr(attn, n) for n in ("k_proj", "v_proj")) or hasattr(attn, "qkv_proj")):
+        return "its last layer has no k_proj / v_proj (nor a fused qkv_proj, as Phi-3's) to read per-head K/V from"
     head_dim = getattr(attn, "head_dim", None)
-    k_norm = getattr(attn, "k_norm", None)
-    width = getattr(k_norm, "normalized_shape", None) or getattr(getattr(k_norm, "weight", None), "shape", None)
-    if k_norm is not None and width is not None and tuple(width)[-1] != head_dim:
-        return (f"its k_norm normalizes all K/V heads together ({tuple(width)[-1]} wide), not each head "
-                f"({head_dim}), as GLIDE's K/V capture does")
+    import inspect
+
+    if "layer_type" in inspect.signature(target.model.rotary_emb.forward).parameters:  # Gemma 3, a full last layer
+        return ("its rotary embedding keeps one rotation per layer type (layer_type), where GLIDE's draft takes the "
+                "one rotation the target's rotary hands")
     import torch
 
-    # GLIDE rotates in the rotate-half convention, with cos/sin as wide as a head. Only the width is read, so the
-    # call runs where the rotary's buffer lives: on the meta device for a target built empty (sharded loading).
+    # GLIDE rotates in the rotate-half convention, with cos/sin as wide as a head, or half as wide: gpt-oss's one angle
+    # per pair (i, i + D/2) is the same rotation (glide.rotate widens them; a partial rotary is refused from the
+    # config). Only the shape is read, so the call runs where the rotary's buffer lives: on the meta device for a
+    # target built empty (sharded loading).
     device = next(target.model.rotary_emb.buffers(), torch.zeros(0)).device
     with torch.no_grad():
         cos, _ = target.model.rotary_emb(torch.zeros(1, 1, 1, device=device),
                                          torch.zeros(1, 1, dtype=torch.long, device=device))
-    if cos.shape[-1] != head_dim:
-        return (f"its rotary embedding hands {cos.shape[-1]}-wide cos/sin for {head_dim}-wide heads (another "
-                "rotation convention than the rotate-half one GLIDE's K/V capture applies)")
+    if cos.is_complex() or cos.shape[-1] not in (head_dim, head_dim // 2):
+        return (f"its rotary embedding hands {cos.shape[-1]}-wide {cos.dtype} cos/sin for {head_dim}-wide heads "
+                "(another rotation convention than the rotate-half one GLIDE's K/V capture applies)")
     return None
 
 
@@ -132,20 +154,6 @@ def check_target(target, key: str, path) -> None:
     if why is not None:
         raise UserError(f"{key} {path} is a {model_type!r} model that no draft kind can read: {why}; accepted: "
                         "decoders with rotary embeddings and a model.layers stack (Llama, Qwen, Mixtral, Gemma ...)")
-
-
-def glide_chunked_loss_obstacle(config) -> str | None:
-    """Why GLIDE's chunked loss would not score against this target's distribution (None: it does): it runs both
-    models' hidden states through the raw shared head, so a target whose forward soft-caps or scales its logits
-    (Gemma, Granite) would be a different teacher than the plain loss's."""
-    from treadle.models.chunked_ce import _LOGIT_TRANSFORMS
-
-    found = [f"{k} = {getattr(config, k)}" for k in _LOGIT_TRANSFORMS
-             if getattr(config, k, None) not in (None, 0, 1, 1.0, False)]
-    if not found:
-        return None
-    return (f"the target's forward transforms its logits ({', '.join(found)}), which GLIDE's chunked scores "
-            "through the raw head would not")
 
 
 # ----------------------------------------------------------------------------- a draft run's target

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from treadle.models.chunked_ce import model_logits
 from treadle.models.glide import GlideModel, attention_mask
 from treadle.speculative.decode import Proposal, TargetState
 from treadle.speculative.sampling import Sampler
@@ -38,7 +39,7 @@ class GlideDrafter:
         embeds = model.target.get_input_embeddings()(tokens)
         rope = model.rotary(embeds, q_idx)
         hidden, kv = model.draft_model(embeds, rope, target_kv, self_mask, cross_mask, past_kv=past_kv)
-        return model.target.get_output_embeddings()(hidden[0]), kv
+        return model_logits(model.target.config, model.target.get_output_embeddings()(hidden[0])), kv
 
     def _feed(self, tokens: torch.Tensor, target_kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Run the draft over ``tokens`` (indices seen..seen+n), extend the cache, return the last logits [V]."""

@@ -37,7 +37,6 @@ from treadle.metrics.flops import (attention_dims, forward_flops_per_token, matm
 from treadle.metrics.sinks import Console, JsonlSink, Sinks, check_sinks_installed, open_optional_sinks
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
-from treadle.models.target_families import glide_chunked_loss_obstacle
 from treadle.models.hf import build_model, compile_layers, count_parameters, persistent_compile_cache, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.models.drafts import build_draft
@@ -216,14 +215,9 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
                                 "or draft.ttt_steps = 1")
             step_callbacks.append(TTTAccuracyCallback())
         else:
-            # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward).
+            # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward),
+            # the target's logit transform (Gemma's soft-cap, Granite's scale) applied inside each chunk.
             model.loss_chunk_tokens = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
-            why = model.loss_chunk_tokens and glide_chunked_loss_obstacle(model.target.config)
-            if why:  # auto: the plain loss, scored against the target's own (transformed) distribution
-                if cfg.model.loss_chunk_tokens != "auto":
-                    raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with a GLIDE draft: "
-                                    f"{why}; accepted: 0 or auto (off for this target)")
-                model.loss_chunk_tokens = 0
         objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
     check_token_ids(prompts, model.target.config.vocab_size, lambda: f"the draft's eval prompts ({(val_ds or train_ds).where})")
