@@ -10,14 +10,14 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from tests.helpers import TARGET, draft_args, records
 from treadle.cli import main
-from treadle.models.glide import (
+from treadle.drafts.glide.model import (
     GlideDraft, GlideModel, anchored_positions, attention_mask, capture_last_kv, document_ids,
 )
-from treadle.models.glide_layout import load_glide
+from treadle.drafts.glide.layout import load_glide
 from treadle.models.hf import cache_kwargs, greedy_continuations
 from treadle.speculative.acceptance import chain_acceptance
 from treadle.speculative.decode import TargetState
-from treadle.speculative.glide_drafter import GlideDrafter
+from treadle.drafts.glide.drafter import GlideDrafter
 from treadle.speculative.sampling import Sampler
 
 

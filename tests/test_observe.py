@@ -278,7 +278,7 @@ def test_draft_flops_formula_within_10_percent_of_flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from treadle.models.glide import GlideDraft, GlideModel
+    from treadle.drafts.glide.model import GlideDraft, GlideModel
     from treadle.train.run import model_flops_per_token
 
     torch.manual_seed(0)

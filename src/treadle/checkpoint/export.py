@@ -97,7 +97,7 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
 
 def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity: dict, cfg, step: int | None = None,
                  command: str = "train", dtype: str = "fp32") -> Path:
-    """The draft alone, with what it needs to find its target again; ``treadle.models.drafts.load_draft`` loads it.
+    """The draft alone, with what it needs to find its target again; ``treadle.drafts.registry.load_draft`` loads it.
 
     EAGLE-3: the original EAGLE layout vLLM, SGLang, SpecForge and TensorRT-LLM load (``eagle3_layout``: config.json
     a Hugging Face Llama config, ``model.safetensors`` under the consumers' names), treadle's metadata (the target's
@@ -124,12 +124,12 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
         "training": {**cfg.model_dump(mode="json"), "step": step},
     }
     if draft.export_config()["treadle_draft_kind"] == "eagle3":
-        from treadle.models.eagle3_layout import export as eagle3_export
+        from treadle.drafts.eagle3.layout import export as eagle3_export
 
         weights, config = eagle3_export(draft, weights, model.target.config, torch_dtype,
                                         {**draft.export_config(), **meta})
     elif draft.export_config().get("layout") == "longspec":
-        from treadle.models.glide_layout import export as longspec_export
+        from treadle.drafts.glide.layout import export as longspec_export
 
         weights, config = longspec_export(draft, weights, model.target.config, torch_dtype,
                                           {**draft.export_config(), **meta})
@@ -171,7 +171,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     train_state = run_state(ckpt)
     meta = train_state["meta"]
     if cfg.draft.kind:
-        from treadle.models.drafts import build_draft
+        from treadle.drafts.registry import build_draft
 
         model, target_dir, identity = build_draft(cfg.draft, meta["vocab_size"], meta["tokenizer_fingerprint"])
         module, prefix = model.draft_model, "draft_model."

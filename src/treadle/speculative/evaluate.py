@@ -101,8 +101,8 @@ def check_draft_spec(spec: str) -> None:
 # ---- Drafter registry: every accepted --draft value is resolved here. ----
 def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
     """``--draft`` value -> Drafter: 'prompt-lookup', a treadle draft directory, or any HF causal LM."""
-    from treadle.models.drafts import load_draft
-    from treadle.models.glide import read_draft_config
+    from treadle.drafts.registry import load_draft
+    from treadle.drafts.glide.model import read_draft_config
     from treadle.models.hf import load_causal_lm
     from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
 
@@ -114,10 +114,10 @@ def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
         if config is not None:
             model = load_draft(candidate, target)
             if config["treadle_draft_kind"] == "eagle3":
-                from treadle.speculative.eagle3_drafter import Eagle3Drafter
+                from treadle.drafts.eagle3.drafter import Eagle3Drafter
 
                 return Eagle3Drafter(model)
-            from treadle.speculative.glide_drafter import GlideDrafter
+            from treadle.drafts.glide.drafter import GlideDrafter
 
             return GlideDrafter(model)
     check_draft_spec(spec)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
-from treadle.models.glide import anchored_positions
+from treadle.drafts.glide.model import anchored_positions
 from treadle.models.upcast import at_least_fp32
 from treadle.speculative.acceptance import chain_acceptance, lookup_tau
 from treadle.train.callbacks import Callback, EvalCallback
@@ -83,7 +83,7 @@ class GlideObjective:
         shifted = anchored_positions(positions, self.cfg.anchor_positions, offset)
         labels = batch["labels"]
         steps = ttt_steps(self.cfg) if train else 1  # evaluation: the teacher-forced CE, comparable across runs
-        if steps > 1:  # training-time test (models/glide.py): step k scored at row t's token t + k + 1
+        if steps > 1:  # training-time test (drafts/glide/model.py): step k scored at row t's token t + k + 1
             out = model(input_ids=batch["input_ids"], position_ids=shifted, lag=lag, doc_position_ids=positions,
                         steps=steps)
             loss, side = unrolled_losses(self.cfg, [out.logits, *out.chain_logits], out.target_logits, positions,

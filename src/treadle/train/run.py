@@ -37,10 +37,10 @@ from treadle.metrics.flops import (attention_dims, forward_flops_per_token, matm
 from treadle.metrics.sinks import Console, JsonlSink, Sinks, check_sinks_installed, open_optional_sinks
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
-from treadle.models.target_families import glide_chunked_loss_obstacle
+from treadle.drafts.targets import glide_chunked_loss_obstacle
 from treadle.models.hf import build_model, compile_layers, count_parameters, persistent_compile_cache, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
-from treadle.models.drafts import build_draft
+from treadle.drafts.registry import build_draft
 from treadle.train.auto import resolve_auto
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
 from treadle.train.eagle3 import eagle3_setup

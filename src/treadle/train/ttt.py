@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
-from treadle.models.glide import document_ids
+from treadle.drafts.glide.model import document_ids
 from treadle.models.upcast import at_least_fp32
 from treadle.train.callbacks import Callback
 from treadle.train.step import StepResult
