@@ -138,7 +138,7 @@ def test_a_plain_log_shows_the_total_the_time_left_each_eval_starting_and_what_e
 
 def test_loss_labels_name_each_objective():
     from treadle.config import load_config
-    from treadle.train.draft import GlideObjective
+    from treadle.drafts.glide.objective import GlideObjective
     from treadle.train.moe import RouterObjective
 
     def label(*overrides):

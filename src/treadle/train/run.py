@@ -42,9 +42,10 @@ from treadle.models.hf import build_model, compile_layers, count_parameters, per
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.drafts.registry import build_draft
 from treadle.train.auto import resolve_auto
-from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
-from treadle.train.eagle3 import eagle3_setup
-from treadle.train.ttt import TTTAccuracyCallback, refuse_chunked_loss, ttt_steps
+from treadle.drafts.eagle3.objective import eagle3_setup
+from treadle.drafts.glide.objective import GlideObjective
+from treadle.drafts.ttt import refuse_chunked_loss, ttt_steps
+from treadle.train.draft import AcceptanceCallback, DraftExportCallback, TTTAccuracyCallback, eval_prompts
 from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
