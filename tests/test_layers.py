@@ -47,6 +47,8 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
 
 def _layer(module: str) -> int:
     parts = module.split(".")
+    if parts[1:2] == ["drafts"] and parts[-1] == "settings":  # a draft kind's [draft] rules, plain Python: the config reads them
+        return LAYERS["config"]
     return LAYERS[parts[1] if len(parts) > 1 else "__init__"]
 
 

@@ -21,13 +21,13 @@ from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
 from treadle.drafts.glide.model import document_ids
+from treadle.drafts.settings import default_ttt_steps
 from treadle.models.upcast import at_least_fp32
 
-DEFAULT_TTT_STEPS = {"eagle3": 7, "glide": 1}  # glide: 1 = the teacher-forced pass alone (no unroll)
 
 
 def ttt_steps(cfg: DraftConfig) -> int:
-    return cfg.ttt_steps or DEFAULT_TTT_STEPS[cfg.kind]
+    return cfg.ttt_steps or default_ttt_steps(cfg.kind)
 
 
 def refuse_chunked_loss(setting: int | str, what: str, otherwise: str) -> None:

@@ -1,4 +1,5 @@
-"""A GLIDE draft run's objective: the draft's loss per micro-batch (its KV lag and position offsets drawn there)."""
+"""A GLIDE draft run's objective: the draft's loss per micro-batch (its KV lag and position offsets drawn there),
+and glide_setup, what a GLIDE run adds to a draft run's setup."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch.nn.functional as F
 from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX, row_cross_entropy
 from treadle.drafts.glide.model import anchored_positions
-from treadle.drafts.ttt import ttt_steps, unrolled_losses
+from treadle.drafts.targets import glide_chunked_loss_obstacle
+from treadle.drafts.ttt import refuse_chunked_loss, ttt_steps, unrolled_losses
+from treadle.errors import UserError
+from treadle.models.chunked_ce import resolve_chunk_tokens
 from treadle.models.upcast import at_least_fp32
 
 if TYPE_CHECKING:
@@ -92,3 +96,21 @@ class GlideObjective:
         else:
             loss = ce if self.cfg.loss == "ce" else kl
         return loss, {"target_loss": target_ce, "draft_ce": ce.detach().sum(), "draft_kl": kl.detach().sum()}
+
+
+def glide_setup(cfg, model) -> GlideObjective:
+    """What a GLIDE run adds to a draft run's setup: the chunked loss's setting checked against its objective (an
+    unroll scores whole logits per step; otherwise draft and target are scored chunk by chunk), and the objective."""
+    if ttt_steps(cfg.draft) > 1:  # GLIDE's training-time test scores whole logits per step
+        refuse_chunked_loss(cfg.model.loss_chunk_tokens, f"draft.ttt_steps = {cfg.draft.ttt_steps}",
+                            "or draft.ttt_steps = 1")
+    else:
+        # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward).
+        model.loss_chunk_tokens = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
+        why = model.loss_chunk_tokens and glide_chunked_loss_obstacle(model.target.config)
+        if why:  # auto: the plain loss, scored against the target's own (transformed) distribution
+            if cfg.model.loss_chunk_tokens != "auto":
+                raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with a GLIDE draft: "
+                                f"{why}; accepted: 0 or auto (off for this target)")
+            model.loss_chunk_tokens = 0
+    return GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
