@@ -46,16 +46,16 @@ from transformers import AutoTokenizer
 
 from treadle.config import load_config
 from treadle.corpus import corpus_files, split_of
-from treadle.models.eagle3 import load_eagle3
-from treadle.models.glide_layout import load_glide
+from treadle.drafts.eagle3.model import load_eagle3
+from treadle.drafts.glide.layout import load_glide
 from treadle.model_dirs import resolve_model_dir
 from treadle.models.hf import load_causal_lm
 from treadle.speculative.acceptance import lookup_tau
 from treadle.speculative.decode import target_generate
 from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
-from treadle.speculative.eagle3_drafter import Eagle3Drafter
+from treadle.drafts.eagle3.drafter import Eagle3Drafter
 from treadle.speculative.evaluate import evaluate_drafter
-from treadle.speculative.glide_drafter import GlideDrafter
+from treadle.drafts.glide.drafter import GlideDrafter
 from treadle.speculative.prompts import heldout_prompts
 from treadle.speculative.sampling import Sampler
 from treadle.speculative.tree import DynamicTree

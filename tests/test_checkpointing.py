@@ -19,7 +19,7 @@ from tests.helpers import TARGET, args, draft_args, records
 from treadle.cli import main
 from treadle.config import ModelConfig
 from treadle.models.checkpointing import apply_activation_checkpointing
-from treadle.models.glide import GlideDraft, GlideModel
+from treadle.drafts.glide.model import GlideDraft, GlideModel
 
 LAYERS = 4
 LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,

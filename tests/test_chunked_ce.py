@@ -236,8 +236,8 @@ def glide_mismatches(objective: str) -> list[str]:
     full logits: the draft's CE and KL(target || draft) and the target's CE (per-row losses, side sums, draft
     gradients, evaluation), at a lag and with an offset. Empty when the two are equal."""
     from treadle.config import DraftConfig
-    from treadle.models.glide import GlideDraft, GlideModel
-    from treadle.train.draft import GlideObjective
+    from treadle.drafts.glide.model import GlideDraft, GlideModel
+    from treadle.drafts.glide.objective import GlideObjective
 
     # float64: the KL (~1e-3) is a difference of near-equal log-sum-exps, so fp32's rounding, which differs
     # between CPUs' kernels, would leave ~1e-6 of it; float64 leaves ~1e-12 and a tight bound proves equality.

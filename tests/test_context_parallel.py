@@ -36,8 +36,8 @@ from treadle.models.chunked_ce import use_chunked_loss
 from treadle.models.hf import build_model
 from treadle.engine.local import LocalEngine
 from treadle.config import DraftConfig
-from treadle.models.glide import GlideDraft, GlideModel
-from treadle.train.draft import GlideObjective
+from treadle.drafts.glide.model import GlideDraft, GlideModel
+from treadle.drafts.glide.objective import GlideObjective
 from treadle.train.moe import router_objective
 from treadle.train.run import refuse_sliced_load_balancing
 from treadle.train.step import label_tokens, loss_sum, optimizer_step

@@ -11,16 +11,16 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.helpers import TARGET, draft_args, records
 from treadle.cli import main
-from treadle.models.eagle3 import (
+from treadle.drafts.eagle3.model import (
     Eagle3Draft, Eagle3Model, capture_features, default_feature_layers, frequent_tokens, load_eagle3, ttt_mask,
 )
-from treadle.models.glide import document_ids
+from treadle.drafts.glide.model import document_ids
 from treadle.models.hf import greedy_continuations
 from treadle.speculative.acceptance import chain_acceptance
 from treadle.speculative.decode import TargetState
 from treadle.speculative.sampling import Sampler
-from treadle.speculative.eagle3_drafter import Eagle3Drafter
-from treadle.train.ttt import scored_rows
+from treadle.drafts.eagle3.drafter import Eagle3Drafter
+from treadle.drafts.ttt import scored_rows
 
 EAGLE = ("--draft.kind=eagle3", "--draft.vocab_size=200", "--draft.ttt_steps=3")
 
@@ -366,7 +366,7 @@ def test_ttt_loss_equals_a_naive_sum_over_steps_and_rows(loss):
     """Step k's row t is scored against index t + 1 + k (label or target distribution, within the draft vocabulary),
     weighted decay**k, summed: the objective equals this written as plain loops."""
     from treadle.config import DraftConfig
-    from treadle.train.eagle3 import Eagle3Objective
+    from treadle.drafts.eagle3.objective import Eagle3Objective
 
     model = eagle3(vocab=64)
     cfg = DraftConfig(kind="eagle3", target="x", loss=loss, ttt_steps=3, ttt_decay=0.5)

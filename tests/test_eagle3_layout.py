@@ -23,8 +23,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from treadle.checkpoint.export import export_draft
 from treadle.config.schema import DraftConfig
 from treadle.errors import UserError
-from treadle.models.eagle3 import Eagle3Draft, Eagle3Model, load_eagle3
-from treadle.models.target_families import target_identity
+from treadle.drafts.eagle3.model import Eagle3Draft, Eagle3Model, load_eagle3
+from treadle.drafts.targets import target_identity
 
 # 8 layers: the engines' default features (2, N/2, N - 3) = (2, 4, 5) are distinct; a llama3-scaled rotary with a
 # non-default theta, so a draft config without the target's rope would compute other logits.

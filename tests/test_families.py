@@ -94,7 +94,7 @@ def test_glide_decides_from_the_config_not_the_family_name():
     a sliding last layer) keeps no cache of every position; a full-attention last layer or an unlimited window does."""
     import transformers
 
-    from treadle.models.target_families import glide_obstacle
+    from treadle.drafts.targets import glide_obstacle
 
     small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=512)
@@ -137,7 +137,7 @@ def test_eagle3_reads_the_embedding_and_teacher_the_target_computes(family, shar
     import torch
     from transformers import AutoModelForCausalLM
 
-    from treadle.models.eagle3 import Eagle3Draft, Eagle3Model
+    from treadle.drafts.eagle3.model import Eagle3Draft, Eagle3Model
 
     config = build_family(family, tmp_path / "t", shards / "tok", layers=4)
     target = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32).eval()

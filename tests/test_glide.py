@@ -10,14 +10,14 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from tests.helpers import TARGET, draft_args, records
 from treadle.cli import main
-from treadle.models.glide import (
+from treadle.drafts.glide.model import (
     GlideDraft, GlideModel, anchored_positions, attention_mask, capture_last_kv, document_ids,
 )
-from treadle.models.glide_layout import load_glide
+from treadle.drafts.glide.layout import load_glide
 from treadle.models.hf import cache_kwargs, greedy_continuations
 from treadle.speculative.acceptance import chain_acceptance
 from treadle.speculative.decode import TargetState
-from treadle.speculative.glide_drafter import GlideDrafter
+from treadle.drafts.glide.drafter import GlideDrafter
 from treadle.speculative.sampling import Sampler
 
 
@@ -160,7 +160,7 @@ def test_ttt_unroll_equals_a_naive_chain_per_row(loss, window, lag):
     distribution, weighted decay**k; the objective equals this written as plain per-row loops over each document
     alone, and with lag 1 the decode drafter proposes exactly the unroll's chain."""
     from treadle.config import DraftConfig
-    from treadle.train.draft import GlideObjective
+    from treadle.drafts.glide.objective import GlideObjective
 
     model = glide(window=window)
     for p in model.draft_model.parameters():  # sharp attention and logits: a wrong mask or position changes argmaxes
@@ -216,7 +216,7 @@ def test_ttt_steps_one_draws_todays_lags():
     """draft.ttt_steps = K trains chain links lag..lag + K - 1: lags are drawn in [1, gamma - K + 1], and K = 1
     (glide's default) keeps today's draws in [1, gamma], micro-batch by micro-batch."""
     from treadle.config import DraftConfig
-    from treadle.train.draft import GlideObjective
+    from treadle.drafts.glide.objective import GlideObjective
 
     def lags(**kw):
         objective = GlideObjective(DraftConfig(kind="glide", target="x", gamma=4, **kw), 512, 32)

@@ -24,9 +24,9 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 from treadle.checkpoint.export import export_draft
 from treadle.config.schema import DraftConfig
 from treadle.errors import UserError
-from treadle.models.glide import GlideDraft, GlideModel
-from treadle.models.glide_layout import load_glide
-from treadle.models.target_families import target_identity
+from treadle.drafts.glide.model import GlideDraft, GlideModel
+from treadle.drafts.glide.layout import load_glide
+from treadle.drafts.targets import target_identity
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, rope_theta=50000.0, use_cache=False)

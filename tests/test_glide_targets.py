@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.helpers import TARGET
-from treadle.models.glide import GlideDraft, GlideModel
+from treadle.drafts.glide.model import GlideDraft, GlideModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,7 +74,7 @@ def transform(config, raw):
 def test_glide_teacher_is_the_targets_distribution_and_the_draft_is_scored_as_its_head(family):
     """GLIDE shares the target's head: the teacher is the target's own forward (its scaled / soft-capped logits), and
     the draft's hidden states go through the head as the target's do, transform included (plain, unrolled, decode)."""
-    from treadle.speculative.glide_drafter import GlideDrafter
+    from treadle.drafts.glide.drafter import GlideDrafter
 
     target = family_target(family)
     model = GlideModel(target, GlideDraft(target.config).double()).eval()
@@ -137,7 +137,7 @@ def test_captured_kv_are_the_targets_own_cache_entries(family):
     (Gemma's sqrt(d) scale included) and its MLP uses the target's activation."""
     from transformers import DynamicCache
 
-    from treadle.models.glide import capture_last_kv
+    from treadle.drafts.glide.model import capture_last_kv
     from treadle.models.hf import cache_kwargs
 
     target = family_target(family)
@@ -165,7 +165,7 @@ def test_captured_kv_are_the_targets_own_cache_entries(family):
 def test_the_draft_runs_target_keeps_its_sliding_layers_windows(family):
     """The 4-D mask a draft run hands its target is used by every layer as it is: the sliding layers (16 tokens here)
     get their own windowed mask, so over 30 tokens the teacher (and EAGLE-3's features) are the target's own."""
-    from treadle.models.eagle3 import Eagle3Draft, Eagle3Model
+    from treadle.drafts.eagle3.model import Eagle3Draft, Eagle3Model
 
     target = family_target(family)
     ids = torch.randint(0, 512, (1, 30))
@@ -181,7 +181,7 @@ def test_the_draft_runs_target_keeps_its_sliding_layers_windows(family):
 def test_a_gemma3_target_ending_on_a_full_layer_is_refused_for_its_per_layer_type_rotary():
     """6 Gemma 3 layers end on a full-attention one (its 5-of-6 pattern): the config passes, the module check names
     the rotary kept per layer type (called without one it would raise), not a traceback."""
-    from treadle.models.target_families import glide_module_obstacle, glide_obstacle
+    from treadle.drafts.targets import glide_module_obstacle, glide_obstacle
 
     target = family_target("gemma3_text", layers=6)
     assert target.config.layer_types[-1] == "full_attention" and glide_obstacle(target.config) is None

@@ -1,7 +1,7 @@
 """The house: treadle's modules import one way, top to bottom, and no two import each other.
 
 Layers (a module may import its own layer and those below it):
-cli -> train -> checkpoint / speculative / data -> engine / models -> config / metrics / corpus and the small
+cli -> train -> checkpoint / speculative / data / drafts -> engine / models -> config / metrics / corpus and the small
 shared modules (errors, fsutil, tokenizer, distributed). Imports under ``if TYPE_CHECKING:`` do not run and
 are not counted; imports inside functions are (a lazy import is still a dependency).
 """
@@ -16,7 +16,7 @@ ROOT = Path(treadle.__file__).parent
 LAYERS = {
     "cli": 4, "__main__": 4, "__init__": 4, "api": 4,
     "train": 3,
-    "checkpoint": 2, "speculative": 2, "data": 2,
+    "checkpoint": 2, "speculative": 2, "data": 2, "drafts": 2,
     "engine": 1, "models": 1,
     "config": 0, "metrics": 0, "corpus": 0, "errors": 0, "fsutil": 0, "tokenizer": 0, "distributed": 0, "quiet": 0, "model_dirs": 0, "presets": 0,
     "versions": 0,
@@ -47,6 +47,8 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
 
 def _layer(module: str) -> int:
     parts = module.split(".")
+    if parts[1:2] == ["drafts"] and parts[-1] == "settings":  # a draft kind's [draft] rules, plain Python: the config reads them
+        return LAYERS["config"]
     return LAYERS[parts[1] if len(parts) > 1 else "__init__"]
 
 

@@ -138,7 +138,7 @@ def test_a_plain_log_shows_the_total_the_time_left_each_eval_starting_and_what_e
 
 def test_loss_labels_name_each_objective():
     from treadle.config import load_config
-    from treadle.train.draft import GlideObjective
+    from treadle.drafts.glide.objective import GlideObjective
     from treadle.train.moe import RouterObjective
 
     def label(*overrides):
@@ -278,7 +278,7 @@ def test_draft_flops_formula_within_10_percent_of_flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from treadle.models.glide import GlideDraft, GlideModel
+    from treadle.drafts.glide.model import GlideDraft, GlideModel
     from treadle.train.run import model_flops_per_token
 
     torch.manual_seed(0)

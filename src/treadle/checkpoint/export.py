@@ -97,21 +97,17 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
 
 def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity: dict, cfg, step: int | None = None,
                  command: str = "train", dtype: str = "fp32") -> Path:
-    """The draft alone, with what it needs to find its target again; ``treadle.models.drafts.load_draft`` loads it.
+    """The draft alone, with what it needs to find its target again; ``treadle.drafts.registry.load_draft`` loads it.
 
-    EAGLE-3: the original EAGLE layout vLLM, SGLang, SpecForge and TensorRT-LLM load (``eagle3_layout``: config.json
-    a Hugging Face Llama config, ``model.safetensors`` under the consumers' names), treadle's metadata (the target's
-    path and fingerprints, the run's config and step) as extra config keys. GLIDE of layout ``longspec``: the
-    Hugging Face directory LongSpec's ``LlamaGlideDecoderLayer`` / ``Qwen2GlideDecoderLayer.from_pretrained`` loads
-    (``glide_layout``: config.json the target's config, ``model.safetensors`` under LongSpec's names) and
-    ``draft_model_weights.pth``, the same tensors (what LongSpec's trainer reloads), treadle's metadata as extra
-    config keys. GLIDE of layout ``treadle``: ``model.safetensors`` + ``config.json`` (draft kind, hyper-parameters,
-    target, training) and ``draft_model_weights.pth``, the same state dict in treadle's names (the file name and
-    prefix stripping of LongSpec's trainer, not its names: LongSpec cannot load it). ``dtype``: the weights' dtype on disk (loading casts them to the
-    model's own); integer and boolean tensors (an eagle3 draft's vocabulary map ``d2t`` / ``t2d``) keep theirs.
+    The files are its kind's (``DraftKind.export`` / ``write_extra``, drafts/<kind>/kind.py): the layout its
+    consumers load, with treadle's metadata (the target's path and fingerprints, the run's config and step) as
+    extra config keys. ``dtype``: the weights' dtype on disk (loading casts them to the model's own); integer and
+    boolean tensors (a vocabulary map) keep theirs.
     A weight the layout has no name for, or one it needs and the draft lacks, is refused before anything is written.
     """
     from safetensors.torch import save_file
+
+    from treadle.drafts import registry
 
     draft = model.draft_model
     prefix = "draft_model."  # ``state_dict``: the whole draft model's full weights, as an engine exports them
@@ -123,24 +119,13 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
         "target_config": model.target.config.to_dict(),
         "training": {**cfg.model_dump(mode="json"), "step": step},
     }
-    if draft.export_config()["treadle_draft_kind"] == "eagle3":
-        from treadle.models.eagle3_layout import export as eagle3_export
-
-        weights, config = eagle3_export(draft, weights, model.target.config, torch_dtype,
-                                        {**draft.export_config(), **meta})
-    elif draft.export_config().get("layout") == "longspec":
-        from treadle.models.glide_layout import export as longspec_export
-
-        weights, config = longspec_export(draft, weights, model.target.config, torch_dtype,
-                                          {**draft.export_config(), **meta})
-    else:
-        config = {**draft.export_config(), "dtype": dtype, **meta}
+    kind = registry.kind(draft.export_config()["treadle_draft_kind"])
+    weights, config = kind.export(draft, weights, model.target.config, torch_dtype, dtype, meta)
     out = Path(out)
     with atomic_directory(out, command) as tmp:
         tmp.mkdir()
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if config["treadle_draft_kind"] == "glide":
-            torch.save(weights, tmp / "draft_model_weights.pth")
+        kind.write_extra(tmp, weights)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         if (Path(target_dir) / "tokenizer.json").is_file():  # the draft decodes with its target's tokenizer
             AutoTokenizer.from_pretrained(target_dir).save_pretrained(tmp)
@@ -171,7 +156,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     train_state = run_state(ckpt)
     meta = train_state["meta"]
     if cfg.draft.kind:
-        from treadle.models.drafts import build_draft
+        from treadle.drafts.registry import build_draft
 
         model, target_dir, identity = build_draft(cfg.draft, meta["vocab_size"], meta["tokenizer_fingerprint"])
         module, prefix = model.draft_model, "draft_model."

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from treadle.config.messages import config_error
+from treadle.drafts.settings import NAMES as DRAFT_KINDS
+from treadle.drafts.settings import check as check_draft, check_context_parallel as check_draft_context_parallel
 
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
@@ -307,7 +309,7 @@ class DataConfig(Section):
 class DraftConfig(Section):
     """A draft model for speculative decoding, trained against a frozen target (``kind`` unset: an ordinary run)."""
 
-    kind: Literal["glide", "eagle3"] | None = Field(None, description="draft architecture; unset = train the [model] itself")
+    kind: Literal[DRAFT_KINDS] | None = Field(None, description="draft architecture; unset = train the [model] itself")
     target: str | None = Field(None, description="frozen target: a Hugging Face model directory or a treadle run directory")
     loss: Literal["ce", "kl", "mix"] = Field("kl", description="ce: next data token; kl: the target's own distribution; mix: both")
     kl_weight: float = Field(0.5, ge=0.0, le=1.0, description="mix: weight of kl (ce gets 1 - kl_weight)")
@@ -438,31 +440,7 @@ class Config(Section):
             )
         if self.draft.kind is not None and self.draft.target is None:
             raise ValueError("draft.kind is set but draft.target is not; accepted: a Hugging Face model directory or a treadle run directory")
-        if self.draft.kind != "eagle3":
-            for key, kinds in (("feature_layers", ("eagle3",)), ("vocab_size", ("eagle3",)),
-                               ("init", ("eagle3", "glide")), ("ttt_steps", ("eagle3", "glide"))):
-                if getattr(self.draft, key) is not None and self.draft.kind not in kinds:
-                    raise ValueError(f"draft.{key} is set but draft.kind = {self.draft.kind!r}; accepted: draft.kind = "
-                                     f"{' or '.join(map(repr, kinds))}, or leave it unset")
-            if self.draft.layout != "treadle" and self.draft.kind != "glide":
-                raise ValueError(f"draft.layout = {self.draft.layout!r} is set but draft.kind = {self.draft.kind!r}; "
-                                 "accepted: draft.kind = 'glide', or leave it unset")
-            if self.draft.layout == "longspec" and self.draft.window not in (0, 513):
-                raise ValueError(f"draft.window = {self.draft.window} with draft.layout = 'longspec': LongSpec's "
-                                 "self-attention reads the 512 tokens before each token, fixed in its code; "
-                                 "accepted: draft.window = 0 or 513 (treadle counts the token itself)")
-        elif self.draft.layout != "treadle":
-            raise ValueError(f"draft.layout = {self.draft.layout!r} with draft.kind = 'eagle3' (its layout is the "
-                             "EAGLE one vLLM and SGLang load); accepted: draft.layout unset")
-        elif self.draft.window:
-            raise ValueError(f"draft.window = {self.draft.window} with draft.kind = 'eagle3' (it has no windowed "
-                             "self-attention); accepted: draft.window = 0")
-        else:
-            layers = self.draft.feature_layers
-            if layers is not None and (len(layers) != 3 or layers[0] < 1 or not layers[0] < layers[1] < layers[2]):
-                raise ValueError(f"draft.feature_layers = {layers}: accepted: three strictly increasing "
-                                 "output_hidden_states indices >= 1 (i = decoder layer i's output; < the target's "
-                                 "layer count), what vLLM and SGLang serve; unset = EAGLE-3's (2, N/2, N - 3)")
+        check_draft(self.draft)  # each kind's own keys and refusals (drafts/settings.py)
         if self.draft.eval_new_tokens <= self.draft.gamma:
             raise ValueError(f"draft.eval_new_tokens={self.draft.eval_new_tokens} must exceed draft.gamma={self.draft.gamma}")
         if not self.data.train:
@@ -471,13 +449,8 @@ class Config(Section):
         if cp > 1 and self.data.seq_len % cp:
             raise ValueError(f"data.seq_len = {self.data.seq_len} cannot be split into distributed.context_parallel = "
                              f"{cp} equal parts; accepted: a multiple of {cp}")
-        if cp > 1 and self.draft.kind == "eagle3":
-            raise ValueError(f"distributed.context_parallel = {cp} is not built for eagle3 draft runs yet (GLIDE's "
-                             "are); accepted: context_parallel = 1, or draft.kind = 'glide'")
-        if cp > 1 and self.draft.kind == "glide" and (self.draft.ttt_steps or 1) > 1:
-            raise ValueError(f"distributed.context_parallel = {cp} with draft.ttt_steps = {self.draft.ttt_steps}: the "
-                             "GLIDE training-time test is not built for sliced sequences; accepted: context_parallel = "
-                             "1, or draft.ttt_steps = 1")
+        if cp > 1:
+            check_draft_context_parallel(self.draft, cp)
         if cp > 1 and self.distributed.pipeline_parallel > 1:
             raise ValueError(f"distributed.context_parallel = {cp} with distributed.pipeline_parallel = "
                              f"{self.distributed.pipeline_parallel} is not supported yet; accepted: one of them > 1")

@@ -32,11 +32,19 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from treadle.data.shards import Shard
 from treadle.errors import UserError
+from treadle.models.upcast import at_least_fp32
 
 IGNORE_INDEX = -100
+
+
+def row_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[B, L, V] logits, [B, L] labels -> [B] summed CE (fp32 softmax: under bf16 autocast logits are bf16)."""
+    ce = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return ce.view(labels.shape).sum(-1)
 
 
 class _ShardSet(torch.utils.data.Dataset):

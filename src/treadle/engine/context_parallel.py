@@ -23,7 +23,8 @@ Gradients: autograd through the all-to-all hands each rank the gradient of its o
 the gradients must be SUMMED over the context group. Every treadle engine already sums over all ranks
 (the loss is pre-divided by the step's global token count), which is exactly that: no engine changes.
 
-Draft runs (GLIDE): the frozen target runs this same attention, but only inside ``GlideModel.forward`` (the
+Draft runs whose model slices its own sequences (it holds a ``sequences`` view): the frozen
+target runs this same attention, but only inside the draft model's ``forward`` (the
 sliced training and eval batches; ``SequenceSlices.attention`` switches it on for the call), because the
 acceptance evaluation runs whole prompts on every rank with plain sdpa. The target is handed its own 4-D
 mask of the whole sequence (documents start where positions restart at 0: anchor offsets make jumps inside
@@ -47,7 +48,6 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import find_packed_sequence_indices
 
 from treadle.errors import UserError
-from treadle.models.glide import DraftRunModel, GlideModel
 
 ATTENTION_NAME = "treadle_context_parallel"
 
@@ -71,23 +71,28 @@ def check_model(config, cp: int) -> None:
 
 
 def split_model_config(model: nn.Module):
-    """The config whose attention context parallelism splits: a draft run's target, else the model's own."""
-    return model.target.config if isinstance(model, DraftRunModel) else model.config
+    """The config whose attention context parallelism splits: a draft run's target, else the model's own.
+
+    A draft run's model is known by what it holds (a frozen ``target`` beside its ``draft_model``), not by its
+    class: the engine sits below the draft kinds and names none of them."""
+    return model.target.config if hasattr(model, "draft_model") else model.config
 
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     """Switch ``model``'s attention to the all-to-all wrapper over ``group`` (in place, before any engine wraps it);
-    a GLIDE model is told it is handed slices (``SequenceSlices``) instead."""
+    a model that slices its own sequences (its ``sequences`` attribute, a draft kind's capability) is told it is
+    handed slices (``SequenceSlices``) instead."""
     check_model(split_model_config(model), dist.get_world_size(group))
     AttentionInterface.register(ATTENTION_NAME, UlyssesAttention(group))
-    if isinstance(model, GlideModel):
+    if hasattr(model, "sequences"):
         model.sequences = SequenceSlices(group)
     else:
         model.set_attn_implementation(ATTENTION_NAME)
 
 
 class SequenceSlices:
-    """A GLIDE model's view of its context group (models/glide.py ``WholeSequences`` is the one-process view)."""
+    """A sequence-slicing draft model's view of its context group (drafts/glide/model.py ``WholeSequences`` is the
+    one-process view)."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -186,7 +191,7 @@ class UlyssesAttention:
         return self._masks[key]
 
     def _given_mask(self, mask: torch.Tensor, whole: int, dtype: torch.dtype) -> torch.Tensor:
-        """A 4-D boolean mask the caller built over the whole sequence (GLIDE's target), additive, once per tensor."""
+        """A 4-D boolean mask the caller built over the whole sequence (a sequence-slicing draft's target), additive, once per tensor."""
         if mask.dtype != torch.bool or mask.shape[-2:] != (whole, whole):
             raise RuntimeError(f"context-parallel attention was handed a {tuple(mask.shape)} {mask.dtype} mask; it "
                                f"takes a boolean mask over the whole sequence ({whole} x {whole}) or none")

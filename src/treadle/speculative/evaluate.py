@@ -101,8 +101,7 @@ def check_draft_spec(spec: str) -> None:
 # ---- Drafter registry: every accepted --draft value is resolved here. ----
 def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
     """``--draft`` value -> Drafter: 'prompt-lookup', a treadle draft directory, or any HF causal LM."""
-    from treadle.models.drafts import load_draft
-    from treadle.models.glide import read_draft_config
+    from treadle.drafts.registry import drafter, read_draft_config
     from treadle.models.hf import load_causal_lm
     from treadle.speculative.drafters import ModelDrafter, PromptLookupDrafter
 
@@ -110,16 +109,8 @@ def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
         return PromptLookupDrafter()
     path = Path(spec)
     for candidate in (path, path / "draft"):  # a draft run directory holds its export in draft/
-        config = read_draft_config(candidate)
-        if config is not None:
-            model = load_draft(candidate, target)
-            if config["treadle_draft_kind"] == "eagle3":
-                from treadle.speculative.eagle3_drafter import Eagle3Drafter
-
-                return Eagle3Drafter(model)
-            from treadle.speculative.glide_drafter import GlideDrafter
-
-            return GlideDrafter(model)
+        if read_draft_config(candidate) is not None:
+            return drafter(candidate, target)
     check_draft_spec(spec)
     draft_dir = resolve_model_dir(path, "--draft")
     _check_same_tokenizer(draft_dir, tokenizer)

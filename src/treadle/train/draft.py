@@ -1,8 +1,8 @@
-"""A draft run: the ordinary loop, with a frozen target and a GLIDE draft as the model.
+"""A draft run: the ordinary loop, with a frozen target and a draft as the model.
 
-What differs from pretraining lives here and nowhere in the loop: loading the target,
-the objective (with its KV lag and position offsets), acceptance measured at eval time,
-and the draft-only export.
+What differs from pretraining lives here and nowhere in the loop, for every draft kind: acceptance measured
+at eval time, the training-time test's accuracy, and the draft-only export. Loading the target and each
+kind's objective live with the kinds (drafts/).
 """
 
 from __future__ import annotations
@@ -12,100 +12,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from treadle.config import DraftConfig
-from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
-from treadle.models.glide import anchored_positions
-from treadle.models.upcast import at_least_fp32
 from treadle.speculative.acceptance import chain_acceptance, lookup_tau
 from treadle.train.callbacks import Callback, EvalCallback
-from treadle.train.step import Batch, row_cross_entropy
-from treadle.train.ttt import ttt_steps, unrolled_losses
+from treadle.train.step import StepResult
 
 if TYPE_CHECKING:
     from treadle.train.trainer import Trainer
-
-
-# ----------------------------------------------------------------------------- the objective
-
-
-class GlideObjective:
-    """Summed draft loss of a micro-batch, plus the target's own loss as a reference floor.
-
-    ``ce`` trains on the next data token (LongSpec); ``kl`` on the target's
-    distribution, KL(target || draft), which is what acceptance rewards; ``mix``
-    weights them. Both are summed over label tokens, so the loop normalizes them by
-    the step's token count like any loss.
-    """
-
-    def __init__(self, cfg: DraftConfig, max_positions: int, seq_len: int, seed: int = 0):
-        self.cfg = cfg
-        self.seed = seed
-        self.max_offset = max(0, min(cfg.max_position_offset, max_positions - seq_len))
-
-    def _draw(self, batch: Batch) -> tuple[int, int]:
-        """This micro-batch's lag and position offset.
-
-        Drawn from (seed, the micro-batch's first position in the global sample order): the
-        same micro-batch gets the same draw at any world size and after any resume.
-        """
-        first = int(batch["order_position"][0]) if "order_position" in batch else 0
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + first)
-        # A training-time test of K steps trains links lag..lag + K - 1 of a chain: lags up to gamma - K + 1 start it.
-        top = max(1, self.cfg.gamma - ttt_steps(self.cfg) + 1) if self.cfg.kind == "glide" else self.cfg.gamma
-        lag = int(torch.randint(1, top + 1, (), generator=g)) if self.cfg.kv_lag else 1
-        offset = int(torch.randint(0, self.max_offset + 1, (), generator=g)) if self.max_offset else 0
-        return lag, offset
-
-    @property
-    def label(self) -> str:
-        """What the training loss is, for the run's summary (the eval loss is ``eval_label``)."""
-        c = self.cfg
-        what = {"ce": "cross-entropy on the data", "kl": "KL(target || draft)",
-                "mix": f"{1 - c.kl_weight:g} cross-entropy + {c.kl_weight:g} KL(target || draft)"}[c.loss]
-        steps = ttt_steps(c)
-        return what + (f", summed over {steps} unroll steps weighted {c.ttt_decay:g}^k" if steps > 1 else "")
-
-    eval_label = "the draft's cross-entropy on the data"
-
-    def __call__(self, model, batch: Batch):
-        lag, offset = self._draw(batch)
-        return self.losses(model, batch, lag, offset, train=True)
-
-    def evaluate(self, model, batch: Batch):
-        """Eval loss: the draft's CE at lag 1 without offsets, the number a user compares across runs."""
-        return self.losses(model, batch, lag=1, offset=0, train=False)
-
-    def losses(self, model, batch: Batch, lag: int, offset: int, train: bool):
-        positions = batch["position_ids"]
-        shifted = anchored_positions(positions, self.cfg.anchor_positions, offset)
-        labels = batch["labels"]
-        steps = ttt_steps(self.cfg) if train else 1  # evaluation: the teacher-forced CE, comparable across runs
-        if steps > 1:  # training-time test (models/glide.py): step k scored at row t's token t + k + 1
-            out = model(input_ids=batch["input_ids"], position_ids=shifted, lag=lag, doc_position_ids=positions,
-                        steps=steps)
-            loss, side = unrolled_losses(self.cfg, [out.logits, *out.chain_logits], out.target_logits, positions,
-                                         labels, lead=0)
-            return loss, {"target_loss": row_cross_entropy(out.target_logits, labels).sum(), **side}
-        out = model(input_ids=batch["input_ids"], position_ids=shifted, lag=lag, doc_position_ids=positions,
-                    labels=labels)
-        if out.logits is None:  # a chunked loss (model.loss_chunk_tokens): per-token scores, logits never whole
-            ce, kl, target_ce = out.token_ce.sum(-1), out.token_kl.sum(-1), out.target_token_ce.sum()
-        else:
-            ce = row_cross_entropy(out.logits, labels)
-            target_ce = row_cross_entropy(out.target_logits, labels).sum()
-            if train:  # evaluation reports the CE alone
-                kl = (F.kl_div(F.log_softmax(at_least_fp32(out.logits), -1), F.log_softmax(at_least_fp32(out.target_logits), -1),
-                               log_target=True, reduction="none").sum(-1) * (labels != IGNORE_INDEX)).sum(-1)
-        if not train:
-            return ce, {"target_loss": target_ce}
-        if self.cfg.loss == "mix":
-            loss = (1.0 - self.cfg.kl_weight) * ce + self.cfg.kl_weight * kl
-        else:
-            loss = ce if self.cfg.loss == "ce" else kl
-        return loss, {"target_loss": target_ce, "draft_ce": ce.detach().sum(), "draft_kl": kl.detach().sum()}
 
 
 # ----------------------------------------------------------------------------- callbacks
@@ -185,3 +100,19 @@ class DraftExportCallback(Callback):
             export_draft(trainer.engine.module, weights, self.out_dir, self.target_dir, self.identity, self.cfg,
                          step=trainer.state.step)
 
+
+class TTTAccuracyCallback(Callback):
+    """After each step: ``acc_k``, the share of scored rows whose step-k guess is the target's greedy token.
+
+    The objective reports hits and rows summed over the step's micro-batches and ranks (divided by the same label
+    count, which cancels here); runs before the metrics callback, which logs ``acc_k`` in their place.
+    """
+
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        m = result.metrics
+        k = 1
+        while f"ttt_rows_{k}" in m:
+            hits, rows = m.pop(f"ttt_hits_{k}"), m.pop(f"ttt_rows_{k}")
+            if rows > 0:
+                m[f"acc_{k}"] = hits / rows
+            k += 1

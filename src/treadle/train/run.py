@@ -39,11 +39,9 @@ from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
 from treadle.models.hf import build_model, compile_layers, count_parameters, persistent_compile_cache, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
-from treadle.models.drafts import build_draft
+from treadle.drafts.registry import build_draft, kind
 from treadle.train.auto import resolve_auto
-from treadle.train.draft import AcceptanceCallback, DraftExportCallback, GlideObjective, eval_prompts
-from treadle.train.eagle3 import eagle3_setup
-from treadle.train.ttt import TTTAccuracyCallback, refuse_chunked_loss, ttt_steps
+from treadle.train.draft import AcceptanceCallback, DraftExportCallback, TTTAccuracyCallback, eval_prompts
 from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
 from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
@@ -205,20 +203,9 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     model, target_dir, identity = build_draft(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint, empty)
     _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
     meta["target_fingerprint"] = identity["config_fingerprint"]
-    step_callbacks = []
-    if cfg.draft.kind == "eagle3":
-        objective = eagle3_setup(cfg, model, [o.dataset for o in data.sources])
-        step_callbacks.append(TTTAccuracyCallback())
-    else:
-        if ttt_steps(cfg.draft) > 1:  # GLIDE's training-time test scores whole logits per step
-            refuse_chunked_loss(cfg.model.loss_chunk_tokens, f"draft.ttt_steps = {cfg.draft.ttt_steps}",
-                                "or draft.ttt_steps = 1")
-            step_callbacks.append(TTTAccuracyCallback())
-        else:
-            # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward),
-            # the target's logit transform (Gemma's soft-cap, Granite's scale) applied inside each chunk.
-            model.loss_chunk_tokens = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
-        objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
+    objective = kind(cfg.draft.kind).setup(cfg, model, [o.dataset for o in data.sources])
+    # acc_k from the objective's ttt_hits_k / ttt_rows_k: does nothing for an objective that reports none (no unroll)
+    step_callbacks = [TTTAccuracyCallback()]
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
     check_token_ids(prompts, model.target.config.vocab_size, lambda: f"the draft's eval prompts ({(val_ds or train_ds).where})")
     out = Path(cfg.train.output_dir) / "draft"

@@ -19,12 +19,10 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from treadle.data.packed import IGNORE_INDEX  # the data marks "no loss here"; the loss honours it
+from treadle.data.packed import IGNORE_INDEX, row_cross_entropy  # the data marks "no loss here"; the loss honours it
 from treadle.models.chunked_ce import chunked_head, scoring
-from treadle.models.upcast import at_least_fp32
 
 Batch = dict[str, torch.Tensor]
 # A loss function returns the loss of a micro-batch summed per row ([B]; a scalar sum is
@@ -64,12 +62,6 @@ def forward_row_ce(model: nn.Module, batch: Batch, **forward_kwargs) -> tuple[to
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **forward_kwargs)
     rows = out.logits.sum(-1) if head is not None else row_cross_entropy(out.logits, batch["labels"])
     return rows, out
-
-
-def row_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[B, L, V] logits, [B, L] labels -> [B] summed CE (fp32 softmax: under bf16 autocast logits are bf16)."""
-    ce = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    return ce.view(labels.shape).sum(-1)
 
 
 def label_tokens(batch: Batch) -> torch.Tensor:

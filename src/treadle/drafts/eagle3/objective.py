@@ -1,16 +1,20 @@
-"""An eagle3 draft run's objective: the training-time-test unroll scored against the target (train/ttt.py)."""
+"""An eagle3 draft run's objective: the training-time-test unroll scored against the target (drafts/ttt.py)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from treadle.data.packed import IGNORE_INDEX
-from treadle.models.glide import anchored_positions
+from treadle.drafts.glide.model import anchored_positions
+from treadle.drafts.glide.objective import GlideObjective
+from treadle.drafts.ttt import DraftVocabulary, refuse_chunked_loss, ttt_steps, unrolled_losses
 from treadle.models.upcast import at_least_fp32
-from treadle.train.draft import GlideObjective
-from treadle.train.step import Batch
-from treadle.train.ttt import DraftVocabulary, refuse_chunked_loss, ttt_steps, unrolled_losses
+
+if TYPE_CHECKING:
+    from treadle.train.step import Batch
 
 
 class Eagle3Objective(GlideObjective):
@@ -45,7 +49,7 @@ def eagle3_setup(cfg, model, datasets) -> Eagle3Objective:
     unless the draft starts from ``draft.init``) and its objective. The chunked loss is not built for it: an explicit ``model.loss_chunk_tokens`` is refused."""
     import numpy as np
 
-    from treadle.models.eagle3 import frequent_tokens
+    from treadle.drafts.eagle3.model import frequent_tokens
 
     refuse_chunked_loss(cfg.model.loss_chunk_tokens, "draft.kind = 'eagle3'",
                         "and draft.vocab_size to shrink its head instead")

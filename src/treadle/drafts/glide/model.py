@@ -577,7 +577,7 @@ def read_draft_config(draft_dir) -> dict | None:
         return None
     if not isinstance(config, dict):
         return None
-    from treadle.models import eagle3_layout
+    from treadle.drafts.eagle3 import layout as eagle3_layout
 
     if "treadle_draft_kind" not in config and eagle3_layout.is_layout(config):  # an EAGLE-3 draft trained elsewhere
         config["treadle_draft_kind"] = "eagle3"

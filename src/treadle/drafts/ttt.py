@@ -20,16 +20,14 @@ import torch.nn.functional as F
 from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
-from treadle.models.glide import document_ids
+from treadle.drafts.glide.model import document_ids
+from treadle.drafts.settings import default_ttt_steps
 from treadle.models.upcast import at_least_fp32
-from treadle.train.callbacks import Callback
-from treadle.train.step import StepResult
 
-DEFAULT_TTT_STEPS = {"eagle3": 7, "glide": 1}  # glide: 1 = the teacher-forced pass alone (no unroll)
 
 
 def ttt_steps(cfg: DraftConfig) -> int:
-    return cfg.ttt_steps or DEFAULT_TTT_STEPS[cfg.kind]
+    return cfg.ttt_steps or default_ttt_steps(cfg.kind)
 
 
 def refuse_chunked_loss(setting: int | str, what: str, otherwise: str) -> None:
@@ -103,20 +101,3 @@ def unrolled_losses(cfg: DraftConfig, step_logits: list[torch.Tensor], target_lo
         side[f"ttt_hits_{k + 1}"] = ((guess == best) & rows).sum().double()
         side[f"ttt_rows_{k + 1}"] = rows.sum().double()
     return loss, side
-
-
-class TTTAccuracyCallback(Callback):
-    """After each step: ``acc_k``, the share of scored rows whose step-k guess is the target's greedy token.
-
-    The objective reports hits and rows summed over the step's micro-batches and ranks (divided by the same label
-    count, which cancels here); runs before the metrics callback, which logs ``acc_k`` in their place.
-    """
-
-    def on_step_end(self, trainer, result: StepResult) -> None:
-        m = result.metrics
-        k = 1
-        while f"ttt_rows_{k}" in m:
-            hits, rows = m.pop(f"ttt_hits_{k}"), m.pop(f"ttt_rows_{k}")
-            if rows > 0:
-                m[f"acc_{k}"] = hits / rows
-            k += 1

@@ -6,7 +6,7 @@ only on accepted tokens and the target's own features, so they never need cuttin
 A proposal runs the new step-0 rows, then the chain: each link feeds the previous link's
 output as its feature, its own guess as its token, at the next position, attending to
 the step-0 rows and the links before it; the links are thrown away afterwards. This is
-the training-time-test unroll of models/eagle3.py, row by row. A tree is the same
+the training-time-test unroll of drafts/eagle3/model.py, row by row. A tree is the same
 unroll per path: a node is fed its parent's output as feature (the last step-0 row's
 for a child of the bonus) and its own token, at position last + depth, attending to
 the step-0 rows, its ancestors and itself.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from treadle.models.eagle3 import Eagle3Model
+from treadle.drafts.eagle3.model import Eagle3Model
 from treadle.speculative.decode import Proposal, TargetState
 from treadle.speculative.sampling import Sampler
 from treadle.speculative.tree import ancestor_mask, grow_tree, node_depths

@@ -27,9 +27,9 @@ import torch
 
 from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
-from treadle.models.glide import (ARCHITECTURES, KIND, GlideDraft, GlideModel, checked_export, is_layout,
+from treadle.drafts.glide.model import (ARCHITECTURES, KIND, GlideDraft, GlideModel, checked_export, is_layout,
                                   read_draft_config)
-from treadle.models.target_families import checked_target
+from treadle.drafts.targets import checked_target
 
 # treadle's GlideDraft parameter (layout "longspec") -> LongSpec's name.
 NAMES = {
@@ -71,7 +71,7 @@ def export(draft, weights: dict, target_config, dtype: torch.dtype, extra: dict)
 
 
 def config_of(target_config, dtype: torch.dtype, extra: dict) -> dict:
-    from treadle.models.eagle3_layout import TORCH_DTYPE_NAMES, rope_keys
+    from treadle.drafts.eagle3.layout import TORCH_DTYPE_NAMES, rope_keys
 
     t = target_config.to_dict()
     config = {k: v for k, v in t.items() if k not in ("_name_or_path", "transformers_version")}

@@ -40,13 +40,13 @@ from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
-from treadle.models import eagle3_layout
-from treadle.models.glide import (
+from treadle.drafts.eagle3 import layout as eagle3_layout
+from treadle.drafts.glide.model import (
     DraftRunModel, GlideShape, RMSNorm, attention_mask, causal_document_mask, checked_export, document_ids,
     init_linears, read_draft_config, sdpa, self_attention_inputs, ttt_mask,
 )
 from treadle.models.hf import decoder_layers, greedy_continuations
-from treadle.models.target_families import checked_target
+from treadle.drafts.targets import checked_target
 
 KIND = "eagle3"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from treadle.models.chunked_ce import model_logits
-from treadle.models.glide import GlideModel, attention_mask
+from treadle.drafts.glide.model import GlideModel, attention_mask
 from treadle.speculative.decode import Proposal, TargetState
 from treadle.speculative.sampling import Sampler
 from treadle.speculative.tree import ancestor_mask, grow_tree, node_depths

@@ -1,0 +1,27 @@
+"""EAGLE-3's [draft] keys and refusals (drafts/settings.py says what a kind's settings provide)."""
+
+from __future__ import annotations
+
+NAME = "eagle3"
+KEYS = ("feature_layers", "vocab_size", "init", "ttt_steps")
+TTT_STEPS = 7
+LAYOUTS = ("treadle",)  # draft.layout unset: its export is always the EAGLE layout vLLM and SGLang load
+
+
+def check(draft) -> None:
+    if draft.layout != "treadle":
+        raise ValueError(f"draft.layout = {draft.layout!r} with draft.kind = 'eagle3' (its layout is the "
+                         "EAGLE one vLLM and SGLang load); accepted: draft.layout unset")
+    if draft.window:
+        raise ValueError(f"draft.window = {draft.window} with draft.kind = 'eagle3' (it has no windowed "
+                         "self-attention); accepted: draft.window = 0")
+    layers = draft.feature_layers
+    if layers is not None and (len(layers) != 3 or layers[0] < 1 or not layers[0] < layers[1] < layers[2]):
+        raise ValueError(f"draft.feature_layers = {layers}: accepted: three strictly increasing "
+                         "output_hidden_states indices >= 1 (i = decoder layer i's output; < the target's "
+                         "layer count), what vLLM and SGLang serve; unset = EAGLE-3's (2, N/2, N - 3)")
+
+
+def check_context_parallel(draft, cp: int) -> None:
+    raise ValueError(f"distributed.context_parallel = {cp} is not built for eagle3 draft runs yet (GLIDE's "
+                     "are); accepted: context_parallel = 1, or draft.kind = 'glide'")

@@ -1,0 +1,46 @@
+"""What a draft kind provides at run time; ``drafts/registry.py`` holds one ``DraftKind`` per kind by name.
+
+Generic code (the run's assembly, export, spec-eval) asks the registry for the kind and calls these methods:
+it never names a kind or imports one. A new kind is a folder ``drafts/<kind>/`` with a ``settings.py`` (its
+config keys, see drafts/settings.py) and a ``kind.py`` defining a subclass of this, listed in both registries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+
+class DraftKind:
+    settings: ModuleType  # the kind's settings.py: NAME, KEYS, TTT_STEPS, LAYOUTS, check, check_context_parallel
+
+    @property
+    def name(self) -> str:
+        return self.settings.NAME
+
+    def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
+        """(model, target dir, target identity) for a ``DraftConfig``: the target loaded and checked (drafts/
+        targets.py), the draft new or from ``draft.init``; ``empty``: built on meta, filled after sharding."""
+        raise NotImplementedError
+
+    def load(self, draft_dir, target):
+        """The model a treadle export of this kind (or a draft in its consumers' layout) makes with ``target``."""
+        raise NotImplementedError
+
+    def setup(self, cfg, model, datasets):
+        """A draft run's objective (the step's loss function, with ``evaluate`` and ``label``), after checking
+        the run's loss settings against it; ``datasets``: the training sources' datasets."""
+        raise NotImplementedError
+
+    def drafter(self, model):
+        """The model as a ``speculative.decode.Drafter`` for spec-eval."""
+        raise NotImplementedError
+
+    def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
+        """(weights, config.json) of the export in its consumers' layout, from the draft's weights in treadle's
+        names and treadle's metadata (``meta``: target identity and config, training config); by default treadle's
+        own names and config."""
+        return weights, {**draft.export_config(), "dtype": dtype, **meta}
+
+    def write_extra(self, directory: Path, weights: dict) -> None:
+        """Files beside model.safetensors and config.json that a consumer of this kind reads (none by default)."""

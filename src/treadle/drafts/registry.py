@@ -1,0 +1,45 @@
+"""The draft kinds a draft run can train (``draft.kind``), by name: built, loaded, set up and exported by kind.
+
+Generic code goes through here (or drafts/settings.py, for the config) and never imports a kind's folder.
+"""
+
+from __future__ import annotations
+
+from treadle.drafts.eagle3.kind import EAGLE3
+from treadle.drafts.glide.kind import GLIDE
+from treadle.drafts.glide.model import read_draft_config
+from treadle.drafts.kind import DraftKind
+from treadle.errors import UserError
+
+KINDS: dict[str, DraftKind] = {k.name: k for k in (GLIDE, EAGLE3)}  # drafts/settings.py's order (tests/test_drafts.py)
+
+__all__ = ["KINDS", "build_draft", "drafter", "kind", "load_draft", "read_draft_config"]
+
+
+def kind(name: str) -> DraftKind:
+    """The kind named ``name`` (a config's ``draft.kind``, validated when it loaded)."""
+    return KINDS[name]
+
+
+def build_draft(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
+    """(model, target dir, target identity) for a ``DraftConfig`` of any kind (``DraftKind.build``)."""
+    return KINDS[cfg.kind].build(cfg, data_vocab, data_tokenizer_fingerprint, empty)
+
+
+def _kind_of(draft_dir, config: dict | None) -> DraftKind:
+    name = config and config["treadle_draft_kind"]
+    if isinstance(name, str) and name in KINDS:
+        return KINDS[name]
+    raise UserError(f"{draft_dir} is not a treadle draft export of a known kind (treadle_draft_kind = {name!r}); "
+                    f"accepted: {', '.join(map(repr, KINDS))}")
+
+
+def load_draft(draft_dir, target):
+    """A treadle draft export of any kind attached to ``target``."""
+    return _kind_of(draft_dir, read_draft_config(draft_dir)).load(draft_dir, target)
+
+
+def drafter(draft_dir, target):
+    """A treadle draft export of any kind as spec-eval's ``Drafter`` against ``target``."""
+    found = _kind_of(draft_dir, read_draft_config(draft_dir))
+    return found.drafter(found.load(draft_dir, target))

@@ -1,0 +1,51 @@
+"""What the config knows of each draft kind: its name, the ``[draft]`` keys it reads, its defaults, its refusals.
+
+Plain Python, no torch: ``config/schema.py`` validates ``[draft]`` with it whenever a config loads (``treadle
+config`` answers without torch), so the ``settings`` modules sit in the config's layer (tests/test_layers.py)
+and import nothing else of treadle. What a kind does at run time (build, objective, drafter, layouts) is its
+``kind.py``, found through ``drafts/registry.py``.
+
+A kind's ``settings.py`` provides: ``NAME`` (draft.kind), ``KEYS`` (the optional [draft] keys of OPTIONAL_KEYS it
+reads), ``TTT_STEPS`` (draft.ttt_steps when unset), ``LAYOUTS`` (draft.layout values it trains and exports),
+``check(draft)`` (its own refusals of a DraftConfig) and ``check_context_parallel(draft, cp)`` (its refusals when
+distributed.context_parallel = cp > 1), each refusal a one-line ValueError.
+"""
+
+from __future__ import annotations
+
+from treadle.drafts.eagle3 import settings as eagle3
+from treadle.drafts.glide import settings as glide
+
+KINDS = {k.NAME: k for k in (glide, eagle3)}
+NAMES = tuple(KINDS)  # draft.kind's accepted values, in this order (what configuration.md and errors list)
+OPTIONAL_KEYS = ("feature_layers", "vocab_size", "init", "ttt_steps")  # unset unless a kind reads them; checked in this order
+
+
+def _kinds_with(test) -> str:
+    return " or ".join(repr(name) for name in sorted(KINDS) if test(KINDS[name]))  # alphabetical
+
+
+def check(draft) -> None:
+    """A ``DraftConfig``'s keys against its kind (or against no kind: an ordinary run)."""
+    own = KINDS.get(draft.kind)
+    for key in OPTIONAL_KEYS:
+        if getattr(draft, key) is not None and (own is None or key not in own.KEYS):
+            raise ValueError(f"draft.{key} is set but draft.kind = {draft.kind!r}; accepted: draft.kind = "
+                             f"{_kinds_with(lambda k: key in k.KEYS)}, or leave it unset")
+    if own is None:
+        if draft.layout != "treadle":
+            raise ValueError(f"draft.layout = {draft.layout!r} is set but draft.kind = {draft.kind!r}; accepted: "
+                             f"draft.kind = {_kinds_with(lambda k: draft.layout in k.LAYOUTS)}, or leave it unset")
+    else:
+        own.check(draft)
+
+
+def check_context_parallel(draft, cp: int) -> None:
+    """What the run's kind refuses when ``distributed.context_parallel = cp > 1`` (an ordinary run: nothing)."""
+    own = KINDS.get(draft.kind)
+    if own is not None:
+        own.check_context_parallel(draft, cp)
+
+
+def default_ttt_steps(kind: str) -> int:
+    return KINDS[kind].TTT_STEPS

@@ -1,0 +1,30 @@
+"""The draft kinds' registry: one list of kinds, and nothing outside drafts/ imports a kind's folder."""
+
+from treadle.drafts import registry, settings
+from tests.test_layers import _graph
+
+
+def test_the_registry_and_the_config_list_the_same_kinds():
+    assert tuple(registry.KINDS) == settings.NAMES
+    for name, kind in registry.KINDS.items():
+        assert kind.name == name and kind.settings is settings.KINDS[name]
+
+
+def test_nothing_outside_drafts_imports_a_kind():
+    """Generic code reaches a kind through drafts/registry.py (or drafts/settings.py, for the config) only."""
+    kinds = tuple(f"treadle.drafts.{name}" for name in settings.NAMES)
+    found = sorted(f"{m} -> {t}" for m, ts in _graph().items() if not m.startswith("treadle.drafts")
+                   for t in ts if t.startswith(kinds))
+    assert not found
+
+
+def test_a_kind_key_is_refused_without_its_kind():
+    import pytest
+    from treadle.config import load_config
+    from treadle.errors import UserError
+
+    with pytest.raises(UserError, match=r"draft.init is set but draft.kind = None; accepted: draft.kind = 'eagle3' or "
+                                        r"'glide', or leave it unset"):
+        load_config(None, ["--data.train=x", "--draft.init=x"])
+    with pytest.raises(UserError, match=r"draft.layout = 'longspec' with draft.kind = 'eagle3'"):
+        load_config(None, ["--data.train=x", "--draft.kind=eagle3", "--draft.target=t", "--draft.layout=longspec"])
