@@ -21,6 +21,8 @@ projected speedup = tau / that.
 
 ``glide-kl-longspec`` (not in the default list) is glide-kl in LongSpec's layout (``draft.layout = "longspec"``),
 the row to set beside glide-kl to choose the default layout: ``--only glide-kl,glide-kl-longspec``.
+``eagle3-imported`` (not in the default list) is eagle3's draft rewritten as another trainer ships one and imported
+(``--only eagle3,eagle3-imported``): the row proves the import path, its tau must be eagle3's.
 ``glide-kl-regen`` (not in the default list) trains GLIDE-kl on *regenerated* data: prompts cut from the
 built-in corpus' train split, answered greedily by the target itself (``treadle generate``), trained as SFT.
 Results go to stdout as a table and to ``runs/bench-spec/results.json``; rows of earlier invocations with the same
@@ -98,6 +100,7 @@ class Recipe:
     train_args: Callable[[argparse.Namespace], list[str]] | None
     drafter: Callable[[Path | None, torch.nn.Module], object]
     family: str
+    imports: str | None = None  # the recipe whose trained draft this one re-imports (nothing trained of its own)
 
 
 def _glide_args(loss: str, regen: bool = False, ttt_steps: int = 1, layout: str = "treadle"):
@@ -125,6 +128,26 @@ def _data_args(args, regen: bool) -> list[str]:
     return [f"--data.train={args.data}", "--data.val=builtin"]
 
 
+def as_trained_elsewhere(run: Path, out: Path) -> Path:
+    """``run``'s EAGLE-3 export rewritten as another trainer ships one (SpecForge, EAGLE's: ``layers.0.*`` names,
+    the target's embedding included, no ``t2d``, no treadle keys in config.json) into ``out``/draft: the draft a
+    user imports with ``draft.init`` / ``spec-eval --draft``. Same weights, so its tau must be the original's."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = run / "draft", out / "draft"
+    shutil.rmtree(out, ignore_errors=True)
+    dst.mkdir(parents=True)
+    tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
+               for k, v in load_file(src / "model.safetensors").items() if k != "t2d"}
+    target = load_causal_lm(Path(json.loads((src / "config.json").read_text())["target"]["path"]), "target")
+    tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone()
+    save_file(tensors, dst / "model.safetensors")
+    config = {k: v for k, v in json.loads((src / "config.json").read_text()).items()
+              if k not in ("treadle_draft_kind", "target", "target_config", "training")}
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
 def _glide(run, target):
     return GlideDrafter(load_glide(run / "draft", target))
 
@@ -137,6 +160,10 @@ RECIPES = [
     # LongSpec's layer (draft.layout = "longspec": biased q/k/v, 512-token window, no final norm), vs glide-kl's.
     Recipe("glide-kl-longspec", _glide_args("kl", layout="longspec"), _glide, "glide"),
     Recipe("eagle3", _eagle3_args, lambda run, target: Eagle3Drafter(load_eagle3(run / "draft", target)), "eagle3"),
+    # eagle3's draft as another trainer ships it, imported (tau must equal eagle3's): needs eagle3 in the same
+    # invocation or an earlier one's record (--reuse-trained)
+    Recipe("eagle3-imported", None, lambda run, target: Eagle3Drafter(load_eagle3(run / "draft", target)), "eagle3",
+           imports="eagle3"),
     Recipe("lm", _lm_args, lambda run, target: ModelDrafter(load_causal_lm(run / "hf", "lm draft"), name="lm"), "lm"),
     Recipe("prompt-lookup", None, lambda run, target: PromptLookupDrafter(), "prompt-lookup"),
 ]
@@ -359,7 +386,10 @@ def main() -> int:
     trained, retrained = {}, set()
     for name in names:
         recipe, record = recipes[name], args.out / f"{name}.train.json"
-        if args.reuse_trained and record.is_file():
+        if recipe.imports:
+            source = trained.get(recipe.imports) or json.loads((args.out / f"{recipe.imports}.train.json").read_text())
+            trained[name] = {**source, "run": str(as_trained_elsewhere(Path(source["run"]), args.out / name))}
+        elif args.reuse_trained and record.is_file():
             trained[name] = json.loads(record.read_text())  # decode again (e.g. in new modes) without retraining
         elif recipe.train_args:
             trained[name] = train(args, recipe)
