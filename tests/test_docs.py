@@ -32,6 +32,7 @@ directory. To fit in a few minutes on 2 cores, commands are shortened by appendi
 Nothing else is changed: the commands, configs and data are the pages' own.
 """
 
+import json
 import os
 import re
 import shlex
@@ -364,7 +365,10 @@ def test_readme_commands_run(readme_run):
     cwd, problems = readme_run
     assert not problems, "\n".join(problems)
     assert (cwd / "runs" / "demo" / "hf" / "config.json").is_file()
-    assert (cwd / "runs" / "demo-draft" / "draft" / "config.json").is_file()
+    # the demo's draft leaves treadle: the directory LongSpec's LlamaGlideDecoderLayer.from_pretrained loads
+    exported = json.loads((cwd / "runs" / "demo-draft" / "draft" / "config.json").read_text())
+    assert exported["architectures"] == ["LlamaGlideDecoderLayer"] and exported["layout"] == "longspec"
+    assert (cwd / "runs" / "demo-draft" / "draft" / "draft_model_weights.pth").is_file()
 
 
 def _runs_something(page: Path) -> bool:
