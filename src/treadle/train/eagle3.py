@@ -10,7 +10,7 @@ from treadle.models.glide import anchored_positions
 from treadle.models.upcast import at_least_fp32
 from treadle.train.draft import GlideObjective
 from treadle.train.step import Batch
-from treadle.train.ttt import DraftVocabulary, refuse_chunked_loss, ttt_steps, unrolled_losses
+from treadle.train.ttt import DraftVocabulary, ttt_steps, unroll_loss, unrolled_losses
 
 
 class Eagle3Objective(GlideObjective):
@@ -29,12 +29,18 @@ class Eagle3Objective(GlideObjective):
         labels = batch["labels"]
         steps = ttt_steps(self.cfg) if train else 1  # evaluation: step 0's CE, comparable across runs
         out = model(input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions,
-                    offset), steps=steps, doc_position_ids=positions)
+                    offset), steps=steps, doc_position_ids=positions, labels=labels)
         draft = model.draft_model
         vocab = DraftVocabulary(draft.target_to_draft(), draft.t2d, draft.draft_to_target()) if draft.reduced else None
-        target_log = F.log_softmax(at_least_fp32(out.target_logits), -1)
-        target_ce = F.nll_loss(target_log.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        loss, side = unrolled_losses(self.cfg, out.logits[:steps], out.target_logits, positions, labels, vocab)
+        if out.scores is not None:  # a chunked loss (model.loss_chunk_tokens): per-row scores, logits never whole
+            s = out.scores
+            target_ce = s.target_ce.sum()
+            loss, side = unroll_loss(self.cfg, s, s.positions, s.labels, vocab, start=s.start)
+        else:
+            target_log = F.log_softmax(at_least_fp32(out.target_logits), -1)
+            target_ce = F.nll_loss(target_log.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+            loss, side = unrolled_losses(self.cfg, out.logits[:steps], out.target_logits, positions, labels, vocab)
         if not train:
             return side["draft_ce"], {"target_loss": target_ce}
         return loss, {"target_loss": target_ce, **side}
@@ -42,13 +48,11 @@ class Eagle3Objective(GlideObjective):
 
 def eagle3_setup(cfg, model, datasets) -> Eagle3Objective:
     """What an eagle3 run adds to a draft run's setup: its vocabulary map (from the training data's token counts,
-    unless the draft starts from ``draft.init``) and its objective. The chunked loss is not built for it: an explicit ``model.loss_chunk_tokens`` is refused."""
+    unless the draft starts from ``draft.init``) and its objective (``model.loss_chunk_tokens`` is set by run.py)."""
     import numpy as np
 
     from treadle.models.eagle3 import frequent_tokens
 
-    refuse_chunked_loss(cfg.model.loss_chunk_tokens, "draft.kind = 'eagle3'",
-                        "and draft.vocab_size to shrink its head instead")
     draft = model.draft_model
     if draft.reduced and cfg.draft.init is None:  # a draft.init brings its own map, which its head was trained on
         counts = sum(np.asarray(ds.token_counts(draft.target_vocab_size)) for ds in datasets)
