@@ -471,9 +471,10 @@ class Config(Section):
         if cp > 1 and self.data.seq_len % cp:
             raise ValueError(f"data.seq_len = {self.data.seq_len} cannot be split into distributed.context_parallel = "
                              f"{cp} equal parts; accepted: a multiple of {cp}")
-        if cp > 1 and self.draft.kind == "eagle3":
-            raise ValueError(f"distributed.context_parallel = {cp} is not built for eagle3 draft runs yet (GLIDE's "
-                             "are); accepted: context_parallel = 1, or draft.kind = 'glide'")
+        if cp > 1 and self.draft.kind == "eagle3" and self.model.loss_chunk_tokens == 0:
+            raise ValueError(f"distributed.context_parallel = {cp} with draft.kind = 'eagle3' and "
+                             "model.loss_chunk_tokens = 0: a sequence slice is scored only chunk by chunk; accepted: "
+                             "model.loss_chunk_tokens = auto or > 0, or context_parallel = 1")
         if cp > 1 and self.draft.kind == "glide" and (self.draft.ttt_steps or 1) > 1:
             raise ValueError(f"distributed.context_parallel = {cp} with draft.ttt_steps = {self.draft.ttt_steps}: the "
                              "GLIDE training-time test is not built for sliced sequences; accepted: context_parallel = "

@@ -31,6 +31,9 @@ a document, so transformers' rule would cut them), which the wrapper uses as giv
 needs no head exchange: it all-gathers keys and values (the target's last-layer K/V for its cross-attention,
 its own for its self-attention) and attends from its slice's queries; the gather's backward hands each rank
 the gradient of the keys it made. The lag and offset rules are unchanged: masks use whole-sequence indices.
+EAGLE-3 drafts the same way: the target on its slice, step 0's draft keys all-gathered (each unroll step's chain
+keys are at its own rows, local), the tokens, labels, document positions and the target's final hidden states
+gathered so that a row near the cut is scored against the teacher ahead of it (models/eagle3.py).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import find_packed_sequence_indices
 
 from treadle.errors import UserError
-from treadle.models.glide import DraftRunModel, GlideModel
+from treadle.models.glide import DraftRunModel
 
 ATTENTION_NAME = "treadle_context_parallel"
 
@@ -77,10 +80,11 @@ def split_model_config(model: nn.Module):
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     """Switch ``model``'s attention to the all-to-all wrapper over ``group`` (in place, before any engine wraps it);
-    a GLIDE model is told it is handed slices (``SequenceSlices``) instead."""
+    a draft run's model that reads its sequences through ``sequences`` (GLIDE's, EAGLE-3's) is told it is handed
+    slices (``SequenceSlices``) instead."""
     check_model(split_model_config(model), dist.get_world_size(group))
     AttentionInterface.register(ATTENTION_NAME, UlyssesAttention(group))
-    if isinstance(model, GlideModel):
+    if isinstance(model, DraftRunModel) and hasattr(model, "sequences"):
         model.sequences = SequenceSlices(group)
     else:
         model.set_attn_implementation(ATTENTION_NAME)

@@ -35,7 +35,7 @@ from treadle.errors import UserError
 from treadle.metrics.flops import (attention_dims, forward_flops_per_token, matmul_parameters, peak_tflops,
                                    train_flops_per_token)
 from treadle.metrics.sinks import Console, JsonlSink, Sinks, check_sinks_installed, open_optional_sinks
-from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
+from treadle.models.chunked_ce import AUTO_CHUNK_TOKENS, resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
 from treadle.models.hf import build_model, compile_layers, count_parameters, persistent_compile_cache, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
@@ -206,7 +206,14 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
     meta["target_fingerprint"] = identity["config_fingerprint"]
     step_callbacks = []
+    setting = cfg.model.loss_chunk_tokens
+    if setting == "auto" and cfg.draft.kind == "eagle3" and cfg.distributed.context_parallel > 1:
+        setting = AUTO_CHUNK_TOKENS  # a slice is scored only chunk by chunk (its rows read the next slice's teacher)
+    # The target's head (and GLIDE's draft through it) scored a chunk of rows at a time in the models' forward, the
+    # target's logit transform (Gemma's soft-cap, Granite's scale) applied inside each chunk.
+    chunk = resolve_chunk_tokens(setting, model.target.config.vocab_size)
     if cfg.draft.kind == "eagle3":
+        model.loss_chunk_tokens = chunk
         objective = eagle3_setup(cfg, model, [o.dataset for o in data.sources])
         step_callbacks.append(TTTAccuracyCallback())
     else:
@@ -215,9 +222,7 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
                                 "or draft.ttt_steps = 1")
             step_callbacks.append(TTTAccuracyCallback())
         else:
-            # The draft and the target share the target's head: both are scored chunk by chunk (GlideModel.forward),
-            # the target's logit transform (Gemma's soft-cap, Granite's scale) applied inside each chunk.
-            model.loss_chunk_tokens = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
+            model.loss_chunk_tokens = chunk
         objective = GlideObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
     check_token_ids(prompts, model.target.config.vocab_size, lambda: f"the draft's eval prompts ({(val_ds or train_ds).where})")
