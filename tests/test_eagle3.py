@@ -272,9 +272,10 @@ def test_eagle3_run_trains_exports_and_decodes(shards, eagle3_target_dir, tmp_pa
 def test_eagle3_run_resumes_bit_for_bit(shards, eagle3_target_dir, tmp_path):
     target_dir = eagle3_target_dir
     a, b = tmp_path / "a", tmp_path / "b"
+    chunked = "--model.loss_chunk_tokens=24"  # the run's wiring of the chunked scores (their math: test_eagle3_memory)
     assert main(draft_args(shards, target_dir, a, "--train.max_steps=4", "--checkpoint.every=2", "--draft.loss=mix",
-                           *EAGLE)) == 0
-    assert main(draft_args(shards, target_dir, b, "--train.max_steps=4", "--draft.loss=mix", *EAGLE,
+                           *EAGLE, chunked)) == 0
+    assert main(draft_args(shards, target_dir, b, "--train.max_steps=4", "--draft.loss=mix", *EAGLE, chunked,
                            f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 0
     la, lb = records(a), records(b)
     assert [la[s] for s in (3, 4)] == [lb[s] for s in (3, 4)]
