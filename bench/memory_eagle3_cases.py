@@ -55,10 +55,10 @@ def run_case(path: str, seq_len: int, steps: int) -> dict:
     ids = torch.randint(0, VOCAB, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "position_ids": torch.arange(seq_len)[None]}
     times = []
-    for i in range(steps + 1):  # the first is the warm-up
+    for i in range(steps + 1):  # the first is the warm-up (``steps`` 0: the one step is timed, warm-up included)
         t0 = time.perf_counter()
         optimizer_step(engine, [batch], grad_clip=1.0, loss_fn=objective)
-        if i:
+        if i or not steps:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "step_s": step_s,
@@ -106,7 +106,8 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="1024,4096,16384")
-    ap.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up (median reported)")
+    ap.add_argument("--steps", type=int, default=1,
+                    help="timed steps after the warm-up (median reported); 0: one step, timed with its warm-up")
     ap.add_argument("--budget-mib", type=int, default=12_288, help="each child's data-segment cap")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # the child: run this path, print JSON
     ap.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)

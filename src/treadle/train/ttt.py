@@ -32,9 +32,10 @@ def ttt_steps(cfg: DraftConfig) -> int:
 
 
 def refuse_chunked_loss(setting: int | str, what: str, otherwise: str) -> None:
-    """An unroll scores whole logits per step: an explicit ``model.loss_chunk_tokens`` is refused in one line."""
+    """GLIDE's unroll scores whole logits per step (EAGLE-3's scores chunk by chunk): an explicit
+    ``model.loss_chunk_tokens`` is refused in one line."""
     if setting != "auto" and int(setting) > 0:
-        raise UserError(f"model.loss_chunk_tokens = {setting} with {what}: the chunked loss is not built for a "
+        raise UserError(f"model.loss_chunk_tokens = {setting} with {what}: the chunked loss is not built for GLIDE's "
                         f"training-time-test unroll; accepted: 0 or auto (off), {otherwise}")
 
 
