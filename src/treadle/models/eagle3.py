@@ -331,7 +331,7 @@ class Eagle3Model(DraftRunModel):
                                        self.target.get_output_embeddings(), labels, draft.target_to_draft(),
                                        draft.draft_to_target(), 1, self.loss_chunk_tokens,
                                        whole_labels=seq.gather(labels, 1), start=seq.start(input_ids.shape[1]),
-                                       gather=seq.gather)
+                                       gather=seq.gather, config=self.target.config)
         scores.positions = seq.gather(position_ids if doc_position_ids is None else doc_position_ids, 1)
         scores.labels, scores.start = seq.gather(labels, 1), seq.start(input_ids.shape[1])
         return Eagle3Output(None, None, scores)

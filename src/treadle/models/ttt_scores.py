@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from treadle.models.chunked_ce import chunked_rows
+from treadle.models.chunked_ce import chunked_rows, model_logits
 from treadle.models.upcast import at_least_fp32
 
 
@@ -77,12 +77,13 @@ def chunked_unroll_scores(draft_logits: Callable[[torch.Tensor], torch.Tensor], 
                           target_hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
                           to_draft: torch.Tensor | None, from_draft: torch.Tensor | None, lead: int, chunk_tokens: int,
                           whole_labels: torch.Tensor | None = None, start: int = 0,
-                          gather: Callable[[torch.Tensor, int], torch.Tensor] = lambda x, dim: x,
+                          gather: Callable[[torch.Tensor, int], torch.Tensor] = lambda x, dim: x, config=None,
                           ignore_index: int = -100) -> UnrollScores:
     """Scores chunk by chunk: ``draft_logits`` maps a step's hidden rows to logits, ``hidden`` [B, T, d] per step
     (rows start .. start + T - 1 of the sequence); ``target_hidden`` [B, N, d] the target's final hidden states of the
     whole sequence, ``head`` its LM head; ``labels`` [B, T] this rank's, ``whole_labels`` [B, N] the whole
-    sequence's (default: ``labels``, one process), ``gather`` concatenates every rank's rows (context parallelism).
+    sequence's (default: ``labels``, one process), ``gather`` concatenates every rank's rows (context parallelism);
+    ``config``: the target's, whose logit transform (Gemma's soft-cap, Granite's scale) the teacher's chunks apply.
     Call it inside the model's forward (sharded weights are there)."""
     whole_labels = labels if whole_labels is None else whole_labels
     B, N = whole_labels.shape
@@ -90,21 +91,24 @@ def chunked_unroll_scores(draft_logits: Callable[[torch.Tensor], torch.Tensor], 
     weight, bias = head.weight, head.bias
 
     def target_side(t_h, y):  # the target's greedy token and CE over its whole vocabulary: no grad, [rows] each
-        z = at_least_fp32(F.linear(t_h, weight, bias))
+        z = at_least_fp32(model_logits(config, F.linear(t_h, weight, bias)) if config is not None
+                          else F.linear(t_h, weight, bias))
         return z.argmax(-1), F.nll_loss(F.log_softmax(z, -1), y, ignore_index=ignore_index, reduction="none")
 
     with torch.no_grad():  # this rank's rows; their greedy tokens are then gathered (every step reads ahead)
         mine = target_hidden[:, start:start + T]
         best, target_ce = chunked_rows(target_side, [mine.flatten(0, 1), labels.flatten()], chunk_tokens)
     scores = UnrollScores([], [], [], gather(best.view(B, T), 1), target_ce.view(B, T))
-    # The teacher restricted to the draft's ids is the target's head restricted to their rows.
+    # The teacher restricted to the draft's ids is the target's head restricted to their rows (its logit transform
+    # is elementwise: restricting before or after it is the same).
     t_weight = weight if from_draft is None else weight[from_draft]
     t_bias = bias if from_draft is None or bias is None else bias[from_draft]
     label = draft_labels(whole_labels, to_draft)
 
     def step_chunk(h, t_h, y):
         with torch.no_grad():  # the teacher is fixed: recomputed in backward, never differentiated
-            teacher_logp = F.log_softmax(at_least_fp32(F.linear(t_h, t_weight, t_bias)), -1)
+            z = F.linear(t_h, t_weight, t_bias)
+            teacher_logp = F.log_softmax(at_least_fp32(model_logits(config, z) if config is not None else z), -1)
         return row_scores(draft_logits(h), teacher_logp, y)
 
     for k, h in enumerate(hidden):

@@ -35,7 +35,7 @@ from treadle.errors import UserError
 from treadle.metrics.flops import (attention_dims, forward_flops_per_token, matmul_parameters, peak_tflops,
                                    train_flops_per_token)
 from treadle.metrics.sinks import Console, JsonlSink, Sinks, check_sinks_installed, open_optional_sinks
-from treadle.models.chunked_ce import AUTO_CHUNK_TOKENS, resolve_chunk_tokens, use_chunked_loss
+from treadle.models.chunked_ce import AUTO_CHUNK_TOKENS, _unhandled_transforms, resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
 from treadle.models.hf import build_model, compile_layers, count_parameters, persistent_compile_cache, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
@@ -212,6 +212,13 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     # The target's head (and GLIDE's draft through it) scored a chunk of rows at a time in the models' forward, the
     # target's logit transform (Gemma's soft-cap, Granite's scale) applied inside each chunk.
     chunk = resolve_chunk_tokens(setting, model.target.config.vocab_size)
+    unhandled = chunk and cfg.draft.kind == "eagle3" and _unhandled_transforms(model.target.config)
+    if unhandled:  # GLIDE refuses such a target outright (target_families); EAGLE-3's plain loss reads its logits
+        if setting != "auto" or cfg.distributed.context_parallel > 1:
+            raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with an eagle3 draft: the "
+                            f"target transforms its logits ({', '.join(unhandled)}) in a way the chunked teacher does "
+                            "not apply; accepted: model.loss_chunk_tokens = 0 (and distributed.context_parallel = 1)")
+        chunk = 0
     if cfg.draft.kind == "eagle3":
         model.loss_chunk_tokens = chunk
         objective = eagle3_setup(cfg, model, [o.dataset for o in data.sources])
