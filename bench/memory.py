@@ -121,6 +121,8 @@ def main() -> None:
     ap.add_argument("--no-ac", action="store_true", help="skip the activation checkpointing cases (bench/memory_ac_cases.py)")
     ap.add_argument("--no-loading", action="store_true",
                     help="skip the model-loading cases (bench/memory_loading_cases.py: torchrun, world size 1 and 2)")
+    ap.add_argument("--no-eagle3", action="store_true",
+                    help="skip the EAGLE-3 draft cases (bench/memory_eagle3_cases.py: T = 1k/4k/16k, before/after)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # the child: run this case, print JSON
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -166,6 +168,11 @@ def main() -> None:
 
         print()
         memory_loading_cases.print_table(*memory_loading_cases.loading_cases())
+    if not args.no_eagle3 and not args.only:  # the fourth: an EAGLE-3 draft step at 1k/4k/16k, 128k vocabulary
+        import memory_eagle3_cases
+
+        print()
+        memory_eagle3_cases.print_table(memory_eagle3_cases.eagle3_cases())
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ or across it): losses, grad norms, label-token counts, weights after 3 steps and
 replicated (1 kv head, 2 ranks); activation checkpointing; chunked cross-entropy; and a whole run through ``run_training`` against the same run in one
 process (loss, eval loss, grad norm, tokens per step). GLIDE drafts at CP = 2: the draft objective's loss sums
 and the draft's gradients (lag 3, position offset, self-attention window; chunked scores and activation
-checkpointing too) and the eval CE equal one process's (the whole draft run: tests/test_run_dist.py).
+checkpointing too) and the eval CE equal one process's (the whole draft run: tests/test_run_dist.py). EAGLE-3
+drafts at CP = 2 (a 3-step unroll, reduced vocabulary, chunked scores; activation checkpointing too): the objective's
+sums, acc_k counts and the draft's gradients equal one process's on the dense, unchunked reference path.
 
 Tolerances (fp32): as tests/test_engines_dist.py; the GLIDE comparisons run in float64 (1e-10 relative).
 """
@@ -210,6 +212,7 @@ def _cp_ranks(rank, world_size, shards, out):
     got["chunked"] = _train(_engine("fsdp2", layout.cp_group, chunk_tokens=5), range(2), rank)  # CE chunks of a slice
 
     got["glide"] = {name: _glide_scores(rank, layout.cp_group, **case) for name, case in GLIDE_CASES.items()}
+    got["eagle3"] = {name: _eagle3_scores(rank, layout.cp_group, **case) for name, case in EAGLE3_CASES.items()}
 
     # A whole run: the loader's slices, eval, checkpoint and export at CP = 2 on FSDP2 (engine auto).
     run_training(load_config(None, args(shards, out, "--train.max_steps=3", "--train.threads=1",
@@ -268,20 +271,24 @@ def _glide(chunk: int = 0, checkpointing: str = "none") -> GlideModel:
 def _glide_scores(cp_rank: int = 0, group=None, **case) -> dict:
     """The draft objective's sums and the draft's gradients on this rank's slice (the whole batch without a group);
     then the eval CE. The ranks' sums add up to one process's."""
-    model, batch = _glide(**case), global_batch(5)
+    objective = GlideObjective(_DRAFT, max_positions=2048, seq_len=16)
+    return _draft_scores(_glide(**case), global_batch(5), objective, cp_rank, group, lag=3)
+
+
+def _draft_scores(model, batch, objective, cp_rank, group, lag) -> dict:
+    """A draft objective's sums (loss, side sums, eval CE) and the draft's gradients on this rank's slice."""
     if group is not None:
         from treadle.engine.context_parallel import apply_context_parallel
 
         apply_context_parallel(model, group)
         batch = slice_sequences(batch, cp_rank, CP)
-    objective = GlideObjective(_DRAFT, max_positions=2048, seq_len=16)
-    loss, report = objective.losses(model, batch, lag=3, offset=7, train=True)
+    loss, report = objective.losses(model.train(), batch, lag=lag, offset=7, train=True)
     loss.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.draft_model.named_parameters()}
     with torch.no_grad():
         ce, _ = objective.evaluate(model, batch)
-    return {"loss": float(loss.detach().sum()), "kl": float(report["draft_kl"]), "target": float(report["target_loss"]),
-            "eval": float(ce.sum()), "grads": grads}
+    return {"loss": float(loss.detach().sum()), "eval": float(ce.sum()), "grads": grads,
+            **{k: float(v) for k, v in report.items()}}
 
 
 def test_a_glide_draft_at_context_parallel_2_matches_one_process(launched):
@@ -289,10 +296,48 @@ def test_a_glide_draft_at_context_parallel_2_matches_one_process(launched):
     for name, case in GLIDE_CASES.items():
         want = _glide_scores(**case)
         got = [res["glide"][name] for res in results]
-        for key in ("loss", "kl", "target", "eval"):
+        for key in ("loss", "draft_kl", "target_loss", "eval"):
             assert sum(g[key] for g in got) == pytest.approx(want[key], rel=RTOL64), (name, key)
         for param, grad in want["grads"].items():
             assert grad.dtype == torch.float64 and grad.abs().sum() > 0, param  # every draft weight is trained
+            assert torch.allclose(sum(g["grads"][param] for g in got), grad, rtol=1e-9, atol=1e-12), (name, param)
+
+
+# ---------------------------------------------------------------- EAGLE-3 drafts at CP = 2
+
+# Steps 0..2 score up to 3 indices ahead: rank 0's last rows read rank 1's labels and teacher; an offset from
+# position 4 on. Chunks of 5 rows cut rank slices of 8 rows.
+_EAGLE3 = DraftConfig(kind="eagle3", target="unused", loss="mix", ttt_steps=3, max_position_offset=40)
+EAGLE3_CASES = {"chunked": {}, "checkpointed": {"checkpointing": "full"}}
+
+
+def _eagle3_scores(cp_rank: int = 0, group=None, checkpointing: str = "none") -> dict:
+    """As ``_glide_scores`` for an EAGLE-3 draft; without a group, the dense-mask, whole-logits reference."""
+    from treadle.models.checkpointing import apply_activation_checkpointing
+    from treadle.drafts.eagle3.model import Eagle3Draft, Eagle3Model
+    from treadle.drafts.eagle3.objective import Eagle3Objective
+
+    target = _llama(0, num_hidden_layers=3)
+    torch.manual_seed(1)
+    model = Eagle3Model(target, Eagle3Draft(target.config, (1, 2, 3), vocab_size=64)).double()
+    model.draft_model.set_vocabulary(torch.randperm(LLAMA["vocab_size"], generator=torch.Generator().manual_seed(2))[:64])
+    apply_activation_checkpointing(model.draft_model, ModelConfig(activation_checkpointing=checkpointing))
+    model.dense_attention, model.loss_chunk_tokens = group is None, 0 if group is None else 5
+    objective = Eagle3Objective(_EAGLE3, max_positions=2048, seq_len=16)
+    return _draft_scores(model, global_batch(6), objective, cp_rank, group, lag=0)
+
+
+def test_an_eagle3_draft_at_context_parallel_2_matches_one_process(launched):
+    results, _ = launched
+    want = _eagle3_scores()
+    assert {"ttt_rows_3", "draft_kl", "target_loss"} <= want.keys() and want["ttt_rows_3"] > 0
+    for name in EAGLE3_CASES:
+        got = [res["eagle3"][name] for res in results]
+        for key, value in want.items():
+            if key != "grads":
+                assert sum(g[key] for g in got) == pytest.approx(value, rel=RTOL64), (name, key)
+        for param, grad in want["grads"].items():
+            assert grad.abs().sum() > 0, param  # every draft weight is trained
             assert torch.allclose(sum(g["grads"][param] for g in got), grad, rtol=1e-9, atol=1e-12), (name, param)
 
 

@@ -272,9 +272,10 @@ def test_eagle3_run_trains_exports_and_decodes(shards, eagle3_target_dir, tmp_pa
 def test_eagle3_run_resumes_bit_for_bit(shards, eagle3_target_dir, tmp_path):
     target_dir = eagle3_target_dir
     a, b = tmp_path / "a", tmp_path / "b"
+    chunked = "--model.loss_chunk_tokens=24"  # the run's wiring of the chunked scores (their math: test_eagle3_memory)
     assert main(draft_args(shards, target_dir, a, "--train.max_steps=4", "--checkpoint.every=2", "--draft.loss=mix",
-                           *EAGLE)) == 0
-    assert main(draft_args(shards, target_dir, b, "--train.max_steps=4", "--draft.loss=mix", *EAGLE,
+                           *EAGLE, chunked)) == 0
+    assert main(draft_args(shards, target_dir, b, "--train.max_steps=4", "--draft.loss=mix", *EAGLE, chunked,
                            f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 0
     la, lb = records(a), records(b)
     assert [la[s] for s in (3, 4)] == [lb[s] for s in (3, 4)]
@@ -343,8 +344,8 @@ def test_an_eagle3_run_starts_from_a_draft_in_the_eagle_layout(shards, eagle3_ta
     (("--draft.kind=eagle3", "--draft.feature_layers=[1,2,4]"), "draft.feature_layers"),  # the target has 4 layers
     (("--draft.kind=eagle3", "--draft.vocab_size=9999"), "draft.vocab_size"),
     (("--draft.kind=eagle3", "--draft.window=8"), "draft.window"),
-    (("--draft.kind=eagle3", "--model.loss_chunk_tokens=16"), "model.loss_chunk_tokens"),
-    (("--draft.kind=eagle3", "--distributed.context_parallel=2"), "distributed.context_parallel"),
+    (("--draft.kind=eagle3", "--distributed.context_parallel=2", "--model.loss_chunk_tokens=0"),
+     "distributed.context_parallel"),  # a slice is scored chunk by chunk only
 ])
 def test_bad_eagle3_settings_are_one_line(shards, eagle3_target_dir, tmp_path, capsys, bad, key):
     assert main(draft_args(shards, eagle3_target_dir, tmp_path / "run", "--train.max_steps=2", *bad)) == 2

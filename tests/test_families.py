@@ -159,16 +159,18 @@ def test_eagle3_reads_the_embedding_and_teacher_the_target_computes(family, shar
 
 
 def test_glide_chunked_loss_scores_a_transformed_teacher_as_the_plain_loss(shards, tmp_path):
-    """Granite scales its logits: GLIDE's chunked scores apply the scale inside each chunk (to the teacher's and the
-    draft's logits through the shared head), so a chunked draft run's losses are the plain run's
-    (tests/test_glide_targets.py compares the per-token scores and gradients in fp64, for Gemma 2's soft-cap too)."""
+    """Granite scales its logits: GLIDE's and EAGLE-3's chunked scores apply the scale inside each chunk (to the
+    teacher's logits, and GLIDE's draft's through the shared head), so a chunked draft run's losses are the plain
+    run's (tests/test_glide_targets.py compares the per-token scores and gradients in fp64, for Gemma 2's soft-cap
+    too)."""
     build_family("granite", tmp_path / "t", shards / "tok", layers=4)
-    losses = {}
-    for chunk in (0, CHUNK):
-        out = tmp_path / f"run-{chunk}"
-        assert main([*draft_family_args(shards, tmp_path / "t", out, "glide"), "--draft.ttt_steps=1",
-                     f"--model.loss_chunk_tokens={chunk}"]) == 0, chunk
-        losses[chunk] = records(out)
-    # The KL of a draft near its (scaled, nearly flat) teacher is tiny: fp32 bounds its error absolutely (KL_ATOL).
-    assert losses[CHUNK][1] == pytest.approx(losses[0][1], rel=1e-6, abs=KL_ATOL), losses
-    assert losses[CHUNK][2] == pytest.approx(losses[0][2], rel=1e-5, abs=KL_ATOL), losses
+    for kind, steps in (("glide", "--draft.ttt_steps=1"), ("eagle3", "--draft.ttt_steps=2")):
+        losses = {}
+        for chunk in (0, CHUNK):
+            out = tmp_path / f"{kind}-{chunk}"
+            assert main([*draft_family_args(shards, tmp_path / "t", out, kind), steps,
+                         f"--model.loss_chunk_tokens={chunk}"]) == 0, (kind, chunk)
+            losses[chunk] = records(out)
+        # The KL of a draft near its (scaled, nearly flat) teacher is tiny: fp32 bounds its error absolutely (KL_ATOL).
+        assert losses[CHUNK][1] == pytest.approx(losses[0][1], rel=1e-6, abs=KL_ATOL), (kind, losses)
+        assert losses[CHUNK][2] == pytest.approx(losses[0][2], rel=1e-5, abs=KL_ATOL), (kind, losses)

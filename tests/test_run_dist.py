@@ -166,6 +166,8 @@ DRAFT_ENGINES = {"fsdp2": ["--distributed.engine=fsdp2", "--model.activation_che
 # An EAGLE-3 draft (reduced vocabulary, 3 unroll steps) on fsdp2, compared with its own one-process run.
 EAGLE3 = ["--draft.kind=eagle3", "--draft.vocab_size=200", "--draft.ttt_steps=3"]
 DRAFT_ENGINES["eagle3-fsdp2"] = DRAFT_ENGINES["fsdp2"] + EAGLE3
+# An EAGLE-3 run at CP = 2 (its scores chunk by chunk, auto) against the one-process run (whole logits).
+DRAFT_ENGINES["eagle3-cp2"] = DRAFT_ENGINES["cp2"] + EAGLE3
 
 
 def _draft_runs(rank, world_size, shards, target_dir, eagle3_target_dir, out):

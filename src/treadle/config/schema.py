@@ -450,7 +450,7 @@ class Config(Section):
             raise ValueError(f"data.seq_len = {self.data.seq_len} cannot be split into distributed.context_parallel = "
                              f"{cp} equal parts; accepted: a multiple of {cp}")
         if cp > 1:
-            check_draft_context_parallel(self.draft, cp)
+            check_draft_context_parallel(self.draft, cp, self.model.loss_chunk_tokens)
         if cp > 1 and self.distributed.pipeline_parallel > 1:
             raise ValueError(f"distributed.context_parallel = {cp} with distributed.pipeline_parallel = "
                              f"{self.distributed.pipeline_parallel} is not supported yet; accepted: one of them > 1")

@@ -7,8 +7,9 @@ and import nothing else of treadle. What a kind does at run time (build, objecti
 
 A kind's ``settings.py`` provides: ``NAME`` (draft.kind), ``KEYS`` (the optional [draft] keys of OPTIONAL_KEYS it
 reads), ``TTT_STEPS`` (draft.ttt_steps when unset), ``LAYOUTS`` (draft.layout values it trains and exports),
-``check(draft)`` (its own refusals of a DraftConfig) and ``check_context_parallel(draft, cp)`` (its refusals when
-distributed.context_parallel = cp > 1), each refusal a one-line ValueError.
+``check(draft)`` (its own refusals of a DraftConfig) and ``check_context_parallel(draft, cp, loss_chunk_tokens)`` (its
+refusals when distributed.context_parallel = cp > 1, model.loss_chunk_tokens as set: "auto" or an int), each refusal a
+one-line ValueError.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ def check(draft) -> None:
         own.check(draft)
 
 
-def check_context_parallel(draft, cp: int) -> None:
-    """What the run's kind refuses when ``distributed.context_parallel = cp > 1`` (an ordinary run: nothing)."""
+def check_context_parallel(draft, cp: int, loss_chunk_tokens: str | int) -> None:
+    """What the run's kind refuses when ``distributed.context_parallel = cp > 1`` with ``model.loss_chunk_tokens``
+    (an ordinary run: nothing)."""
     own = KINDS.get(draft.kind)
     if own is not None:
-        own.check_context_parallel(draft, cp)
+        own.check_context_parallel(draft, cp, loss_chunk_tokens)
 
 
 def default_ttt_steps(kind: str) -> int:

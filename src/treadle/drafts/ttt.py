@@ -15,15 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX
 from treadle.errors import UserError
 from treadle.drafts.glide.model import document_ids
 from treadle.drafts.settings import default_ttt_steps
-from treadle.models.upcast import at_least_fp32
-
+from treadle.drafts.ttt_scores import UnrollScores, dense_unroll_scores
 
 
 def ttt_steps(cfg: DraftConfig) -> int:
@@ -31,9 +29,10 @@ def ttt_steps(cfg: DraftConfig) -> int:
 
 
 def refuse_chunked_loss(setting: int | str, what: str, otherwise: str) -> None:
-    """An unroll scores whole logits per step: an explicit ``model.loss_chunk_tokens`` is refused in one line."""
+    """GLIDE's unroll scores whole logits per step (EAGLE-3's scores chunk by chunk): an explicit
+    ``model.loss_chunk_tokens`` is refused in one line."""
     if setting != "auto" and int(setting) > 0:
-        raise UserError(f"model.loss_chunk_tokens = {setting} with {what}: the chunked loss is not built for a "
+        raise UserError(f"model.loss_chunk_tokens = {setting} with {what}: the chunked loss is not built for GLIDE's "
                         f"training-time-test unroll; accepted: 0 or auto (off), {otherwise}")
 
 
@@ -57,37 +56,33 @@ class DraftVocabulary:
 def unrolled_losses(cfg: DraftConfig, step_logits: list[torch.Tensor], target_logits: torch.Tensor,
                     positions: torch.Tensor, labels: torch.Tensor, vocab: DraftVocabulary | None = None,
                     lead: int = 1):
-    """(per-row summed loss [B], side sums) of an unroll's ``step_logits`` (ce / kl / mix as for GLIDE).
+    """(per-row summed loss [B], side sums) of an unroll's whole ``step_logits`` (``unroll_loss``)."""
+    scores = dense_unroll_scores(step_logits, target_logits, labels, vocab and vocab.to_draft,
+                                 vocab and vocab.from_draft, lead)
+    return unroll_loss(cfg, scores, positions, labels, vocab, lead)
+
+
+def unroll_loss(cfg: DraftConfig, scores: UnrollScores, positions: torch.Tensor, labels: torch.Tensor,
+                vocab: DraftVocabulary | None = None, lead: int = 1, start: int = 0):
+    """(per-row summed loss [B], side sums) of an unroll's per-row ``scores`` (ce / kl / mix as for GLIDE).
 
     Side sums: ``draft_ce`` / ``draft_kl`` (step 0's), and per step ``ttt_hits_k`` / ``ttt_rows_k`` that
     ``TTTAccuracyCallback`` turns into ``acc_k``. A reduced ``vocab`` scores within the draft's vocabulary
     (EAGLE-3's rule: labels and teacher argmaxes outside it are not scored). ``lead``: see the module docstring.
+    ``positions`` and ``labels`` are the whole sequence's; the scores' rows start at index ``start`` (context
+    parallelism: this rank's slice; the ranks' sums add up to one process's).
     """
-    T = labels.shape[1]
     side: dict[str, torch.Tensor] = {}
-    # The target's side once for all steps (each step reads it from its own offset on): its greedy token, what
-    # acceptance compares with, and its log-distribution (within the draft's vocabulary when reduced).
-    teacher = at_least_fp32(target_logits)
-    loss = labels.new_zeros(labels.shape[0], dtype=teacher.dtype)
-    target_best = teacher.argmax(-1)
-    teacher_logp = F.log_softmax(teacher[..., vocab.from_draft] if vocab is not None else teacher, -1)
-    for k, logits in enumerate(step_logits):
-        ahead = lead + k
-        if ahead >= T:
-            break
-        rows = scored_rows(positions, labels, k, lead)
-        logits = at_least_fp32(logits[:, : T - ahead])
-        label = labels[:, ahead:]
-        best = target_best[:, ahead:]
+    loss = labels.new_zeros(labels.shape[0], dtype=scores.ce[0].dtype if scores.ce else torch.float32)
+    for k, (ce, kl, guess) in enumerate(zip(scores.ce, scores.kl, scores.guess)):
+        ahead, n = lead + k, ce.shape[1]
+        rows = scored_rows(positions, labels, k, lead)[:, start:start + n]
+        best = scores.target_best[:, start + ahead:start + ahead + n]
         ce_rows, kl_rows = rows, rows
         if vocab is not None:
-            label = vocab.to_draft[label.clamp_min(0)]
-            ce_rows = rows & (label >= 0)
+            ce_rows = rows & (vocab.to_draft[labels[:, start + ahead:start + ahead + n].clamp_min(0)] >= 0)
             kl_rows = rows & vocab.in_vocab[best]
-        log_q = F.log_softmax(logits, -1)
-        ce = (F.nll_loss(log_q.transpose(1, 2), label.clamp_min(0), reduction="none") * ce_rows).sum(-1)
-        kl = (F.kl_div(log_q, teacher_logp[:, ahead:], log_target=True, reduction="none").sum(-1)
-              * kl_rows).sum(-1)
+        ce, kl = (ce * ce_rows).sum(-1), (kl * kl_rows).sum(-1)
         if cfg.loss == "mix":
             step_loss = (1.0 - cfg.kl_weight) * ce + cfg.kl_weight * kl
         else:
@@ -95,9 +90,6 @@ def unrolled_losses(cfg: DraftConfig, step_logits: list[torch.Tensor], target_lo
         loss = loss + cfg.ttt_decay ** k * step_loss
         if k == 0:
             side["draft_ce"], side["draft_kl"] = ce.detach().sum(), kl.detach().sum()
-        guess = logits.argmax(-1)
-        if vocab is not None:
-            guess = vocab.from_draft[guess]
         side[f"ttt_hits_{k + 1}"] = ((guess == best) & rows).sum().double()
         side[f"ttt_rows_{k + 1}"] = rows.sum().double()
     return loss, side

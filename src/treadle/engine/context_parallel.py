@@ -32,6 +32,9 @@ a document, so transformers' rule would cut them), which the wrapper uses as giv
 needs no head exchange: it all-gathers keys and values (the target's last-layer K/V for its cross-attention,
 its own for its self-attention) and attends from its slice's queries; the gather's backward hands each rank
 the gradient of the keys it made. The lag and offset rules are unchanged: masks use whole-sequence indices.
+EAGLE-3 drafts the same way: the target on its slice, step 0's draft keys all-gathered (each unroll step's chain
+keys are at its own rows, local), the tokens, labels, document positions and the target's final hidden states
+gathered so that a row near the cut is scored against the teacher ahead of it (drafts/eagle3/model.py).
 """
 
 from __future__ import annotations

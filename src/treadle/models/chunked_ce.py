@@ -325,22 +325,29 @@ def chunked_distillation_scores(hidden: torch.Tensor, teacher_hidden: torch.Tens
                                 labels: torch.Tensor, chunk_tokens: int, ignore_index: int = -100, config=None
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token ([B, L]) CE of the student, KL(teacher || student) and CE of the teacher, through one shared head
-    ``weight``, ``chunk_tokens`` rows at a time: each chunk's logits (student's and teacher's) are recomputed in
-    backward (activation checkpointing per chunk), so neither model's [tokens, vocab] logits exist whole. ``config``:
-    the head's model's, whose logit transform (soft-cap, scale: ``_logit_transform``) each chunk applies.
+    ``weight``, ``chunk_tokens`` rows at a time (``chunked_rows``), so neither model's [tokens, vocab] logits exist
+    whole. ``config``: the head's model's, whose logit transform (soft-cap, scale: ``_logit_transform``) each chunk
+    applies.
 
     torch's fused ``linear_cross_entropy`` has no KL; this is the same chunking written with ``checkpoint``.
     Call it inside a module's forward (sharded weights are gathered there).
     """
-    from torch.utils.checkpoint import checkpoint
-
-    flat = [hidden.flatten(0, -2), teacher_hidden.flatten(0, -2), labels.flatten()]
-    grad = torch.is_grad_enabled() and hidden.requires_grad
     transform = _logit_transform(config) if config is not None else {}
     cap_scale = (transform.get("softcap"), transform.get("scale"))
+    scores = chunked_rows(lambda h, t, y: _chunk_scores(h, t, weight, y, ignore_index, *cap_scale),
+                          [hidden.flatten(0, -2), teacher_hidden.flatten(0, -2), labels.flatten()], chunk_tokens)
+    return tuple(s.view(labels.shape) for s in scores)
+
+
+def chunked_rows(fn, rows: list[torch.Tensor], chunk_tokens: int) -> tuple[torch.Tensor, ...]:
+    """``fn(*chunk)`` over ``chunk_tokens`` rows of ``rows`` (tensors sharing their first dimension) at a time, its
+    per-row results concatenated. While a gradient is wanted each chunk runs under activation checkpointing, so what
+    ``fn`` makes inside (a chunk's [rows, vocab] logits) is recomputed in backward, never kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in rows)
     parts = []
-    for start in range(0, flat[2].shape[0], chunk_tokens):
-        h, t, y = (x[start:start + chunk_tokens] for x in flat)
-        parts.append(checkpoint(_chunk_scores, h, t, weight, y, ignore_index, *cap_scale, use_reentrant=False) if grad
-                     else _chunk_scores(h, t, weight, y, ignore_index, *cap_scale))
-    return tuple(torch.cat(p).view(labels.shape) for p in zip(*parts))
+    for start in range(0, rows[0].shape[0], chunk_tokens):
+        chunk = [x[start:start + chunk_tokens] for x in rows]
+        parts.append(checkpoint(fn, *chunk, use_reentrant=False) if grad else fn(*chunk))
+    return tuple(torch.cat(p) for p in zip(*parts))

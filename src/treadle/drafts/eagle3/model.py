@@ -41,12 +41,14 @@ from transformers.activations import ACT2FN
 from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
 from treadle.drafts.eagle3 import layout as eagle3_layout
+from treadle.drafts.eagle3.attention import UnrollKeys
 from treadle.drafts.glide.model import (
-    DraftRunModel, GlideShape, RMSNorm, attention_mask, causal_document_mask, checked_export, document_ids,
-    init_linears, read_draft_config, sdpa, self_attention_inputs, ttt_mask,
+    WHOLE, DraftRunModel, GlideShape, RMSNorm, WholeSequences, attention_mask, causal_document_mask, checked_export,
+    document_ids, init_linears, read_draft_config, sdpa, self_attention_inputs, ttt_mask,
 )
 from treadle.models.hf import decoder_layers, greedy_continuations
 from treadle.drafts.targets import checked_target
+from treadle.drafts.ttt_scores import UnrollScores, chunked_unroll_scores
 
 KIND = "eagle3"
 
@@ -199,7 +201,8 @@ class Eagle3Draft(nn.Module):
         """The layer's output (before the final norm: the next TTT step's feature) and this call's K/V.
 
         ``feature`` is ``fc``'s output (step 0) or an earlier step's output; ``past_kv`` holds keys and values
-        the rows may also attend to, in ``mask``'s key order before this call's own.
+        the rows may also attend to, in ``mask``'s key order before this call's own. ``mask`` may instead be a
+        training unroll's ``UnrollKeys`` (no ``past_kv``): the K/V returned are then what its next step keeps.
         """
         if self.checkpoint_kwargs is not None and self.training and torch.is_grad_enabled():
             return checkpoint(self._block, embeds, feature, rope, mask, past_kv, **self.checkpoint_kwargs)
@@ -209,7 +212,11 @@ class Eagle3Draft(nn.Module):
         cos, sin = rope
         h = torch.cat((self.embed_norm(embeds), self.feature_norm(feature)), dim=-1)
         q, k, v, new_kv = self_attention_inputs(self, h, cos, sin, past_kv)
-        x = feature + self.o_proj(sdpa(q, k, v, mask).transpose(1, 2).flatten(2))
+        if isinstance(mask, torch.Tensor):  # a dense mask (decoding, and the reference unroll)
+            attn = sdpa(q, k, v, mask)
+        else:  # a training unroll's keys, attended without a dense mask (drafts/eagle3/attention.py)
+            attn, new_kv = mask.attend(q, k, v)
+        x = feature + self.o_proj(attn.transpose(1, 2).flatten(2))
         h = self.mlp_norm(x)
         return x + self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h)), new_kv
 
@@ -227,17 +234,26 @@ class Eagle3Draft(nn.Module):
 
 @dataclass
 class Eagle3Output:
-    logits: list[torch.Tensor]  # per TTT step, the draft's [B, T, draft vocab] (row t: step k's guess of token t+k+2)
-    target_logits: torch.Tensor  # the frozen target's [B, T, V] on the same input
+    logits: list[torch.Tensor] | None  # per TTT step, the draft's [B, T, draft vocab] (row t: step k's guess of token t+k+2)
+    target_logits: torch.Tensor | None  # the frozen target's [B, T, V] on the same input
+    # With a chunked loss (loss_chunk_tokens, labels given) neither exists whole: per-row scores instead.
+    scores: UnrollScores | None = None
 
 
 class Eagle3Model(DraftRunModel):
     """What an eagle3 draft run trains: a frozen target and a trainable ``draft_model`` on its fused features.
-    ``loss_chunk_tokens`` stays 0: the chunked loss is not built for eagle3 (run.py refuses it)."""
+    ``loss_chunk_tokens`` > 0: ``forward(labels=...)`` returns per-row scores computed chunk by chunk
+    (drafts/ttt_scores.py) instead of whole logits."""
+
+    # True: the unroll's attention through dense masks over every step's keys (O(K^2 T^2)), the reference the
+    # masked-free attention (drafts/eagle3/attention.py) is tested and benchmarked against.
+    dense_attention = False
 
     def __init__(self, target, draft_model: Eagle3Draft):
         super().__init__(target, draft_model)
         self.rotary = draft_rotary(target.config)  # buffers only, not saved
+        # Whole sequences, or (context parallelism) a slice of each: engine/context_parallel.py swaps it in.
+        self.sequences = WHOLE
 
     # Methods evaluations call directly: a sharding engine gathers parameters around them (see GlideModel).
     fsdp_forward_methods = ("chain_guesses", "continue_greedily")
@@ -258,37 +274,67 @@ class Eagle3Model(DraftRunModel):
     def continue_greedily(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
         return greedy_continuations(self.target, prompts, new_tokens)
 
-    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
-        """The target's logits and its features ([B, T, len(feature_layers) * d]) for packed rows, without grad."""
-        with torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap:
-            out = self.target(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                              attention_mask=causal_document_mask(position_ids, self.target))
-            return out.logits, tap.take()
+    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden: bool = False,
+                        seq: WholeSequences = WHOLE):
+        """The target's logits (or, ``hidden``, the final hidden states its head reads) and its features
+        ([B, T, len(feature_layers) * d]) for packed rows, without grad (``seq``: ``input_ids`` is this rank's
+        slice; the mask is the whole sequence's)."""
+        run = self.target.model if hidden else self.target
+        mask = causal_document_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
+        with (torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap,
+              seq.attention(self.target)):
+            out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)
+            return out.last_hidden_state if hidden else out.logits, tap.take()
 
     def _unroll(self, input_ids: torch.Tensor, position_ids: torch.Tensor, features: torch.Tensor, steps: int,
-                doc_position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """The draft's layer outputs of TTT steps 0..steps-1, each [B, T, d] (see the module docstring)."""
+                doc_position_ids: torch.Tensor | None = None, seq: WholeSequences = WHOLE) -> list[torch.Tensor]:
+        """The draft's layer outputs of TTT steps 0..steps-1, each [B, T, d] (see the module docstring); ``seq``:
+        the rows are this rank's slice of the sequence (documents, tokens and step 0's keys are gathered)."""
         B, T = input_ids.shape
-        doc = document_ids(position_ids if doc_position_ids is None else doc_position_ids)
+        doc = document_ids(seq.gather(position_ids if doc_position_ids is None else doc_position_ids, 1))
         embed = self.target.get_input_embeddings()
         # Step k's row t reads token t + 1 + k; rows past the end read a filler token and are never scored.
-        padded = torch.cat((input_ids, input_ids[:, -1:].expand(B, steps)), dim=1)
+        whole = seq.gather(input_ids, 1)
+        padded = torch.cat((whole, whole[:, -1:].expand(B, steps)), dim=1)
+        first = seq.start(T)
         feature = self.draft_model.fc(features.to(self.draft_model.fc.weight.dtype))
         keys: tuple[torch.Tensor, torch.Tensor] | None = None
+        unroll = UnrollKeys(doc, first, gather=None if seq is WHOLE else seq.gather)
         out = []
         for k in range(steps):
-            embeds = embed(padded[:, 1 + k : 1 + k + T])
+            embeds = embed(padded[:, first + 1 + k : first + 1 + k + T])
             rope = self.rotary(embeds, position_ids + k)
-            feature, (nk, nv) = self.draft_model(embeds, feature, rope, ttt_mask(doc, k), past_kv=keys)
-            keys = (nk, nv) if keys is None else (torch.cat((keys[0], nk), 2), torch.cat((keys[1], nv), 2))
+            if self.dense_attention:
+                feature, (nk, nv) = self.draft_model(embeds, feature, rope, ttt_mask(doc, k), past_kv=keys)
+                keys = (nk, nv) if keys is None else (torch.cat((keys[0], nk), 2), torch.cat((keys[1], nv), 2))
+            else:
+                feature, kv = self.draft_model(embeds, feature, rope, unroll)
+                unroll = unroll.after(kv)
             out.append(feature)
         return out
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, steps: int = 1,
-                doc_position_ids: torch.Tensor | None = None) -> Eagle3Output:
-        target_logits, features = self._target_forward(input_ids, position_ids)
-        hidden = self._unroll(input_ids, position_ids, features, steps, doc_position_ids)
-        return Eagle3Output([self.draft_model.logits(x) for x in hidden], target_logits)
+                doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> Eagle3Output:
+        seq = self.sequences
+        if labels is None or not self.loss_chunk_tokens:
+            if seq is not WHOLE:  # whole logits of a slice cannot be scored ahead across the cut
+                raise RuntimeError("an eagle3 draft on sequence slices scores chunk by chunk: pass labels and set "
+                                   "loss_chunk_tokens")
+            target_logits, features = self._target_forward(input_ids, position_ids)
+            hidden = self._unroll(input_ids, position_ids, features, steps, doc_position_ids)
+            return Eagle3Output([self.draft_model.logits(x) for x in hidden], target_logits)
+        # Both heads a chunk of rows at a time (here, inside forward: a sharding engine holds their weights now).
+        target_hidden, features = self._target_forward(input_ids, position_ids, hidden=True, seq=seq)
+        hidden = self._unroll(input_ids, position_ids, features, steps, doc_position_ids, seq)
+        draft = self.draft_model
+        scores = chunked_unroll_scores(draft.logits, hidden, seq.gather(target_hidden, 1),
+                                       self.target.get_output_embeddings(), labels, draft.target_to_draft(),
+                                       draft.draft_to_target(), 1, self.loss_chunk_tokens,
+                                       whole_labels=seq.gather(labels, 1), start=seq.start(input_ids.shape[1]),
+                                       gather=seq.gather, config=self.target.config)
+        scores.positions = seq.gather(position_ids if doc_position_ids is None else doc_position_ids, 1)
+        scores.labels, scores.start = seq.gather(labels, 1), seq.start(input_ids.shape[1])
+        return Eagle3Output(None, None, scores)
 
 
 # ----------------------------------------------------------------------------- building and loading

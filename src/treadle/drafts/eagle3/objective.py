@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from treadle.data.packed import IGNORE_INDEX
 from treadle.drafts.glide.model import anchored_positions
 from treadle.drafts.glide.objective import GlideObjective
-from treadle.drafts.ttt import DraftVocabulary, refuse_chunked_loss, ttt_steps, unrolled_losses
+from treadle.drafts.ttt import DraftVocabulary, ttt_steps, unroll_loss, unrolled_losses
+from treadle.errors import UserError
+from treadle.models.chunked_ce import AUTO_CHUNK_TOKENS, _unhandled_transforms, resolve_chunk_tokens
 from treadle.models.upcast import at_least_fp32
 
 if TYPE_CHECKING:
@@ -33,28 +35,52 @@ class Eagle3Objective(GlideObjective):
         labels = batch["labels"]
         steps = ttt_steps(self.cfg) if train else 1  # evaluation: step 0's CE, comparable across runs
         out = model(input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions,
-                    offset), steps=steps, doc_position_ids=positions)
+                    offset), steps=steps, doc_position_ids=positions, labels=labels)
         draft = model.draft_model
         vocab = DraftVocabulary(draft.target_to_draft(), draft.t2d, draft.draft_to_target()) if draft.reduced else None
-        target_log = F.log_softmax(at_least_fp32(out.target_logits), -1)
-        target_ce = F.nll_loss(target_log.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        loss, side = unrolled_losses(self.cfg, out.logits[:steps], out.target_logits, positions, labels, vocab)
+        if out.scores is not None:  # a chunked loss (model.loss_chunk_tokens): per-row scores, logits never whole
+            s = out.scores
+            target_ce = s.target_ce.sum()
+            loss, side = unroll_loss(self.cfg, s, s.positions, s.labels, vocab, start=s.start)
+        else:
+            target_log = F.log_softmax(at_least_fp32(out.target_logits), -1)
+            target_ce = F.nll_loss(target_log.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+            loss, side = unrolled_losses(self.cfg, out.logits[:steps], out.target_logits, positions, labels, vocab)
         if not train:
             return side["draft_ce"], {"target_loss": target_ce}
         return loss, {"target_loss": target_ce, **side}
 
 
 def eagle3_setup(cfg, model, datasets) -> Eagle3Objective:
-    """What an eagle3 run adds to a draft run's setup: its vocabulary map (from the training data's token counts,
-    unless the draft starts from ``draft.init``) and its objective. The chunked loss is not built for it: an explicit ``model.loss_chunk_tokens`` is refused."""
+    """What an eagle3 run adds to a draft run's setup: the chunked loss's setting resolved (auto always chunks under
+    context parallelism), its vocabulary map (from the training data's token counts, unless the draft starts from
+    ``draft.init``) and its objective."""
     import numpy as np
 
     from treadle.drafts.eagle3.model import frequent_tokens
 
-    refuse_chunked_loss(cfg.model.loss_chunk_tokens, "draft.kind = 'eagle3'",
-                        "and draft.vocab_size to shrink its head instead")
+    model.loss_chunk_tokens = _chunk_tokens(cfg, model.target.config)
     draft = model.draft_model
     if draft.reduced and cfg.draft.init is None:  # a draft.init brings its own map, which its head was trained on
         counts = sum(np.asarray(ds.token_counts(draft.target_vocab_size)) for ds in datasets)
         draft.set_vocabulary(frequent_tokens(torch.from_numpy(counts), draft.vocab_size))
     return Eagle3Objective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
+
+
+def _chunk_tokens(cfg, target_config) -> int:
+    """``model.loss_chunk_tokens`` for an eagle3 run: the target's head scored a chunk of rows at a time, the target's
+    logit transform (Gemma's soft-cap, Granite's scale) applied inside each chunk; 0 (whole logits) where the target
+    transforms its logits in a way the chunked teacher does not apply and the setting allows it."""
+    setting, cp = cfg.model.loss_chunk_tokens, cfg.distributed.context_parallel
+    if setting == "auto" and cp > 1:
+        setting = AUTO_CHUNK_TOKENS  # a slice is scored only chunk by chunk (its rows read the next slice's teacher)
+    chunk = resolve_chunk_tokens(setting, target_config.vocab_size)
+    unhandled = chunk and _unhandled_transforms(target_config)
+    if unhandled:  # GLIDE refuses such a target outright (drafts/targets.py); EAGLE-3's plain loss reads its logits
+        if setting != "auto" or cp > 1:
+            raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with an eagle3 draft: the "
+                            f"target transforms its logits ({', '.join(unhandled)}) in a way the chunked teacher does "
+                            "not apply; accepted: model.loss_chunk_tokens = 0 (and distributed.context_parallel = 1)")
+        chunk = 0
+    return chunk

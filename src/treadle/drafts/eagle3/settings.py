@@ -22,6 +22,8 @@ def check(draft) -> None:
                          "layer count), what vLLM and SGLang serve; unset = EAGLE-3's (2, N/2, N - 3)")
 
 
-def check_context_parallel(draft, cp: int) -> None:
-    raise ValueError(f"distributed.context_parallel = {cp} is not built for eagle3 draft runs yet (GLIDE's "
-                     "are); accepted: context_parallel = 1, or draft.kind = 'glide'")
+def check_context_parallel(draft, cp: int, loss_chunk_tokens: str | int) -> None:
+    if loss_chunk_tokens == 0:  # "auto" chunks under context parallelism (eagle3_setup)
+        raise ValueError(f"distributed.context_parallel = {cp} with draft.kind = 'eagle3' and "
+                         "model.loss_chunk_tokens = 0: a sequence slice is scored only chunk by chunk; accepted: "
+                         "model.loss_chunk_tokens = auto or > 0, or context_parallel = 1")

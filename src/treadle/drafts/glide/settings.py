@@ -15,7 +15,7 @@ def check(draft) -> None:
                          "accepted: draft.window = 0 or 513 (treadle counts the token itself)")
 
 
-def check_context_parallel(draft, cp: int) -> None:
+def check_context_parallel(draft, cp: int, loss_chunk_tokens: str | int) -> None:
     if (draft.ttt_steps or 1) > 1:
         raise ValueError(f"distributed.context_parallel = {cp} with draft.ttt_steps = {draft.ttt_steps}: the "
                          "GLIDE training-time test is not built for sliced sequences; accepted: context_parallel = "
