@@ -64,9 +64,9 @@ def glide_obstacle(config) -> str | None:
     if float(partial) != 1.0:
         return (f"its keys are rotated over a part of each head (partial_rotary_factor = {partial}): GLIDE's "
                 "queries rotate the whole head")
-    from treadle.models.chunked_ce import _unhandled_transforms
+    from treadle.models.chunked_ce import unhandled_logit_transforms
 
-    unhandled = _unhandled_transforms(config)  # GLIDE's draft scores through the shared head as the target does
+    unhandled = unhandled_logit_transforms(config)  # GLIDE's draft scores through the shared head as the target does
     if unhandled:
         return (f"its forward transforms its logits ({', '.join(unhandled)}) in a way treadle does not apply to the "
                 "draft's logits through the shared head")

@@ -214,7 +214,7 @@ def use_chunked_loss(model: nn.Module, chunk_tokens: int, ignore_index: int = -1
     if type(head) is not nn.Linear:
         why = f"its output layer is {type(head).__name__}, not a plain Linear"
     elif not _forward_returns_head_output(model):
-        unknown = _unhandled_transforms(model.config)
+        unknown = unhandled_logit_transforms(model.config)
         why = ("its forward transforms the LM head's output (a logit soft-cap or scale"
                + (f": {', '.join(unknown)}" if unknown else "") + ") in a way the chunked loss does not apply for "
                f"model_type {getattr(model.config, 'model_type', None)!r}")
@@ -253,7 +253,7 @@ def _logit_transform(config) -> dict:
     return {kind: float(value), "neutral": ((config, field, neutral),)}
 
 
-def _unhandled_transforms(config) -> list[str]:
+def unhandled_logit_transforms(config) -> list[str]:
     """The logit-transform fields set in ``config`` that the chunked head does not apply for its model_type."""
     handled = _LOGIT_TRANSFORMS_HANDLED.get(getattr(config, "model_type", None), (None,))[0]
     return [f"{key} = {getattr(config, key)}" for key in _LOGIT_TRANSFORMS
@@ -295,11 +295,11 @@ def _forward_returns_head_output(model: nn.Module) -> bool:
             return False
         if whole:  # values: a neutralized ``logits / 1.0`` is another tensor holding the same numbers
             return logits is seen[-1] or torch.equal(logits, seen[-1])
-        return logits is seen[-1] or (bool(transform) and not _unhandled_transforms(model.config))
+        return logits is seen[-1] or (bool(transform) and not unhandled_logit_transforms(model.config))
     except RuntimeError:
         if whole:
             raise
-        return not _unhandled_transforms(model.config)
+        return not unhandled_logit_transforms(model.config)
     finally:
         hook.remove()
         subject.set_output_embeddings(head)

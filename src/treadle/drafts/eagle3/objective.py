@@ -12,7 +12,7 @@ from treadle.drafts.glide.model import anchored_positions
 from treadle.drafts.glide.objective import GlideObjective
 from treadle.drafts.ttt import DraftVocabulary, ttt_steps, unroll_loss, unrolled_losses
 from treadle.errors import UserError
-from treadle.models.chunked_ce import AUTO_CHUNK_TOKENS, _unhandled_transforms, resolve_chunk_tokens
+from treadle.models.chunked_ce import AUTO_CHUNK_TOKENS, unhandled_logit_transforms, resolve_chunk_tokens
 from treadle.models.upcast import at_least_fp32
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def _chunk_tokens(cfg, target_config) -> int:
     if setting == "auto" and cp > 1:
         setting = AUTO_CHUNK_TOKENS  # a slice is scored only chunk by chunk (its rows read the next slice's teacher)
     chunk = resolve_chunk_tokens(setting, target_config.vocab_size)
-    unhandled = chunk and _unhandled_transforms(target_config)
+    unhandled = chunk and unhandled_logit_transforms(target_config)
     if unhandled:  # GLIDE refuses such a target outright (drafts/targets.py); EAGLE-3's plain loss reads its logits
         if setting != "auto" or cp > 1:
             raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with an eagle3 draft: the "
