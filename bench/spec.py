@@ -132,6 +132,7 @@ def as_trained_elsewhere(run: Path, out: Path) -> Path:
     """``run``'s EAGLE-3 export rewritten as another trainer ships one (SpecForge, EAGLE's: ``layers.0.*`` names,
     the target's embedding included, no ``t2d``, no treadle keys in config.json) into ``out``/draft: the draft a
     user imports with ``draft.init`` / ``spec-eval --draft``. Same weights, so its tau must be the original's."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     src, dst = run / "draft", out / "draft"
@@ -139,8 +140,10 @@ def as_trained_elsewhere(run: Path, out: Path) -> Path:
     dst.mkdir(parents=True)
     tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
                for k, v in load_file(src / "model.safetensors").items() if k != "t2d"}
-    target = load_causal_lm(Path(json.loads((src / "config.json").read_text())["target"]["path"]), "target")
-    tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone()
+    # the one tensor read from the target's file (the bench target is a Llama), not the whole model built again
+    target_dir = Path(json.loads((src / "config.json").read_text())["target"]["path"])
+    with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
+        tensors["embed_tokens.weight"] = f.get_tensor("model.embed_tokens.weight")
     save_file(tensors, dst / "model.safetensors")
     config = {k: v for k, v in json.loads((src / "config.json").read_text()).items()
               if k not in ("treadle_draft_kind", "target", "target_config", "training")}
