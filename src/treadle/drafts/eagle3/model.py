@@ -43,10 +43,11 @@ from treadle.model_dirs import resolve_model_dir
 from treadle.drafts.eagle3 import layout as eagle3_layout
 from treadle.drafts.eagle3.attention import UnrollKeys
 from treadle.drafts.glide.model import (
-    WHOLE, DraftRunModel, GlideShape, RMSNorm, WholeSequences, attention_mask, causal_document_mask, checked_export,
+    WHOLE, GlideShape, RMSNorm, WholeSequences, attention_mask, causal_document_mask, checked_export,
     document_ids, init_linears, read_draft_config, sdpa, self_attention_inputs, ttt_mask,
 )
-from treadle.models.hf import decoder_layers, greedy_continuations
+from treadle.drafts.run_model import DraftRunModel
+from treadle.models.hf import decoder_layers
 from treadle.drafts.targets import checked_target
 from treadle.drafts.ttt_scores import UnrollScores, chunked_unroll_scores
 
@@ -262,7 +263,7 @@ class Eagle3Model(DraftRunModel):
         """Per chain step k = 1..gamma, [N, L] target ids: entry i is the draft's guess for token i + 1 when a
         decode's chain that started after token i - k + 1 reaches step k with every earlier step accepted."""
         positions = torch.arange(texts.shape[1], device=texts.device).expand_as(texts)
-        _, features = self._target_forward(texts, positions)
+        _, features = self._target_forward(texts, positions, hidden=True, reads=self.eval_reads(texts))
         hidden = self._unroll(texts, positions, features, gamma)
         draft = self.draft_model
         guesses = []
@@ -271,14 +272,21 @@ class Eagle3Model(DraftRunModel):
             guesses.append(torch.cat((ids.new_full((ids.shape[0], k), -1), ids[:, : ids.shape[1] - k]), dim=1))
         return guesses
 
-    def continue_greedily(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        return greedy_continuations(self.target, prompts, new_tokens)
+    def target_reads(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden, features = self._target_forward(input_ids, position_ids, hidden=True)
+        return {"hidden": hidden, "features": features}
+
+    def reads_signature(self) -> dict:
+        return {"feature_layers": list(self.draft_model.feature_layers)}
 
     def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden: bool = False,
-                        seq: WholeSequences = WHOLE):
+                        seq: WholeSequences = WHOLE, reads: dict | None = None):
         """The target's logits (or, ``hidden``, the final hidden states its head reads) and its features
         ([B, T, len(feature_layers) * d]) for packed rows, without grad (``seq``: ``input_ids`` is this rank's
-        slice; the mask is the whole sequence's)."""
+        slice; the mask is the whole sequence's); from ``reads`` (a store's, drafts/run_model.py) when given."""
+        if reads is not None:
+            return (reads["hidden"] if hidden else self.teacher_logits(reads["hidden"])), reads["features"]
+        self.check_live()
         run = self.target.model if hidden else self.target
         mask = causal_document_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
         with (torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap,
@@ -314,17 +322,19 @@ class Eagle3Model(DraftRunModel):
         return out
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, steps: int = 1,
-                doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> Eagle3Output:
+                doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                reads: dict | None = None) -> Eagle3Output:
+        """``reads``: the target's reads of these rows from a store (drafts/run_model.py); None: the target runs."""
         seq = self.sequences
         if labels is None or not self.loss_chunk_tokens:
             if seq is not WHOLE:  # whole logits of a slice cannot be scored ahead across the cut
                 raise RuntimeError("an eagle3 draft on sequence slices scores chunk by chunk: pass labels and set "
                                    "loss_chunk_tokens")
-            target_logits, features = self._target_forward(input_ids, position_ids)
+            target_logits, features = self._target_forward(input_ids, position_ids, reads=reads)
             hidden = self._unroll(input_ids, position_ids, features, steps, doc_position_ids)
             return Eagle3Output([self.draft_model.logits(x) for x in hidden], target_logits)
         # Both heads a chunk of rows at a time (here, inside forward: a sharding engine holds their weights now).
-        target_hidden, features = self._target_forward(input_ids, position_ids, hidden=True, seq=seq)
+        target_hidden, features = self._target_forward(input_ids, position_ids, hidden=True, seq=seq, reads=reads)
         hidden = self._unroll(input_ids, position_ids, features, steps, doc_position_ids, seq)
         draft = self.draft_model
         scores = chunked_unroll_scores(draft.logits, hidden, seq.gather(target_hidden, 1),

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from treadle.data.packed import IGNORE_INDEX
 from treadle.drafts.glide.model import anchored_positions
 from treadle.drafts.glide.objective import GlideObjective
+from treadle.drafts.run_model import batch_reads
 from treadle.drafts.ttt import DraftVocabulary, ttt_steps, unroll_loss, unrolled_losses
 from treadle.errors import UserError
 from treadle.models.chunked_ce import AUTO_CHUNK_TOKENS, unhandled_logit_transforms, resolve_chunk_tokens
@@ -35,7 +36,7 @@ class Eagle3Objective(GlideObjective):
         labels = batch["labels"]
         steps = ttt_steps(self.cfg) if train else 1  # evaluation: step 0's CE, comparable across runs
         out = model(input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions,
-                    offset), steps=steps, doc_position_ids=positions, labels=labels)
+                    offset), steps=steps, doc_position_ids=positions, labels=labels, reads=batch_reads(batch))
         draft = model.draft_model
         vocab = DraftVocabulary(draft.target_to_draft(), draft.t2d, draft.draft_to_target()) if draft.reduced else None
         if out.scores is not None:  # a chunked loss (model.loss_chunk_tokens): per-row scores, logits never whole

@@ -49,7 +49,7 @@ from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
 from treadle.models.chunked_ce import chunked_distillation_scores, model_logits
-from treadle.models.hf import greedy_continuations
+from treadle.drafts.run_model import DraftRunModel
 
 KIND = "glide"
 
@@ -422,28 +422,6 @@ def init_linears(module: nn.Module, target_config) -> None:
                 nn.init.zeros_(m.bias)
 
 
-class DraftRunModel(nn.Module):
-    """What a draft run trains: a frozen target and a trainable ``draft_model`` (GLIDE's, EAGLE-3's).
-
-    Only ``draft_model.*`` parameters require grad, so checkpoints (which skip frozen
-    parameters) and the optimizer never hold a target tensor.
-    """
-
-    def __init__(self, target, draft_model: nn.Module):
-        super().__init__()
-        self.target = target
-        self.draft_model = draft_model
-        target.requires_grad_(False)
-        target.eval()
-        self.rotary = type(target.model.rotary_emb)(config=target.config)  # buffers only, not saved
-        self.loss_chunk_tokens = 0  # > 0: forward(labels=...) scores chunk by chunk (model.loss_chunk_tokens)
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self.target.eval()  # frozen means frozen: no dropout, whatever the loop asks of the wrapper
-        return self
-
-
 class GlideModel(DraftRunModel):
     """A GLIDE draft run's model: the draft cross-attends to the frozen target's last-layer K/V."""
 
@@ -475,20 +453,26 @@ class GlideModel(DraftRunModel):
         """Per chain step k = 1..gamma, [N, L]: entry i is the draft's argmax at index i with lag k, its guess for
         token i + 1 at step k of a decode chain (``speculative.acceptance``)."""
         positions = torch.arange(texts.shape[1], device=texts.device).expand_as(texts)
-        _, target_kv = self._target_forward(texts, positions)
+        _, target_kv = self._target_forward(texts, positions, hidden=True, reads=self.eval_reads(texts))
         return [self._draft_logits(texts, positions, target_kv, lag=k).argmax(-1) for k in range(1, gamma + 1)]
-
-    def continue_greedily(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        """[N, P] prompts -> [N, P + new_tokens], continued greedily by the target."""
-        return greedy_continuations(self.target, prompts, new_tokens)
 
     # The public methods above and forward all call these: a method FSDP wraps must not be
     # entered from inside forward, whose hooks already hold the parameters gathered.
 
+    def target_reads(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden, (k, v) = self._target_forward(input_ids, position_ids, hidden=True)
+        return {"hidden": hidden, "k": k.transpose(1, 2), "v": v.transpose(1, 2)}  # K/V token-major: [B, T, Hkv, D]
+
     def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden: bool = False,
-                        seq: WholeSequences = WHOLE):
+                        seq: WholeSequences = WHOLE, reads: dict | None = None):
         """Logits (or, ``hidden``, the final hidden states the LM head would read) of ``input_ids``, and last-layer
-        K/V of the whole sequence (``seq``: gathered when ``input_ids`` is this rank's slice)."""
+        K/V of the whole sequence (``seq``: gathered when ``input_ids`` is this rank's slice); from ``reads`` (a
+        store's, drafts/run_model.py) when given."""
+        if reads is not None:
+            k, v = reads["k"].transpose(1, 2), reads["v"].transpose(1, 2)
+            out = reads["hidden"] if hidden else self.teacher_logits(reads["hidden"])
+            return out, (seq.gather(k, 2), seq.gather(v, 2))
+        self.check_live()
         run = self.target.model if hidden else self.target
         mask = causal_document_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
         with torch.no_grad(), capture_last_kv(self.target) as kv, seq.attention(self.target):
@@ -538,21 +522,23 @@ class GlideModel(DraftRunModel):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lag: int = 1,
                 doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                steps: int = 1) -> GlideOutput:
+                steps: int = 1, reads: dict | None = None) -> GlideOutput:
+        """``reads``: the target's reads of these rows from a store (drafts/run_model.py); None: the target runs."""
         if steps > 1:  # training-time test: whole logits per step (run.py refuses the chunked loss and slices)
-            target_logits, target_kv = self._target_forward(input_ids, position_ids)
+            target_logits, target_kv = self._target_forward(input_ids, position_ids, reads=reads)
             logits = self._unroll_logits(input_ids, position_ids, target_kv, lag, steps, doc_position_ids)
             return GlideOutput(logits=logits[0], target_logits=target_logits, chain_logits=logits[1:])
         if labels is not None and self.loss_chunk_tokens:
             # Both models' final hidden states through the shared head a chunk at a time (here, inside forward:
             # a sharding engine holds the head's weight gathered only now).
-            target_hidden, target_kv = self._target_forward(input_ids, position_ids, hidden=True, seq=self.sequences)
+            target_hidden, target_kv = self._target_forward(input_ids, position_ids, hidden=True, seq=self.sequences,
+                                                            reads=reads)
             hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids, self.sequences)
             ce, kl, target_ce = chunked_distillation_scores(
                 hidden, target_hidden, self.target.get_output_embeddings().weight, labels, self.loss_chunk_tokens,
                 config=self.target.config)  # the target's logit transform (soft-cap, scale) inside each chunk
             return GlideOutput(None, None, token_ce=ce, token_kl=kl, target_token_ce=target_ce)
-        target_logits, target_kv = self._target_forward(input_ids, position_ids, seq=self.sequences)
+        target_logits, target_kv = self._target_forward(input_ids, position_ids, seq=self.sequences, reads=reads)
         hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids, self.sequences)
         return GlideOutput(model_logits(self.target.config, self.target.get_output_embeddings()(hidden)), target_logits)
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX, row_cross_entropy
 from treadle.drafts.glide.model import anchored_positions
+from treadle.drafts.run_model import batch_reads
 from treadle.drafts.ttt import refuse_chunked_loss, ttt_steps, unrolled_losses
 from treadle.models.chunked_ce import resolve_chunk_tokens
 from treadle.models.upcast import at_least_fp32
@@ -73,12 +74,12 @@ class GlideObjective:
         steps = ttt_steps(self.cfg) if train else 1  # evaluation: the teacher-forced CE, comparable across runs
         if steps > 1:  # training-time test (drafts/glide/model.py): step k scored at row t's token t + k + 1
             out = model(input_ids=batch["input_ids"], position_ids=shifted, lag=lag, doc_position_ids=positions,
-                        steps=steps)
+                        steps=steps, reads=batch_reads(batch))
             loss, side = unrolled_losses(self.cfg, [out.logits, *out.chain_logits], out.target_logits, positions,
                                          labels, lead=0)
             return loss, {"target_loss": row_cross_entropy(out.target_logits, labels).sum(), **side}
         out = model(input_ids=batch["input_ids"], position_ids=shifted, lag=lag, doc_position_ids=positions,
-                    labels=labels)
+                    labels=labels, reads=batch_reads(batch))
         if out.logits is None:  # a chunked loss (model.loss_chunk_tokens): per-token scores, logits never whole
             ce, kl, target_ce = out.token_ce.sum(-1), out.token_kl.sum(-1), out.target_token_ce.sum()
         else:
