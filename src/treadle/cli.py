@@ -1,4 +1,4 @@
-"""``treadle train | config | prepare | samples | export | spec-eval | generate``.
+"""``treadle train | config | prepare | samples | export | spec-eval | generate | features | report``.
 
 Bad input ends as one line on stderr and exit code 2 (``UserError``); anything
 else is a bug and keeps its traceback.
@@ -141,6 +141,27 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _features(args: argparse.Namespace, extra: list[str]) -> int:
+    """``treadle features [config.toml] [--section.key=value ...] --out DIR [--dtype D] [--shard-samples N]``: the
+    config read as `treadle train` reads it, its own flags (parsed by argparse) left out."""
+    from treadle.config import load_config
+    from treadle.model_dirs import check_model_paths
+
+    own, words, skip = ("--out", "--dtype", "--shard-samples"), [], False
+    for w in args.argv:
+        if skip or w in own or w.split("=", 1)[0] in own:
+            skip = not skip and w in own
+            continue
+        words.append(w)
+    cfg = load_config(*_config_and_overrides(argparse.Namespace(argv=words, command=args.command)))
+    check_model_paths(cfg)
+    from treadle.drafts.features.write import write_features
+
+    report = write_features(cfg, Path(args.out), args.dtype, args.shard_samples)
+    print(report.summary_line(), flush=True)
+    return 0
+
+
 def _no_extra(name: str, run):
     """A subcommand handler that refuses arguments argparse did not know (only `train` takes overrides)."""
     def handler(args: argparse.Namespace, extra: list[str]) -> int:
@@ -157,6 +178,7 @@ _MODULE_COMMANDS = {
     "samples": "write small chat / prompt-completion / text / prompt JSONL files from the built-in corpus",
     "spec-eval": "speculative decoding of a target with a draft: tau, acceptance, speed, lossless check",
     "generate": "answer every prompt of a JSONL file with a model: an SFT file (draft training data)",
+    "features": "run a draft run's target once and store what the draft reads from it (draft.features)",
     "report": "plot runs' metrics (loss, lr, grad norm, tokens/s, tau_sim ...) into one PNG, runs overlaid",
 }
 
@@ -171,6 +193,8 @@ def _command_module(name: str):
         from treadle.speculative import evaluate as module
     elif name == "report":
         from treadle.metrics import report as module
+    elif name == "features":
+        from treadle.drafts.features import write as module
     else:
         from treadle.data import generate as module
     return module
@@ -222,7 +246,7 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
         if commands is None or name in commands:
             module = _command_module(name)
             module.add_arguments(command)
-            command.set_defaults(func=_no_extra(name, module.run))
+            command.set_defaults(func=_features if name == "features" else _no_extra(name, module.run))
     return parser
 
 

@@ -339,6 +339,9 @@ class DraftConfig(Section):
     ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3, glide: training-time-test unroll steps (the "
                                   "draft fed its own outputs); unset = 7 (eagle3), 1 (glide: no unroll)")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3, glide: weight of unroll step k's loss is ttt_decay**k")
+    features: str | None = Field(None, description="train from this feature store (`treadle features CONFIG --out "
+                                 "DIR` with this run's config): the target's reads come from disk and its decoder "
+                                 "layers are never built; unset = the live target runs every step")
 
 
 class DistributedConfig(Section):

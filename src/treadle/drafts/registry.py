@@ -22,8 +22,15 @@ def kind(name: str) -> DraftKind:
 
 
 def build_draft(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
-    """(model, target dir, target identity) for a ``DraftConfig`` of any kind (``DraftKind.build``)."""
-    return KINDS[cfg.kind].build(cfg, data_vocab, data_tokenizer_fingerprint, empty)
+    """(model, target dir, target identity) for a ``DraftConfig`` of any kind (``DraftKind.build``); with
+    ``draft.features`` its target has no decoder layers (the store holds what the draft reads from them)."""
+    if cfg.features is None:
+        return KINDS[cfg.kind].build(cfg, data_vocab, data_tokenizer_fingerprint, empty)
+    from treadle.drafts.features.run import without_decoder_layers
+
+    built = KINDS[cfg.kind].build(cfg, data_vocab, data_tokenizer_fingerprint, empty=True)  # read after the drop
+    without_decoder_layers(built[0], built[1])
+    return built
 
 
 def _kind_of(draft_dir, config: dict | None) -> DraftKind:

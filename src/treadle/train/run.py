@@ -39,6 +39,7 @@ from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
 from treadle.models.hf import build_model, compile_layers, count_parameters, persistent_compile_cache, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
+from treadle.drafts.features.run import attach_store, refuse_unstorable
 from treadle.drafts.registry import build_draft, kind
 from treadle.train.auto import resolve_auto
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, TTTAccuracyCallback, eval_prompts
@@ -200,10 +201,14 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     """A frozen target and a trainable draft; the rest of the run is unchanged."""
     train_ds, val_ds = data.train, data.val
     refuse_router_keys(cfg.model, f"a draft run trains a {cfg.draft.kind} draft, which has no experts")
+    if cfg.draft.features:
+        refuse_unstorable(cfg, "draft.features")
     model, target_dir, identity = build_draft(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint, empty)
     _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
     meta["target_fingerprint"] = identity["config_fingerprint"]
     objective = kind(cfg.draft.kind).setup(cfg, model, [o.dataset for o in data.sources])
+    if cfg.draft.features:  # the store's windows, with the target's reads, stand in for the data's
+        data.sources[0].dataset, data.val = attach_store(cfg, model, target_dir, identity, train_ds, val_ds)
     # acc_k from the objective's ttt_hits_k / ttt_rows_k: does nothing for an objective that reports none (no unroll)
     step_callbacks = [TTTAccuracyCallback()]
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
@@ -337,6 +342,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # sharded it, ZeRO-3 reads and partitions it module by module), or whole.
     empty = builds_empty(engine_name, cfg, info.world_size, deepspeed_json)
     setup = (_draft_setup if cfg.draft.kind else _model_setup)(cfg, data, meta, empty)
+    train_ds, val_ds = data.train, data.val  # a store-backed draft run's: the store's windows (draft.features)
     if d.pipeline_parallel > 1 and setup.loss_fn is not loss_sum:  # the last stage computes a plain cross-entropy
         raise UserError("distributed.pipeline_parallel > 1 is not supported for mixture-of-experts models (their "
                         "router losses come from every stage); accepted: pipeline_parallel = 1")

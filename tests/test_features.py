@@ -1,0 +1,136 @@
+"""Offline target features (drafts/features/): a draft run from a store equals the live-target run, a killed
+`treadle features` resumes to the same files, and a store for another run, or a damaged one, is refused in one line."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import draft_args, records
+from treadle.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def small(shards, tmp_path_factory):
+    """The shards' tokenizer over a few files: a store of the whole data stays small (about 200 train windows)."""
+    from treadle import corpus
+    from treadle.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("small")
+    files = [str(p) for _, p in corpus.corpus_files()[:40]]
+    prepare(files[:2], root / "train", shards / "tok", workers=1)
+    prepare(files[36:37], root / "val", shards / "tok", workers=1)
+    return root
+
+
+RUN = ("--train.max_steps=4", "--draft.max_position_offset=0", "--draft.loss=mix", "--train.eval_every=2",
+       "--checkpoint.every=2")
+KINDS = {"glide": (), "eagle3": ("--draft.kind=eagle3", "--draft.ttt_steps=3")}
+
+
+def features_args(shards, target, out, *extra):
+    """`treadle features` with the run's own arguments (its output dir unused), writing the store ``out``."""
+    return ["features", *draft_args(shards, target, out.parent / "unused")[1:], *RUN, f"--out={out}", *extra]
+
+
+def close(a: dict, b: dict, rel=1e-5):
+    """Per-step values equal within ``rel`` of their size (fp32: the store's teacher is the head applied to the
+    stored final hidden state, the live run's the same head inside the target's forward)."""
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert abs(a[k] - b[k]) <= rel * max(1.0, abs(a[k])), (k, a[k], b[k])
+
+
+def same_weights(a, b, rel=1e-5):
+    wa, wb = load_file(a / "draft" / "model.safetensors"), load_file(b / "draft" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        if wa[k].is_floating_point():
+            assert torch.allclose(wa[k], wb[k], rtol=rel, atol=rel * wa[k].abs().max().item()), k
+        else:
+            assert torch.equal(wa[k], wb[k]), k
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_run_from_an_fp32_store_equals_the_live_run(small, target_dir, eagle3_target_dir, tmp_path, kind, capsys):
+    target = target_dir if kind == "glide" else eagle3_target_dir
+    extra = KINDS[kind]
+    store, live, stored = tmp_path / "store", tmp_path / "live", tmp_path / "stored"
+    assert main(features_args(small, target, store, "--dtype=fp32", "--shard-samples=16", *extra)) == 0
+    line = capsys.readouterr().out
+    assert "treadle: features:" in line and "0 kept" in line
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["kind"] == kind and set(manifest["splits"]) == {"train", "val"}
+    assert len(manifest["splits"]["train"]["shards"]) > 1  # several shards: the windows are read across files
+    assert main(draft_args(small, target, live, *RUN, *extra)) == 0
+    assert main(draft_args(small, target, stored, *RUN, *extra, f"--draft.features={store}")) == 0
+    for key in ("loss", "grad_norm", "eval_loss", "tau_sim"):
+        close(records(live, key), records(stored, key))
+    same_weights(live, stored)
+    # Bit-exact resume from the store: steps 3 and 4 again from step 2's checkpoint.
+    again = tmp_path / "again"
+    assert main(draft_args(small, target, again, *RUN, *extra, f"--draft.features={store}",
+                           f"--checkpoint.resume={stored / 'checkpoints' / 'step_2'}")) == 0
+    assert [records(again)[s] for s in (3, 4)] == [records(stored)[s] for s in (3, 4)]
+    if kind == "eagle3":  # a store for another draft kind: one line naming the difference
+        capsys.readouterr()
+        assert main(draft_args(small, target, tmp_path / "glide", *RUN, f"--draft.features={store}")) == 2
+        err = capsys.readouterr().err
+        assert "draft.kind: the store's 'eagle3', this run's 'glide'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_killed_features_resume_to_the_same_files_and_bad_stores_are_refused(small, target_dir, tmp_path, capsys):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert main(features_args(small, target_dir, whole, "--shard-samples=16")) == 0
+    # What a kill leaves: a manifest still unfinished, a shard torn mid-write, a temporary file, a shard never begun.
+    assert main(features_args(small, target_dir, cut, "--shard-samples=16")) == 0
+    manifest = json.loads((cut / "manifest.json").read_text())
+    (cut / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    torn = cut / "train-00001.safetensors"
+    torn.write_bytes(torn.read_bytes()[:-100])
+    (cut / ".train-00002.safetensors.tmp").write_bytes(b"partial")
+    (cut / "val-00000.safetensors").unlink()
+    capsys.readouterr()
+    assert main(draft_args(small, target_dir, tmp_path / "r0", *RUN, f"--draft.features={cut}")) == 2
+    assert "unfinished feature store" in capsys.readouterr().err
+    assert main(features_args(small, target_dir, cut, "--shard-samples=16")) == 0
+    assert "kept" in capsys.readouterr().out
+    files = sorted(p.name for p in whole.iterdir())
+    assert files == sorted(p.name for p in cut.iterdir())
+    for name in files:
+        assert (whole / name).read_bytes() == (cut / name).read_bytes(), name
+
+    # Another target (its config differs), another draft shape, another dtype to continue with: one line each.
+    other = tmp_path / "other_target"
+    shutil.copytree(target_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    cases = [
+        (draft_args(small, other, tmp_path / "r1", *RUN, f"--draft.features={whole}"), "target.config"),
+        (draft_args(small, target_dir, tmp_path / "r3", *RUN, "--draft.eval_prompts=3", f"--draft.features={whole}"),
+         "eval.prompts"),
+        (features_args(small, target_dir, whole, "--shard-samples=16", "--dtype=fp8"), "dtype"),
+        (draft_args(small, target_dir, tmp_path / "r4", *RUN, "--draft.max_position_offset=8",
+                    f"--draft.features={whole}"), "draft.max_position_offset"),
+    ]
+    for argv, named in cases:
+        capsys.readouterr()
+        assert main(argv) == 2, named
+        err = capsys.readouterr().err
+        assert named in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    # A damaged shard: one line naming the file; the store itself is left as it is.
+    shard = whole / "train-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    assert main(draft_args(small, target_dir, tmp_path / "r5", *RUN, f"--draft.features={whole}")) == 2
+    err = capsys.readouterr().err
+    assert str(shard) in err and "damaged" in err and len(err.strip().splitlines()) == 1
+    # A user's directory is never written into.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    assert main(features_args(small, target_dir, mine)) == 2
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
