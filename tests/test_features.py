@@ -134,3 +134,42 @@ def test_killed_features_resume_to_the_same_files_and_bad_stores_are_refused(sma
     (mine / "notes.txt").write_text("keep")
     assert main(features_args(small, target_dir, mine)) == 2
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+def _store_at_world_size_2(rank, world_size, small, target, out):
+    """Rank 0 and 1 write one store together, then train an EAGLE-3 draft from it on fsdp2."""
+    from treadle.config import load_config
+    from treadle.drafts.features.write import write_features
+    from treadle.train.run import run_training
+
+    args = features_args(small, target, out / "store2", "--shard-samples=16", *KINDS["eagle3"])
+    flags = [a for a in args[1:] if not a.startswith(("--out", "--shard-samples"))]
+    report = write_features(load_config(None, flags), out / "store2", dtype="fp32", shard_samples=16, progress=False)
+    run_training(load_config(None, draft_args(small, target, out / "two", *RUN, *KINDS["eagle3"], *FSDP2,
+                                              "--train.threads=1", f"--draft.features={out / 'store2'}")[1:]))
+    return report.written
+
+
+FSDP2 = ("--distributed.engine=fsdp2", "--train.grad_accum_steps=1")
+
+
+def test_a_store_written_and_read_by_2_ranks_equals_one_process(small, eagle3_target_dir, tmp_path):
+    """Two ranks write the same files one process writes (each its shards), and an fsdp2 run of 2 ranks from the
+    fp32 store equals one process's live run (the same global batch: 2 ranks x GA 1 = 1 x GA 2)."""
+    from tests.distributed import run_distributed
+
+    target = eagle3_target_dir
+    written = run_distributed(_store_at_world_size_2, world_size=2, timeout=300, small=small, target=target,
+                              out=tmp_path)
+    one = tmp_path / "store1"
+    assert main(features_args(small, target, one, "--shard-samples=16", "--dtype=fp32", *KINDS["eagle3"])) == 0
+    two = tmp_path / "store2"
+    files = sorted(p.name for p in one.iterdir())
+    assert files == sorted(p.name for p in two.iterdir()) and len(files) > 4
+    assert all((one / f).read_bytes() == (two / f).read_bytes() for f in files if f.endswith(".safetensors"))
+    assert written[0] == written[1] == json.loads((one / "manifest.json").read_text())["splits"]["train"]["samples"] \
+        + json.loads((one / "manifest.json").read_text())["splits"]["val"]["samples"]
+    ref = tmp_path / "ref"
+    assert main(draft_args(small, target, ref, *RUN, *KINDS["eagle3"])) == 0
+    for key in ("loss", "grad_norm", "eval_loss", "tau_sim", "acc_1"):
+        close(records(ref, key), records(tmp_path / "two", key))

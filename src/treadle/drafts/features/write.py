@@ -127,6 +127,7 @@ def write_features(cfg, out: Path, dtype: str = "bf16", shard_samples: int = 0, 
     refuse_unstorable(cfg, "treadle features")
     out = Path(out)
     t0 = time.perf_counter()
+    created = not torch.distributed.is_initialized()  # a group this call joins is left at its end
     info = distributed.init_distributed(cfg.train.device, num_threads=cfg.train.threads or None,
                                         timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s))
     joined = info.world_size > 1
@@ -187,7 +188,7 @@ def write_features(cfg, out: Path, dtype: str = "bf16", shard_samples: int = 0, 
         distributed.barrier()
         return report
     finally:
-        if joined:
+        if created:
             distributed.destroy()
 
 
