@@ -1,0 +1,1 @@
+"""Offline target features: what a draft reads from its frozen target, stored once and read for many epochs."""
