@@ -139,7 +139,7 @@ def test_killed_features_resume_to_the_same_files_and_bad_stores_are_refused(sma
 def _store_at_world_size_2(rank, world_size, small, target, out):
     """Rank 0 and 1 write one store together, then train an EAGLE-3 draft from it on fsdp2."""
     from treadle.config import load_config
-    from treadle.drafts.features.write import write_features
+    from treadle.train.features import write_features
     from treadle.train.run import run_training
 
     args = features_args(small, target, out / "store2", "--shard-samples=16", *KINDS["eagle3"])

@@ -155,7 +155,7 @@ def _features(args: argparse.Namespace, extra: list[str]) -> int:
         words.append(w)
     cfg = load_config(*_config_and_overrides(argparse.Namespace(argv=words, command=args.command)))
     check_model_paths(cfg)
-    from treadle.drafts.features.write import write_features
+    from treadle.train.features import write_features
 
     report = write_features(cfg, Path(args.out), args.dtype, args.shard_samples)
     print(report.summary_line(), flush=True)
@@ -194,7 +194,7 @@ def _command_module(name: str):
     elif name == "report":
         from treadle.metrics import report as module
     elif name == "features":
-        from treadle.drafts.features import write as module
+        from treadle.train import features as module
     else:
         from treadle.data import generate as module
     return module

@@ -1,6 +1,6 @@
 """A feature store on disk: what a draft reads from its frozen target, per token of the run's packed windows.
 
-Layout of a store directory (written by ``treadle features``, drafts/features/write.py)::
+Layout of a store directory (written by ``treadle features``, train/features.py)::
 
     manifest.json                  format, fingerprints, per-token read shapes, splits and their shards; written
                                    first with "complete": false, last with true

@@ -1,5 +1,5 @@
 """``treadle features CONFIG --out DIR``: run a draft run's frozen target once over its data and store what the draft
-reads from it (drafts/features/store.py has the layout).
+reads from it (drafts/features/store.py has the layout, drafts/features/run.py what a run does with it).
 
 The run's config decides everything stored: the draft kind (what it reads), the target, the data and its packing
 (the windows the run's loader will draw), ``train.micro_batch_size`` (rows per target forward) and ``model.dtype``
