@@ -80,7 +80,7 @@ def small_data(tokenizer: Path, out: Path, files: int) -> Path:
     if not (out / "val").is_dir():
         paths = [str(p) for _, p in corpus.corpus_files()]
         prepare(paths[:files], out / "train", tokenizer, workers=1)
-        prepare(paths[-8:], out / "val", tokenizer, workers=1)
+        prepare(paths[-2:], out / "val", tokenizer, workers=1)
     return out
 
 
@@ -154,7 +154,7 @@ def main() -> int:
     parser.add_argument("--deep-layers", type=int, default=12)
     parser.add_argument("--files", type=int, default=6, help="built-in corpus files in the training data")
     parser.add_argument("--steps", type=int, default=40, help="steps of each speed run")
-    parser.add_argument("--tau-steps", type=int, default=300, help="steps of each tau run")
+    parser.add_argument("--tau-steps", type=int, default=120, help="steps of each tau run")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-features"))
     parser.add_argument("--child")
     args = parser.parse_args()

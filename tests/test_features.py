@@ -173,3 +173,31 @@ def test_a_store_written_and_read_by_2_ranks_equals_one_process(small, eagle3_ta
     assert main(draft_args(small, target, ref, *RUN, *KINDS["eagle3"])) == 0
     for key in ("loss", "grad_norm", "eval_loss", "tau_sim", "acc_1"):
         close(records(ref, key), records(tmp_path / "two", key))
+
+
+def test_an_eagle3_run_trains_from_speculators_offline_data(eagle3_target_dir, small, tmp_path, capsys):
+    """Hidden states as vLLM's extract_hidden_states writes them (tests/test_features_speculators.py) are a run's
+    training data: the draft trains on them with no target decoder layer built, and the data's files say neither
+    their layers nor their kind, which the config must (one line each)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_features_speculators import write_store
+
+    target = AutoModelForCausalLM.from_pretrained(eagle3_target_dir).eval()
+    g = torch.Generator().manual_seed(5)
+    rows = [(torch.randint(0, 512, (40,), generator=g).tolist(), [0] * 10 + [1] * 30) for _ in range(24)]
+    store = write_store(tmp_path / "speculators", target, rows)
+    run = tmp_path / "run"
+    common = [*RUN, *KINDS["eagle3"], f"--draft.features={store}"]
+    assert main(draft_args(small, eagle3_target_dir, run, *common, "--draft.feature_layers=[1,2,3]")) == 0
+    out = capsys.readouterr().out
+    losses = records(run)
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
+    assert not records(run, "tau_sim") and (run / "draft" / "model.safetensors").is_file()
+    assert "exported draft" in out
+    for extra, named in (((), "draft.feature_layers"), (("--draft.kind=glide", "--draft.feature_layers=[1,2,3]"),
+                                                          "draft.kind = 'eagle3'")):
+        argv = draft_args(small, eagle3_target_dir, tmp_path / "bad", *common, *extra)
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert named in err and len(err.strip().splitlines()) == 1, err

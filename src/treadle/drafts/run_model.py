@@ -72,6 +72,7 @@ class DraftRunModel(nn.Module):
         """[N, P] prompts -> [N, P + new_tokens], continued greedily by the target (or as its store holds them)."""
         if self.stored is not None:
             return self.stored.continuations(prompts, new_tokens)
+        self.check_live()
         return greedy_continuations(self.target, prompts, new_tokens)
 
     def eval_reads(self, texts: torch.Tensor) -> dict[str, torch.Tensor] | None:

@@ -39,7 +39,7 @@ from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
 from treadle.models.hf import build_model, compile_layers, count_parameters, persistent_compile_cache, trainable_parameters
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
-from treadle.drafts.features.run import attach_store, refuse_unstorable
+from treadle.drafts.features.run import attach_store, is_speculators_store, refuse_unstorable, speculators_samples
 from treadle.drafts.registry import build_draft, kind
 from treadle.train.auto import resolve_auto
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, TTTAccuracyCallback, eval_prompts
@@ -121,8 +121,12 @@ def _check_token_ids(data: RunData, vocab_size: int) -> None:
 
 
 def _open_data(cfg: Config) -> RunData:
-    """Every source opened (data files tokenized into the cache on first use), checked to share one tokenizer."""
+    """Every source opened (data files tokenized into the cache on first use), checked to share one tokenizer; with
+    speculators' offline data as ``draft.features``, that data alone (it holds its own tokens)."""
     d = cfg.data
+    if is_speculators_store(cfg):
+        train = speculators_samples(cfg)
+        return RunData([OpenedSource("train", train, "speculators")], Mixture.single("train"), None, train.tokenizer_dir)
     specs = d.sources or [SourceConfig(name="train", path=d.train)]
     key = (lambda i: f"data.sources[{i}] ({specs[i].name})") if d.sources else (lambda i: "data.train")
     paths = [resolve(s.path, "train", key(i)) for i, s in enumerate(specs)]  # (shard dirs, data files) each
@@ -214,7 +218,10 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
     check_token_ids(prompts, model.target.config.vocab_size, lambda: f"the draft's eval prompts ({(val_ds or train_ds).where})")
     out = Path(cfg.train.output_dir) / "draft"
-    return ModelSetup(model, model.target.config.vocab_size, objective, objective.evaluate, [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every, cfg.train.eval_at_start)],
+    # tau_sim needs the target's greedy texts and its reads on them: the live target's, or a treadle store's.
+    acceptance = [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every, cfg.train.eval_at_start)]
+    return ModelSetup(model, model.target.config.vocab_size, objective, objective.evaluate,
+                      acceptance if model.live or model.stored is not None else [],
                       DraftExportCallback(out, target_dir, identity, cfg.draft), step_callbacks=step_callbacks)
 
 
@@ -494,7 +501,8 @@ def run_training(cfg: Config, live: bool | None = None, callbacks: Sequence[Call
         export_dir=next((cb.out_dir for cb in trainer.callbacks if isinstance(cb, (ExportCallback, DraftExportCallback))), None),
         parameters=trainable_parameters(trainer.engine.module),
         stop_reason=trainer.stop_reason,
-        acceptance=next(((cb.first, cb.last) for cb in trainer.callbacks if isinstance(cb, AcceptanceCallback)), None),
+        acceptance=next(((cb.first, cb.last) for cb in trainer.callbacks if isinstance(cb, AcceptanceCallback)),
+                        (None, None) if trainer.cfg.draft.kind else None),  # a draft run without tau_sim: (None, None)
         rank=trainer.engine.rank,
         loss_label=getattr(trainer.loss_fn, "label", "cross-entropy"),
         eval_loss_label=getattr(getattr(trainer.eval_loss_fn, "__self__", trainer.eval_loss_fn), "eval_label",

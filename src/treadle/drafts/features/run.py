@@ -61,7 +61,12 @@ def without_decoder_layers(model, target_dir: Path) -> None:
 
 def attach_store(cfg, model, target_dir: Path, identity: dict, train_ds, val_ds):
     """(train, val) datasets of the store ``draft.features``, after checking it was written for this run; the
-    model then takes its acceptance texts and their reads from the store too."""
+    model then takes its acceptance texts and their reads from the store too. Speculators' data is the run's
+    training data already (``speculators_samples``), with no validation set and no acceptance texts."""
+    from treadle.drafts.features.speculators import SpeculatorsSamples
+
+    if isinstance(train_ds, SpeculatorsSamples):
+        return train_ds, None
     store = Store(cfg.draft.features)
     store.check(fingerprints(cfg, model, target_dir, identity, train_ds, val_ds))
     model.stored = store.stored_eval()
@@ -69,3 +74,60 @@ def attach_store(cfg, model, target_dir: Path, identity: dict, train_ds, val_ds)
         raise UserError(f"draft.features {store.path} holds no acceptance texts (eval.safetensors); write it again "
                         "with `treadle features`")
     return store.samples("train", train_ds), store.samples("val", val_ds) if val_ds is not None else None
+
+
+# ----------------------------------------------------------------------------- speculators' data as a store
+
+
+def is_speculators_store(cfg) -> bool:
+    from treadle.drafts.features.speculators import is_speculators_dir
+
+    return bool(cfg.draft.features) and is_speculators_dir(cfg.draft.features)
+
+
+def speculators_samples(cfg):
+    """The training windows of speculators' offline data (vLLM ``extract_hidden_states``) at ``draft.features``, with
+    what a run asks of its training data taken from ``draft.target`` (the files record no tokenizer)."""
+    from treadle.drafts.features.speculators import SpeculatorsSamples
+    from treadle.model_dirs import resolve_model_dir
+    from treadle.tokenizer import tokenizer_fingerprint
+
+    d = cfg.draft
+    if d.kind != "eagle3":
+        raise UserError(f"draft.features {d.features} is speculators' offline data, which holds what an EAGLE-3 "
+                        f"draft reads; accepted: draft.kind = 'eagle3' (not {d.kind!r})")
+    if not d.feature_layers:
+        raise UserError(f"draft.features {d.features} is speculators' offline data, whose files do not say which "
+                        "target layers they hold; accepted: draft.feature_layers set to the layer ids vLLM was given "
+                        "(launch_vllm.py's, without the last one it appends)")
+    target_dir = resolve_model_dir(Path(d.target), "draft.target")
+    norm, config = _final_norm(target_dir)
+    pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
+    samples = SpeculatorsSamples(Path(d.features), cfg.data.seq_len, tuple(d.feature_layers), norm,
+                                 config.vocab_size, pad_id=pad if isinstance(pad, int) else pad[0])
+    # What the run reads of a training dataset besides its samples (data/packed.py's names).
+    samples.tokenizer_dir = target_dir if (target_dir / "tokenizer.json").is_file() else None
+    samples.tokenizer_fingerprint = tokenizer_fingerprint(target_dir) if samples.tokenizer_dir else None
+    samples.meta = {"eos_id": config.eos_token_id if isinstance(config.eos_token_id, int) else None}
+    samples.shards, samples.num_tokens = [], len(samples) * cfg.data.seq_len
+    samples.where = f"speculators' data {d.features}"
+    return samples
+
+
+def _final_norm(target_dir: Path):
+    """(the target's final norm with its weights, its config), the decoder layers never built or read."""
+    from safetensors import safe_open
+
+    from treadle.models.hf import load_causal_lm
+
+    target = load_causal_lm(target_dir, "draft.target", empty=True)
+    norm = target.model.norm
+    if any(p.is_meta for p in norm.parameters()):
+        norm = norm.to_empty(device="cpu")
+        want = {f"model.norm.{k}": k for k in norm.state_dict()}
+        state = {}
+        for file in sorted(target_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                state.update({want[k]: f.get_tensor(k) for k in f.keys() if k in want})
+        norm.load_state_dict(state)
+    return norm, target.config
