@@ -27,6 +27,7 @@ directory. To fit in a few minutes on 2 cores, commands are shortened by appendi
   (2 acceptance prompts of 8 tokens, 12 new) in a draft run.
 - ``treadle spec-eval``: ``--num-prompts 2 --prompt-len 16 --max-new-tokens 8 --threads 1``.
 - ``treadle generate``: ``--max-new-tokens 8``.
+- ``treadle features``: ``DRAFT_SHORT`` (a store holds the acceptance texts of the draft run it serves).
 - ``treadle samples``: ``--n 40`` (40 rows per file, not 2,000).
 
 Nothing else is changed: the commands, configs and data are the pages' own.
@@ -282,6 +283,8 @@ def _shortened(argv: list[str], cwd: Path) -> list[str]:
         cfg = load_config(cwd / config[0] if config else None, [a for a in argv[1:] if a.startswith("--")])
         extra = DRAFT_SHORT if cfg.draft.kind else [] if cfg.model.path else TINY_MODEL
         return [*argv, *TRAIN_SHORT, *extra]
+    if argv[0] == "features":  # the store of the shortened draft run that follows it: its acceptance settings
+        return [*argv, *DRAFT_SHORT]
     return [*argv, *APPENDED.get(argv[0], [])]
 
 

@@ -138,6 +138,8 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+    from treadle.distributed import quiet_single_process_dcp
+
     if not is_empty(model):
         return
     real = {name: _local(t).detach().clone() for name, t in _tensors(model) if not _local(t).is_meta}
@@ -155,7 +157,8 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         _recompute_buffers(sub)
         state, _ = _wanted(_persistent_state(sub), checkpoint_keys(path) or set())
         try:
-            dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+            with quiet_single_process_dcp():  # one process (a store-backed draft run's target): nothing to coordinate
+                dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
         except BaseException as exc:  # CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise

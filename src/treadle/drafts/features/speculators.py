@@ -1,7 +1,7 @@
 """Speculators' offline data (hidden states written by vLLM's ``extract_hidden_states``) read as an EAGLE-3 store.
 
 What the tools write (read in vllm-project/speculators @ c05b95b3 and vllm-project/vllm, the files named in
-docs/features-speculators.md)::
+docs/features.md)::
 
     DIR/                            scripts/prepare_data.py --output: ``datasets.Dataset.save_to_disk``
       state.json  dataset_info.json  data-*.arrow     columns input_ids [T] int64, loss_mask [T] int64 (0/1), seq_len
