@@ -201,3 +201,20 @@ def test_an_eagle3_run_trains_from_speculators_offline_data(eagle3_target_dir, s
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert named in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_storage_forms_round_trip_within_their_precision():
+    """fp32 is exact; bf16 within its 8-bit mantissa; fp8 (e4m3) within its 3-bit mantissa of each token's own
+    scale, so a token of small values keeps its precision next to a token of large ones."""
+    from treadle.drafts.features.store import decode, encode
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 16, generator=g) * torch.logspace(-3, 3, 5).view(1, 5, 1, 1)  # tokens of 6 magnitudes
+    for dtype, rel in (("fp32", 0.0), ("bf16", 2.0 ** -8), ("fp8", 2.0 ** -4)):
+        stored = encode("k", x, dtype)
+        back = decode("k", stored.__getitem__)
+        amax = x.abs().flatten(2).amax(-1).view(2, 5, 1, 1)
+        floor = amax * 2.0 ** -9 if dtype == "fp8" else 0.0  # e4m3's subnormals, relative to the token's scale
+        assert back.dtype == torch.float32 and ((back - x).abs() <= rel * x.abs() + floor).all(), dtype
+        if dtype == "fp8":
+            assert stored["k"].dtype == torch.float8_e4m3fn and stored["k.scale"].shape == (2, 5)
