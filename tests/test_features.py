@@ -29,7 +29,9 @@ def small(shards, tmp_path_factory):
 
 RUN = ("--train.max_steps=4", "--draft.max_position_offset=0", "--draft.loss=mix", "--train.eval_every=2",
        "--checkpoint.every=2")
-KINDS = {"glide": (), "eagle3": ("--draft.kind=eagle3", "--draft.ttt_steps=3")}
+# GLIDE scores draft and teacher chunk by chunk (the stored final hidden state through the head per chunk); EAGLE-3
+# unrolls 3 steps on whole logits.
+KINDS = {"glide": ("--model.loss_chunk_tokens=64",), "eagle3": ("--draft.kind=eagle3", "--draft.ttt_steps=3")}
 
 
 def features_args(shards, target, out, *extra):
