@@ -14,6 +14,9 @@ the others go on:
   eagle3-1b   config.json and tensor names/shapes are copied beside the table (<item>.config.json, .weights.json)
   spec-glide  `treadle spec-eval` of the tiny target with each draft: tau, speed-up, lossless
   spec-eagle3
+  samples     small JSONL files (`treadle samples`): the data of the two store items
+  features-1b `treadle features` of eagle3-1b's run on that data: the 1.1B target's reads stored once (bf16)
+  eagle3-1b-stored  eagle3-1b's run trained from that store (draft.features): the target's layers never built
 
 The table (tokens/s, MFU, peak memory per row) goes to stdout and to runs/gpu-check/gpu-check.md; each item's
 command and output are in runs/gpu-check/<item>.log, its run in runs/gpu-check/<item>/. tokens/s and MFU are
@@ -76,6 +79,7 @@ class Sizes:
     draft_eval: list      # the draft runs' acceptance eval (prompts, their length, new tokens)
     spec: list            # spec-eval's prompts
     timeout: dict         # seconds per item
+    samples: int = 300    # rows per `treadle samples` file: the store items' data
 
 
 GPU = Sizes(tiny_steps=200, tiny_seq=256, tiny_batch=8, big=LLAMA_1B, big_steps=30, big_seq=2048, big_batch=8,
@@ -84,14 +88,16 @@ GPU = Sizes(tiny_steps=200, tiny_seq=256, tiny_batch=8, big=LLAMA_1B, big_steps=
             spec=["--num-prompts", "8", "--prompt-len", "64", "--max-new-tokens", "64"],
             timeout={"tiny": 420, "llama-1b": 600, "torchrun": 300, "glide": 300, "eagle3": 300,
                      "spec-glide": 240, "spec-eagle3": 240,
-                     "glide-1b": 300, "eagle3-1b": 300})
+                     "glide-1b": 300, "eagle3-1b": 300, "samples": 120, "features-1b": 600, "eagle3-1b-stored": 300},
+            samples=300)
 TOY = Sizes(tiny_steps=4, tiny_seq=64, tiny_batch=2, big=LLAMA_TOY, big_steps=4, big_seq=64, big_batch=2,
             dist_steps=2, draft_steps=2, draft_batch=2, log_every=2, eval_batches=1, chunk_tokens=32,
             draft_eval=["--draft.eval_prompts=2", "--draft.eval_prompt_len=16", "--draft.eval_new_tokens=8"],
             spec=["--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "8"],
             timeout={"tiny": 300, "llama-1b": 300, "torchrun": 300, "glide": 300, "eagle3": 300,
                      "spec-glide": 300, "spec-eagle3": 300,
-                     "glide-1b": 300, "eagle3-1b": 300})
+                     "glide-1b": 300, "eagle3-1b": 300, "samples": 120, "features-1b": 300, "eagle3-1b-stored": 300},
+            samples=20)
 
 
 @dataclass
@@ -167,6 +173,21 @@ def plan(out: Path, device: str, s: Sizes, only: list[str] | None = None) -> lis
                           ["spec-eval", "--target", str(tiny), "--draft", str(out / kind), "--gamma", "4", *s.spec,
                            "--json", str(out / f"spec-{kind}.json"), "--threads", "0" if cuda else "1"],
                           needs=out / kind / "draft"))
+    # eagle3-1b's run on small data (a store of the whole built-in corpus would be ~100 GB at this width), once with
+    # its reads written by `treadle features` and once trained from them: the store's two halves, timed.
+    data = ["--data.train=" + str(out / "samples" / "text.jsonl"), "--data.val=[]"]
+    stored = ["configs/demo-eagle3.toml", f"--draft.target={big}", *common,
+              *short(s.draft_steps, s.big_seq, s.draft_batch, s.log_every), "--train.eval_every=0", *s.draft_eval, *data]
+    items += [
+        Item("samples", "small JSONL files, the store items' data", ["samples", "--out", str(out / "samples"),
+                                                                     "--n", str(s.samples)]),
+        Item("features-1b", f"`treadle features` of eagle3-1b's run on that data ({n_big} target, bf16 store)",
+             ["features", *stored, f"--train.output_dir={out / 'features-1b-run'}", f"--out={out / 'features-1b'}",
+              "--dtype=bf16"], needs=out / "samples" / "text.jsonl"),
+        Item("eagle3-1b-stored", f"eagle3-1b's run from that store: no target layer built, {compiled}",
+             ["train", *stored, f"--train.output_dir={out / 'eagle3-1b-stored'}",
+              f"--draft.features={out / 'features-1b'}"], needs=out / "features-1b" / "manifest.json"),
+    ]
     return [i for i in items if only is None or i.name in only]
 
 
@@ -259,6 +280,15 @@ def training_row(item: Item, out: Path, result: dict) -> dict:
             "peak_kind": "alloc" if cuda else "RSS", "note": "; ".join(notes)}
 
 
+def features_row(item: Item, out: Path, result: dict) -> dict:
+    """The store's accounting line: tokens/s of the target's forward and writing, bytes per token."""
+    got = re.search(r"\(([\d,]+) tokens\).*?([\d,.]+) MiB, ([\d,]+) bytes per token, in ([\d.]+) s", result["log"])
+    if item.name == "samples" or got is None:
+        return {**result, "note": "" if item.name == "samples" else "no accounting line"}
+    tokens, mib, per, seconds = (float(g.replace(",", "")) for g in got.groups())
+    return {**result, "tokens_per_s": tokens / seconds, "note": f"{mib:,.0f} MiB, {per:,.0f} bytes per token"}
+
+
 def spec_row(item: Item, out: Path, result: dict) -> dict:
     r = json.loads((out / f"{item.name}.json").read_text())
     return {**result, "tokens_per_s": r["tokens_per_s_spec"],
@@ -328,8 +358,8 @@ def dry_run(items: list[Item]) -> int:
     bad = 0
     for item in items:
         try:
-            if item.treadle[0] == "train":
-                words = item.treadle[1:]
+            if item.treadle[0] in ("train", "features"):  # features: a draft run's config, plus its own flags
+                words = [w for w in item.treadle[1:] if not w.startswith(("--out=", "--dtype="))]
                 files = [w for w in words if not w.startswith("-")]
                 cfg = load_config(files[0] if files else None, [w for w in words if w.startswith("-")])
                 if cfg.model.overrides:  # HF configs keep an unknown field silently: a typo would change nothing
@@ -391,7 +421,8 @@ def main() -> int:
         result = run_item(item, out, timeout)
         if result["status"] == "OK":
             try:
-                result = (spec_row if item.treadle[0] == "spec-eval" else training_row)(item, out, result)
+                rows_of = {"spec-eval": spec_row, "features": features_row, "samples": features_row}
+                result = rows_of.get(item.treadle[0], training_row)(item, out, result)
             except (OSError, ValueError, KeyError) as exc:  # ran, but left no readable figures
                 result = {**result, "status": "FAIL", "note": f"its results cannot be read: {exc!r}"}
         print(f"gpu-check: {item.name} {result['status']} {result.get('wall', 0):.0f} s", file=sys.stderr, flush=True)

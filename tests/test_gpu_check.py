@@ -14,7 +14,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "gpu.py"
-ITEMS = ["tiny", "llama-1b", "torchrun", "glide", "eagle3", "glide-1b", "eagle3-1b", "spec-glide", "spec-eagle3"]
+ITEMS = ["tiny", "llama-1b", "torchrun", "glide", "eagle3", "glide-1b", "eagle3-1b", "spec-glide", "spec-eagle3",
+         "samples", "features-1b", "eagle3-1b-stored"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
