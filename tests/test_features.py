@@ -85,12 +85,35 @@ def test_a_run_from_an_fp32_store_equals_the_live_run(small, target_dir, eagle3_
         assert "draft.kind: the store's 'eagle3', this run's 'glide'" in err and len(err.strip().splitlines()) == 1
 
 
+def _killed(argv: list[str], out) -> None:
+    """``treadle features`` in a process of its own, SIGKILLed once it has written its first shard."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "treadle", *argv], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    while proc.poll() is None and not list(out.glob("train-*.safetensors")):
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def test_killed_features_resume_to_the_same_files_and_bad_stores_are_refused(small, target_dir, tmp_path, capsys):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert main(features_args(small, target_dir, whole, "--shard-samples=16")) == 0
-    # What a kill leaves: a manifest still unfinished, a shard torn mid-write, a temporary file, a shard never begun.
-    assert main(features_args(small, target_dir, cut, "--shard-samples=16")) == 0
+    assert main(features_args(small, target_dir, whole, "--shard-samples=4")) == 0
+    _killed(features_args(small, target_dir, cut, "--shard-samples=4"), cut)
     manifest = json.loads((cut / "manifest.json").read_text())
+    assert not manifest["complete"]  # killed mid-way
+    # What else a kill can leave: a shard torn mid-write, a temporary file, a shard never begun.
+    assert main(features_args(small, target_dir, cut, "--shard-samples=4")) == 0
     (cut / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
     torn = cut / "train-00001.safetensors"
     torn.write_bytes(torn.read_bytes()[:-100])
@@ -99,7 +122,7 @@ def test_killed_features_resume_to_the_same_files_and_bad_stores_are_refused(sma
     capsys.readouterr()
     assert main(draft_args(small, target_dir, tmp_path / "r0", *RUN, f"--draft.features={cut}")) == 2
     assert "unfinished feature store" in capsys.readouterr().err
-    assert main(features_args(small, target_dir, cut, "--shard-samples=16")) == 0
+    assert main(features_args(small, target_dir, cut, "--shard-samples=4")) == 0
     assert "kept" in capsys.readouterr().out
     files = sorted(p.name for p in whole.iterdir())
     assert files == sorted(p.name for p in cut.iterdir())
@@ -115,7 +138,7 @@ def test_killed_features_resume_to_the_same_files_and_bad_stores_are_refused(sma
         (draft_args(small, other, tmp_path / "r1", *RUN, f"--draft.features={whole}"), "target.config"),
         (draft_args(small, target_dir, tmp_path / "r3", *RUN, "--draft.eval_prompts=3", f"--draft.features={whole}"),
          "eval.prompts"),
-        (features_args(small, target_dir, whole, "--shard-samples=16", "--dtype=fp8"), "dtype"),
+        (features_args(small, target_dir, whole, "--shard-samples=4", "--dtype=fp8"), "dtype"),
         (draft_args(small, target_dir, tmp_path / "r4", *RUN, "--draft.max_position_offset=8",
                     f"--draft.features={whole}"), "draft.max_position_offset"),
     ]
