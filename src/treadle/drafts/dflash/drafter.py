@@ -43,6 +43,8 @@ class DFlashDrafter:
         end = context_ids.shape[1] - 1  # the bonus (the anchor) has no features yet
         if self.rows + features.shape[1] != end:
             raise RuntimeError(f"dflash drafter: features for {self.rows + features.shape[1]} tokens, expected {end}")
+        if features.shape[1] == 0:
+            return
         context = draft.fuse(features)
         positions = torch.arange(self.rows, end, device=context.device)[None]
         new = draft.context_kv(context, model.rotary(context, positions))

@@ -128,7 +128,7 @@ class DFlashLayer(nn.Module):
         self.act = ACT2FN[s.hidden_act]
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(*x.shape[:2], -1, self.head_dim)  # [B, T, H, D]: the per-head norm acts on D
+        return x.view(*x.shape[:2], x.shape[-1] // self.head_dim, self.head_dim)  # [B, T, H, D]: the per-head norm acts on D
 
     def keys(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values [B, H_kv, T, D] of ``h`` (the fused context, or the block's normed rows)."""
