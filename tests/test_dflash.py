@@ -39,6 +39,9 @@ def test_default_feature_layers_are_zlabs_plus_one():
     assert default_feature_layers(32, 5) == (2, 9, 16, 23, 30)
     assert default_feature_layers(32, 1) == (17,)
     assert default_feature_layers(4, 5) == (1, 2, 3) and default_feature_layers(2, 5) == (1,)  # shallow targets
+    from treadle.drafts.dflash.model import default_mask_token
+
+    assert default_mask_token(151936, 151669) == 151669 and default_mask_token(512, 512) == 511  # Qwen3's; the last
     assert layout.to_zlab((2, 10, 18)) == [1, 9, 17] and layout.from_zlab([1, 9, 17]) == (2, 10, 18)
 
 
@@ -103,6 +106,16 @@ def test_training_blocks_are_what_the_drafter_proposes_and_see_no_later_context(
         proposals = drafter.propose(text[:, : s + 1], TargetState(None, features[:, s:s]), 4, Sampler()).tokens
         assert proposals == train_logits[s - prompt_len, :4].argmax(-1).tolist()
     assert drafter.forwards == 2 * (L - prompt_len)  # one forward per block
+    # tau_sim's chain guesses (every anchor of the text at once) are the drafter's proposals too.
+    with torch.no_grad():
+        guesses = model.chain_guesses(text, 4, chunk=3)
+    for s in range(prompt_len, L - 4):
+        assert [int(guesses[k][0, s + k]) for k in range(4)] == train_logits[s - prompt_len, :4].argmax(-1).tolist()
+    assert int(guesses[2][0, 1]) == -1  # step 3's entry 1 would need a block anchored at index -1
+    from treadle.speculative.acceptance import chain_acceptance
+
+    acc = chain_acceptance(model, text, prompt_len, 4)
+    assert acc["tau_sim"] == pytest.approx(1 + sum(acc["acceptance_unconditional"]))
     changed = text.clone()
     changed[:, 9:] = (changed[:, 9:] + 7) % 512
     with torch.no_grad():
@@ -246,3 +259,28 @@ def test_dflash_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_ta
     assert main(["spec-eval", "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma", "5",
                  "--prompt-len", "8", "--max-new-tokens", "12", "--temperature", "1", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["lossless"] is None
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_dflash_sampled_verification_has_the_targets_distribution():
+    """tests/test_spec_sampling.py's test with a DFlash drafter (block 3, its slots drawn from their own q rows):
+    the first 3 tokens of 600 seeded runs pass the chi-square test against the target's exact distribution and stay
+    within twice sampling noise in total variation."""
+    from tests.test_spec_sampling import (
+        RUNS, chi_square, critical, exact_distribution, sampling_noise_tv, speculative_counts, tiny, total_variation,
+    )
+
+    target = tiny(0)
+    torch.manual_seed(1)
+    model = DFlashModel(target, DFlashDraft(target.config, (1,), 1, 3, 3)).eval()
+    for p in model.draft_model.parameters():  # a confident draft, far from the target and from uniform
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=1.0)
+    sampler = Sampler(1.0, 1.0, torch.Generator().manual_seed(0))
+    dist = exact_distribution(target, sampler)
+    drafter = DFlashDrafter(model)
+    counts = speculative_counts(target, drafter, sampler, RUNS, gamma=2)
+    stat, dof = chi_square(counts, dist, RUNS)
+    assert stat < critical(dof), (stat, dof)
+    assert total_variation(counts, dist, RUNS) < 2 * sampling_noise_tv(dist, RUNS)
+    assert drafter.forwards >= RUNS  # at least one block per run
