@@ -255,7 +255,10 @@ class DFlashModel(DraftRunModel):
         return hidden.view(B, N, bs, -1)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return model_logits(self.target.config, self.target.get_output_embeddings()(hidden))
+        """The shared head on the draft's final hidden states [..., d] (flattened: one matmul, not a batched one
+        over a sliced block)."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return model_logits(self.target.config, self.target.get_output_embeddings()(flat)).view(*hidden.shape[:-1], -1)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, anchors: torch.Tensor,
                 doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> DFlashOutput:
