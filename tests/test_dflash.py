@@ -13,7 +13,7 @@ from treadle.cli import main
 from treadle.drafts.dflash import layout
 from treadle.drafts.dflash.drafter import DFlashDrafter
 from treadle.drafts.dflash.model import DFlashDraft, DFlashModel, block_mask, default_feature_layers, load_dflash
-from treadle.drafts.dflash.objective import sample_anchors, scored_slots, slot_weights
+from treadle.drafts.dflash.objective import dpace_weights, sample_anchors, scored_slots, slot_weights
 from treadle.drafts.eagle3.model import capture_features
 from treadle.drafts.glide.model import document_ids
 from treadle.models.hf import greedy_continuations
@@ -76,6 +76,38 @@ def test_anchors_and_scored_slots():
     assert scored[0, 1].tolist() == [True, True, True] and tokens[0, 1].tolist() == [9, 10, 11]
     assert scored[0, 2].tolist() == [True, True, False] and not scored[0, 3].any()  # padding anchors: nothing
     assert slot_weights(4, 7.0)[0] == 1.0 and slot_weights(4, 7.0)[2] == pytest.approx(2.718281828 ** (-2 / 7))
+
+
+def test_dpace_weights_match_a_naive_reference_and_need_ce():
+    import math
+
+    from treadle.config import load_config
+    from treadle.errors import UserError
+
+    ce = torch.tensor([[0.1, 2.0, 0.5, 0.3]], requires_grad=True)
+    scored = torch.tensor([[True, True, True, False]])
+    got = dpace_weights(ce, scored)
+    q = [0.5 * math.exp(-float(c)) + 0.5 for c in ce[0]][:3] + [0.0]
+    want = [sum(math.prod(q[: m + 1]) for m in range(j, 4)) for j in range(4)]
+    assert got[0].tolist() == pytest.approx(want) and not got.requires_grad and got[0, 3] == 0
+    # Through the objective: D-PACE's loss equals the per-slot CE weighted by dpace_weights, and trains the draft.
+    from treadle.config import DraftConfig
+    from treadle.drafts.dflash.objective import DFlashObjective
+
+    model = dflash()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (2, 24))
+    batch = {"input_ids": ids, "position_ids": torch.arange(24).expand(2, -1),
+             "labels": torch.cat((ids[:, 1:], torch.full((2, 1), -100)), 1), "order_position": torch.tensor([0, 1])}
+    cfg = dict(kind="dflash", target="t", block_size=6, num_layers=2, loss="ce")
+    decay = DFlashObjective(DraftConfig(**cfg), 24, 512)(model, batch)[0]
+    dpace = DFlashObjective(DraftConfig(**cfg, slot_weighting="dpace"), 24, 512)(model, batch)[0]
+    assert decay.shape == dpace.shape == (2,) and not torch.allclose(decay, dpace)
+    dpace.sum().backward()
+    assert model.draft_model.fc.weight.grad.abs().sum() > 0
+    with pytest.raises(UserError, match="slot_weighting = 'dpace' with draft.loss = 'kl'"):
+        load_config(None, ["--data.train=x", "--draft.kind=dflash", "--draft.target=t", "--draft.loss=kl",
+                           "--draft.slot_weighting=dpace"])
 
 
 def test_training_blocks_are_what_the_drafter_proposes_and_see_no_later_context():

@@ -351,6 +351,11 @@ class DraftConfig(Section):
                                 "block_size, every position covered once on average")
     slot_gamma: float | None = Field(None, gt=0.0, description="dflash: slot k of a block (k >= 1) weighs "
                                      "exp(-(k - 1) / slot_gamma) in the loss; unset = 7 (the paper's at block 16)")
+    slot_weighting: Literal["decay", "dpace"] | None = Field(None, description="dflash: decay = exp(-(k - 1) / "
+                                                            "slot_gamma) per slot; dpace = D-PACE (arXiv 2605.18810): "
+                                                            "slot j weighs the expected acceptance it leads to, from "
+                                                            "the draft's own detached CE (draft.loss = ce only); "
+                                                            "unset = decay")
     mask_token_id: int | None = Field(None, ge=0, description="dflash: the target-embedding row fed at a block's "
                                       "masked positions; unset = the first row past the data's tokenizer, else the "
                                       "last row")

@@ -21,7 +21,7 @@ from treadle.drafts.glide import settings as glide
 KINDS = {k.NAME: k for k in (glide, eagle3, dflash)}
 NAMES = tuple(KINDS)  # draft.kind's accepted values, in this order (what configuration.md and errors list)
 OPTIONAL_KEYS = ("feature_layers", "vocab_size", "init", "ttt_steps", "block_size", "num_layers", "anchors",
-                 "slot_gamma", "mask_token_id")  # unset unless a kind reads them; checked in this order
+                 "slot_gamma", "slot_weighting", "mask_token_id")  # unset unless a kind reads them; checked in this order
 
 
 def _kinds_with(test) -> str:

@@ -9,7 +9,8 @@ Labels: slot k >= 1 of the block at a guesses the token at index a + k (no EAGLE
 lies in the row, in a's document, and is supervised (``labels[a + k - 1]``, which holds token a + k, is set).
 The data token there (ce), or the target's distribution at index a + k - 1 (kl, its own guess of the same token).
 
-Weighting and normalization: slot k's token loss weighs ``exp(-(k - 1) / slot_gamma)``; a row's loss is the sum
+Weighting and normalization: slot k's token loss weighs ``exp(-(k - 1) / slot_gamma)`` (or D-PACE's detached
+weights, ``dpace_weights``, with ``draft.slot_weighting = "dpace"``); a row's loss is the sum
 over its blocks and slots, which the loop divides by the step's label tokens like any draft loss, so the result
 does not depend on how the step is split into micro-batches or ranks.
 
@@ -39,6 +40,18 @@ if TYPE_CHECKING:
 def slot_weights(block_size: int, gamma: float) -> list[float]:
     """exp(-(k - 1) / gamma) for slots k = 1..block_size - 1 (slot 0, the anchor, is never scored)."""
     return [math.exp(-(k - 1) / gamma) for k in range(1, block_size)]
+
+
+DPACE_ALPHA = 0.5  # the D-PACE paper's and speculators' floor on a slot's acceptance estimate
+
+
+def dpace_weights(ce: torch.Tensor, scored: torch.Tensor, alpha: float = DPACE_ALPHA) -> torch.Tensor:
+    """D-PACE's slot weights [..., K] (detached): with q_i = (1 - alpha) exp(-CE_i) + alpha the slot's estimated
+    acceptance, slot j weighs sum_{m >= j} prod_{i <= m} q_i, the expected acceptance length it contributes to. A slot
+    that is not scored ends its block (q = 0 from there: nothing after it is drafted in that block)."""
+    q = ((1 - alpha) * torch.exp(-ce.detach()) + alpha) * scored
+    reach = q.cumprod(-1)  # P(slots 1..m accepted)
+    return reach.flip(-1).cumsum(-1).flip(-1)
 
 
 def sample_anchors(labels: torch.Tensor, count: int, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +98,7 @@ class DFlashObjective:
         self.count = cfg.anchors or max(1, seq_len // self.block_size)
         self.gamma = settings.slot_gamma(cfg)
         self.weights = slot_weights(self.block_size, self.gamma)
+        self.dpace = cfg.slot_weighting == "dpace"
         self.max_offset = max(0, min(cfg.max_position_offset, max_positions - seq_len - self.block_size))
 
     @property
@@ -92,8 +106,8 @@ class DFlashObjective:
         c = self.cfg
         what = {"ce": "cross-entropy on the data", "kl": "KL(target || draft)",
                 "mix": f"{1 - c.kl_weight:g} cross-entropy + {c.kl_weight:g} KL(target || draft)"}[c.loss]
-        return (f"{what} at the {self.block_size - 1} slots of up to {self.count} blocks per row, slot k weighted "
-                f"exp(-(k-1)/{self.gamma:g})")
+        weights = "by D-PACE" if self.dpace else f"exp(-(k-1)/{self.gamma:g})"
+        return f"{what} at the {self.block_size - 1} slots of up to {self.count} blocks per row, slot k weighted {weights}"
 
     eval_label = "the draft's cross-entropy on the data, summed over every block slot"
 
@@ -127,7 +141,10 @@ class DFlashObjective:
             return ce.sum((1, 2)), {"target_loss": out.target_ce}
         target_log = F.log_softmax(at_least_fp32(out.target_logits), -1)
         kl = (target_log.exp() * (target_log - draft_log)).sum(-1) * scored
-        w = torch.tensor(self.weights, dtype=ce.dtype, device=ce.device)
+        if self.dpace:
+            w = dpace_weights(ce, scored)
+        else:
+            w = torch.tensor(self.weights, dtype=ce.dtype, device=ce.device)
         if self.cfg.loss == "mix":
             token = (1.0 - self.cfg.kl_weight) * ce + self.cfg.kl_weight * kl
         else:

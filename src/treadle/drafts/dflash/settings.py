@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 NAME = "dflash"
-KEYS = ("feature_layers", "init", "block_size", "num_layers", "anchors", "slot_gamma", "mask_token_id")
+KEYS = ("feature_layers", "init", "block_size", "num_layers", "anchors", "slot_gamma", "slot_weighting",
+        "mask_token_id")
 TTT_STEPS = 1  # no unroll: one forward drafts the whole block
 LAYOUTS = ("treadle",)  # draft.layout unset: its export is always z-lab's DFlashDraftModel layout vLLM and SGLang load
 
@@ -36,10 +37,21 @@ def check(draft) -> None:
         raise ValueError(f"draft.feature_layers = {layers}: accepted: one or more strictly increasing "
                          "output_hidden_states indices >= 1 (i = decoder layer i's output; < the target's layer "
                          "count); unset = z-lab's picks spread over the target's layers")
+    check_dpace(draft)
     if draft.gamma > block_size(draft) - 1:
         raise ValueError(f"draft.gamma = {draft.gamma} with draft.kind = 'dflash' and a block of "
                          f"{block_size(draft)}: one draft forward proposes block_size - 1 = {block_size(draft) - 1} "
                          "tokens; accepted: draft.gamma <= draft.block_size - 1")
+
+
+def check_dpace(draft) -> None:
+    if draft.slot_weighting == "dpace" and draft.loss != "ce":
+        raise ValueError(f"draft.slot_weighting = 'dpace' with draft.loss = {draft.loss!r}: D-PACE weighs slots by "
+                         "exp(-CE), meaningful for a cross-entropy loss only; accepted: draft.loss = 'ce', or "
+                         "draft.slot_weighting = 'decay'")
+    if draft.slot_weighting == "dpace" and draft.slot_gamma is not None:
+        raise ValueError(f"draft.slot_gamma = {draft.slot_gamma} with draft.slot_weighting = 'dpace', which does not "
+                         "read it; accepted: draft.slot_gamma unset, or draft.slot_weighting = 'decay'")
 
 
 def check_context_parallel(draft, cp: int, loss_chunk_tokens: str | int) -> None:
