@@ -87,7 +87,7 @@ def test_dpace_weights_match_a_naive_reference_and_need_ce():
     ce = torch.tensor([[0.1, 2.0, 0.5, 0.3]], requires_grad=True)
     scored = torch.tensor([[True, True, True, False]])
     got = dpace_weights(ce, scored)
-    q = [0.5 * math.exp(-float(c)) + 0.5 for c in ce[0]][:3] + [0.0]
+    q = [0.5 * math.exp(-float(c)) + 0.5 for c in ce[0].tolist()][:3] + [0.0]
     want = [sum(math.prod(q[: m + 1]) for m in range(j, 4)) for j in range(4)]
     assert got[0].tolist() == pytest.approx(want) and not got.requires_grad and got[0, 3] == 0
     # Through the objective: D-PACE's loss equals the per-slot CE weighted by dpace_weights, and trains the draft.
