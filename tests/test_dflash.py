@@ -275,6 +275,10 @@ def test_dflash_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_ta
     assert config["dflash_config"]["target_layer_ids"] == [0, 2] and config["block_size"] == 6
     assert config["dflash_config"]["mask_token_id"] == 511  # the data's tokenizer fills all 512 rows: the last
     assert "fc.weight" in wa and not [k for k in wa if "embed" in k or "lm_head" in k]
+    # treadle export rebuilds the same export from the last checkpoint.
+    assert main(["export", str(a), str(tmp_path / "again")]) == 0
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert again.keys() == wa.keys() and all(torch.equal(again[k], wa[k]) for k in wa)
     # A draft.init run starts from the export: its first eval loss is the trained draft's last.
     c = tmp_path / "c"
     assert main(draft_args(shards, target_dir, c, "--train.max_steps=2", *common, f"--draft.init={a}")) == 0
