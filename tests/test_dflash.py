@@ -320,3 +320,14 @@ def test_dflash_sampled_verification_has_the_targets_distribution():
     assert stat < critical(dof), (stat, dof)
     assert total_variation(counts, dist, RUNS) < 2 * sampling_noise_tv(dist, RUNS)
     assert drafter.forwards >= RUNS  # at least one block per run
+
+
+def test_a_tied_embedding_target_scores_through_its_embedding():
+    """SpecForge #473: a tied target's head is its embedding, never a random matrix."""
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(LlamaConfig(**{**TARGET, "tie_word_embeddings": True}))
+    model = DFlashModel(target, DFlashDraft(target.config, (1,), 1, 4, 511)).eval()
+    assert model.target.get_output_embeddings().weight is model.target.get_input_embeddings().weight
+    hidden = torch.randn(3, 32)
+    want = hidden @ model.target.get_input_embeddings().weight.T
+    assert torch.allclose(model.draft_logits(hidden), want, atol=1e-5)
