@@ -331,3 +331,30 @@ def test_a_tied_embedding_target_scores_through_its_embedding():
     hidden = torch.randn(3, 32)
     want = hidden @ model.target.get_input_embeddings().weight.T
     assert torch.allclose(model.draft_logits(hidden), want, atol=1e-5)
+
+
+def test_the_chunked_slot_scores_equal_the_whole_logits():
+    """model.loss_chunk_tokens: the loss, every side sum and the draft's gradients equal the whole-logits path
+    (float64), with no [slots, V] logits kept."""
+    from treadle.config import DraftConfig
+    from treadle.drafts.dflash.objective import DFlashObjective
+
+    model = dflash().double().train()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (2, 24))
+    labels = torch.cat((ids[:, 1:], torch.full((2, 1), -100)), 1)
+    labels[0, 5:9] = -100
+    batch = {"input_ids": ids, "position_ids": torch.cat((torch.arange(12), torch.arange(12)))[None].expand(2, -1),
+             "labels": labels, "order_position": torch.tensor([3, 4])}
+    objective = DFlashObjective(DraftConfig(kind="dflash", target="t", block_size=6, num_layers=2, loss="mix"), 24, 512)
+    got = {}
+    for chunk in (0, 7):
+        model.loss_chunk_tokens = chunk
+        model.zero_grad()
+        loss, side = objective(model, batch)
+        loss.sum().backward()
+        got[chunk] = (loss.detach(), side, {n: p.grad.clone() for n, p in model.draft_model.named_parameters()})
+    (l0, s0, g0), (l1, s1, g1) = got[0], got[7]
+    assert torch.allclose(l0, l1, rtol=1e-10) and s0.keys() == s1.keys()
+    assert all(torch.allclose(s0[k].double(), s1[k].double(), rtol=1e-10) for k in s0), s0
+    assert all(torch.allclose(g0[n], g1[n], rtol=1e-8, atol=1e-12) for n in g0)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
@@ -47,7 +48,9 @@ from treadle.drafts.glide.model import (
 from treadle.drafts.targets import checked_target
 from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
-from treadle.models.chunked_ce import model_logits
+from treadle.data.packed import IGNORE_INDEX
+from treadle.models.chunked_ce import chunked_rows, model_logits
+from treadle.models.upcast import at_least_fp32
 from treadle.models.hf import greedy_continuations
 
 KIND = "dflash"
@@ -211,9 +214,31 @@ class DFlashDraft(nn.Module):
 
 @dataclass
 class DFlashOutput:
-    logits: torch.Tensor  # the draft's [B, N, block_size - 1, V]: slot k's guess of token anchor + k (k = 1..)
-    target_logits: torch.Tensor  # the target's [B, N, block_size - 1, V] at index anchor + k - 1 (its guess of the same)
+    logits: torch.Tensor | None  # the draft's [B, N, block_size - 1, V]: slot k's guess of token anchor + k (k = 1..)
+    target_logits: torch.Tensor | None  # the target's [B, N, block_size - 1, V] at index anchor + k - 1 (its guess)
     target_ce: torch.Tensor  # the target's own CE summed over the row's labels (the floor), scalar
+    # With a chunked loss (loss_chunk_tokens, slot_labels given) the logits are never whole; per slot [B, N, K]:
+    ce: torch.Tensor | None = None  # the draft's CE on slot_labels (0 where ignored)
+    kl: torch.Tensor | None = None  # KL(target || draft) (0 where ignored)
+    hit: torch.Tensor | None = None  # the draft's argmax equals the target's (bool)
+
+
+def _slot_scores(hidden: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, config):
+    """One chunk of slot rows through the shared head: the draft's CE on ``labels``, KL(target || draft) and whether
+    the two argmaxes agree (fp32 softmaxes; the target's logit transform applied to both, as its forward does)."""
+    logp = F.log_softmax(at_least_fp32(model_logits(config, F.linear(hidden, weight))), -1)
+    with torch.no_grad():  # the teacher is fixed: recomputed in backward, never differentiated
+        teacher_logp = F.log_softmax(at_least_fp32(model_logits(config, F.linear(teacher, weight))), -1)
+    valid = labels != IGNORE_INDEX
+    ce = F.nll_loss(logp, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1) * valid
+    hit = (logp.detach().argmax(-1) == teacher_logp.argmax(-1)) & valid
+    return ce, kl, hit
+
+
+def _target_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
+    logits = at_least_fp32(model_logits(config, F.linear(hidden, weight)))
+    return (F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none"),)
 
 
 class DFlashModel(DraftRunModel):
@@ -230,12 +255,14 @@ class DFlashModel(DraftRunModel):
     def continue_greedily(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
         return greedy_continuations(self.target, prompts, new_tokens)
 
-    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
-        """The target's logits and its features ([B, T, len(feature_layers) * d]) for packed rows, without grad."""
+    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden: bool = False):
+        """The target's logits (or, ``hidden``, the final hidden states its head reads) and its features
+        ([B, T, len(feature_layers) * d]) for packed rows, without grad."""
+        run = self.target.model if hidden else self.target
         mask = causal_document_mask(position_ids, self.target)
         with torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap:
-            out = self.target(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)
-            return out.logits, tap.take()
+            out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)
+            return out.last_hidden_state if hidden else out.logits, tap.take()
 
     def _blocks(self, input_ids: torch.Tensor, position_ids: torch.Tensor, features: torch.Tensor,
                 anchors: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
@@ -261,18 +288,34 @@ class DFlashModel(DraftRunModel):
         return model_logits(self.target.config, self.target.get_output_embeddings()(flat)).view(*hidden.shape[:-1], -1)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, anchors: torch.Tensor,
-                doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> DFlashOutput:
+                doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                slot_labels: torch.Tensor | None = None) -> DFlashOutput:
         """Blocks at ``anchors`` [B, N] (indices; any valid index where a row has fewer, never scored) scored
         against the target: slot k's logits and the target's at index anchor + k - 1 (clamped at the row's end:
-        such slots are never scored)."""
+        such slots are never scored). With ``loss_chunk_tokens`` > 0 and ``slot_labels`` ([B, N, K] data tokens,
+        -100 where a slot is not scored): per-slot scores computed a chunk of rows at a time instead."""
         from treadle.data.packed import row_cross_entropy
 
         doc = document_ids(position_ids if doc_position_ids is None else doc_position_ids)
-        target_logits, features = self._target_forward(input_ids, position_ids)
-        hidden = self._blocks(input_ids, position_ids, features, anchors, doc)
         bs = self.draft_model.block_size
         rows = (anchors[..., None] + torch.arange(bs - 1, device=anchors.device)).clamp_max(input_ids.shape[1] - 1)
         B, N, K = rows.shape
+        if self.loss_chunk_tokens and slot_labels is not None:
+            # Both heads a chunk of rows at a time (here, inside forward: a sharding engine holds the head's weight).
+            target_hidden, features = self._target_forward(input_ids, position_ids, hidden=True)
+            hidden = self._blocks(input_ids, position_ids, features, anchors, doc)[:, :, 1:]
+            teacher = target_hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_hidden.shape[-1]))
+            weight, config, chunk = self.target.get_output_embeddings().weight, self.target.config, self.loss_chunk_tokens
+            ce, kl, hit = chunked_rows(lambda h, t, y: _slot_scores(h, t, weight, y, config),
+                                       [hidden.flatten(0, -2), teacher.flatten(0, -2), slot_labels.flatten()], chunk)
+            target_ce = target_hidden.new_zeros(())
+            if labels is not None:
+                with torch.no_grad():
+                    target_ce = chunked_rows(lambda t, y: _target_ce(t, weight, y, config),
+                                             [target_hidden.flatten(0, -2), labels.flatten()], chunk)[0].sum()
+            return DFlashOutput(None, None, target_ce, ce.view(B, N, K), kl.view(B, N, K), hit.view(B, N, K))
+        target_logits, features = self._target_forward(input_ids, position_ids)
+        hidden = self._blocks(input_ids, position_ids, features, anchors, doc)
         teacher = target_logits.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1]))
         target_ce = row_cross_entropy(target_logits, labels).sum() if labels is not None else target_logits.new_zeros(())
         return DFlashOutput(self.draft_logits(hidden[:, :, 1:]), teacher.view(B, N, K, -1), target_ce)

@@ -14,6 +14,9 @@ weights, ``dpace_weights``, with ``draft.slot_weighting = "dpace"``); a row's lo
 over its blocks and slots, which the loop divides by the step's label tokens like any draft loss, so the result
 does not depend on how the step is split into micro-batches or ranks.
 
+Memory: with ``model.loss_chunk_tokens`` (auto: on from a 32k vocabulary) neither the draft's slot logits nor the
+target's are ever whole ([blocks x slots, V]): both heads run a chunk of rows at a time, recomputed in backward.
+
 Metrics: ``ttt_hits_k`` / ``ttt_rows_k`` (slot k's guess equals the target's greedy token: ``acc_k``) and
 ``block_hits_k`` / ``block_rows_k`` (slots 1..k all equal it, among blocks whose slot k is scored), which
 ``TTTAccuracyCallback`` turns into ``eal``, the expected number of drafts a greedy verification accepts per block,
@@ -132,15 +135,20 @@ class DFlashObjective:
     def losses(self, model, batch: Batch, offset: int, train: bool):
         positions, labels = batch["position_ids"], batch["labels"]
         anchors, valid = sample_anchors(labels, self.count, self._seeds(batch))
-        out = model(input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions,
-                    offset), anchors=anchors, doc_position_ids=positions, labels=labels)
         scored, tokens = scored_slots(labels, document_ids(positions), anchors, valid, self.block_size)
-        draft_log = F.log_softmax(at_least_fp32(out.logits), -1)
-        ce = -draft_log.gather(-1, tokens[..., None]).squeeze(-1) * scored  # [B, N, K]
+        out = model(input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions,
+                    offset), anchors=anchors, doc_position_ids=positions, labels=labels,
+                    slot_labels=torch.where(scored, tokens, IGNORE_INDEX))
+        if out.logits is None:  # a chunked loss (model.loss_chunk_tokens): per-slot scores, logits never whole
+            ce, kl, hit = out.ce, out.kl, out.hit
+        else:
+            draft_log = F.log_softmax(at_least_fp32(out.logits), -1)
+            ce = -draft_log.gather(-1, tokens[..., None]).squeeze(-1) * scored  # [B, N, K]
+            target_log = F.log_softmax(at_least_fp32(out.target_logits), -1)
+            kl = (target_log.exp() * (target_log - draft_log)).sum(-1) * scored
+            hit = (out.logits.detach().argmax(-1) == out.target_logits.argmax(-1)) & scored
         if not train:
             return ce.sum((1, 2)), {"target_loss": out.target_ce}
-        target_log = F.log_softmax(at_least_fp32(out.target_logits), -1)
-        kl = (target_log.exp() * (target_log - draft_log)).sum(-1) * scored
         if self.dpace:
             w = dpace_weights(ce, scored)
         else:
@@ -151,7 +159,6 @@ class DFlashObjective:
             token = ce if self.cfg.loss == "ce" else kl
         loss = (token * w).sum((1, 2))
         side = {"target_loss": out.target_ce, "draft_ce": ce.detach().sum(), "draft_kl": kl.detach().sum()}
-        hit = (out.logits.detach().argmax(-1) == out.target_logits.argmax(-1)) & scored
         prefix = hit.long().cumprod(-1).bool()
         for k in range(self.block_size - 1):
             side[f"ttt_hits_{k + 1}"] = hit[..., k].sum().double()
@@ -163,13 +170,19 @@ class DFlashObjective:
 
 
 def dflash_setup(cfg, model) -> DFlashObjective:
-    """What a dflash run adds to a draft run's setup: its objective (whole logits per slot: the chunked loss is not
-    built for it yet, so model.loss_chunk_tokens stays off)."""
-    setting = cfg.model.loss_chunk_tokens
-    if setting != "auto" and int(setting) > 0:
-        from treadle.errors import UserError
+    """What a dflash run adds to a draft run's setup: ``model.loss_chunk_tokens`` resolved (auto: on from a 32k
+    vocabulary; then the slots' and the target's logits are scored a chunk of rows at a time, never whole, the
+    target's logit transform applied inside each chunk), and its objective."""
+    from treadle.errors import UserError
+    from treadle.models.chunked_ce import resolve_chunk_tokens, unhandled_logit_transforms
 
-        raise UserError(f"model.loss_chunk_tokens = {setting} with draft.kind = 'dflash': the chunked loss is not "
-                        "built for its blocks yet; accepted: 0 or auto (off)")
-    model.loss_chunk_tokens = 0
+    chunk = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
+    unhandled = chunk and unhandled_logit_transforms(model.target.config)
+    if unhandled:
+        if cfg.model.loss_chunk_tokens != "auto":
+            raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with a dflash draft: the target "
+                            f"transforms its logits ({', '.join(unhandled)}) in a way the chunked scores do not "
+                            "apply; accepted: model.loss_chunk_tokens = 0")
+        chunk = 0
+    model.loss_chunk_tokens = chunk
     return DFlashObjective(cfg.draft, cfg.data.seq_len, model.target.config.max_position_embeddings, cfg.train.seed)
