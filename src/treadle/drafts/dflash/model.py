@@ -236,7 +236,8 @@ def _slot_scores(hidden: torch.Tensor, teacher: torch.Tensor, weight: torch.Tens
     return ce, kl, hit
 
 
-def _target_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
+def _target_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, config) -> tuple[torch.Tensor]:
+    """One chunk of the target's own per-token CE (the floor a draft run logs as target_loss)."""
     logits = at_least_fp32(model_logits(config, F.linear(hidden, weight)))
     return (F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none"),)
 
