@@ -20,7 +20,7 @@ _HARMLESS_MODEL_KEYS = {"model.dtype", "model.compile", "model.loss_chunk_tokens
                         "model.router_aux_loss_coef", "model.router_z_loss_coef"}
 # [draft] keys that shape the trained module; the rest (objective, lag, offsets, eval) are training choices.
 _DRAFT_ARCH_KEYS = {"draft.kind", "draft.window", "draft.layout", "draft.feature_layers", "draft.vocab_size",
-                    "draft.init"}
+                    "draft.init", "draft.block_size", "draft.num_layers", "draft.mask_token_id"}
 # Keys added after checkpoints were written without them: the value those runs had.
 _DRAFT_ARCH_DEFAULTS = {"draft.layout": "treadle"}
 _META_KEYS = ("vocab_size", "tokenizer_fingerprint", "target_fingerprint")

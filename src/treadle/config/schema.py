@@ -328,20 +328,40 @@ class DraftConfig(Section):
     eval_new_tokens: int = Field(64, ge=2)
     feature_layers: list[int] | None = Field(None, description="eagle3: the three target hidden states fused (low, mid, "
                                              "high), strictly increasing output_hidden_states indices (i = decoder "
-                                             "layer i's output, 1..N-1); unset = EAGLE-3's (2, N/2, N - 3)")
+                                             "layer i's output, 1..N-1); unset = EAGLE-3's (2, N/2, N - 3); dflash: "
+                                             "one or more such indices; unset = z-lab's, spread over 2..N-2")
     vocab_size: int | None = Field(None, ge=1, description="eagle3: the draft head's vocabulary, the most frequent "
                                    "training tokens; unset = the target's whole vocabulary")
     init: str | None = Field(None, description="eagle3: start from this EAGLE-3 draft (a directory in the EAGLE layout "
                              "vLLM and SGLang load, treadle's export or one trained elsewhere for this target, or a "
                              "treadle run directory); its feature layers and vocabulary map are the run's; glide: "
                              "from this GLIDE draft (a treadle export or run directory, a LongSpec draft directory or "
-                             "its draft_model_weights.pth) of the run's layout; unset = a new draft")
+                             "its draft_model_weights.pth) of the run's layout; dflash: from this DFlash draft (z-lab's "
+                             "DFlashDraftModel layout, treadle's export or one trained elsewhere for this target, or "
+                             "a treadle run directory); unset = a new draft")
     ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3, glide: training-time-test unroll steps (the "
                                   "draft fed its own outputs); unset = 7 (eagle3), 1 (glide: no unroll)")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3, glide: weight of unroll step k's loss is ttt_decay**k")
     features: str | None = Field(None, description="train from this feature store (`treadle features CONFIG --out "
                                  "DIR` with this run's config): the target's reads come from disk and its decoder "
                                  "layers are never built; unset = the live target runs every step")
+    block_size: int | None = Field(None, ge=2, le=64, description="dflash: positions of a drafted block, the anchor "
+                                   "(the last accepted token) then mask tokens: block_size - 1 drafts per forward; "
+                                   "unset = 16")
+    num_layers: int | None = Field(None, ge=1, le=64, description="dflash: draft decoder layers; unset = 5")
+    anchors: int | None = Field(None, ge=1, description="dflash: blocks trained per packed row, anchored at random "
+                                "supervised positions (fewer where the row has fewer); unset = data.seq_len / "
+                                "block_size, every position covered once on average")
+    slot_gamma: float | None = Field(None, gt=0.0, description="dflash: slot k of a block (k >= 1) weighs "
+                                     "exp(-(k - 1) / slot_gamma) in the loss; unset = 7 (the paper's at block 16)")
+    slot_weighting: Literal["decay", "dpace"] | None = Field(None, description="dflash: decay = exp(-(k - 1) / "
+                                                            "slot_gamma) per slot; dpace = D-PACE (arXiv 2605.18810): "
+                                                            "slot j weighs the expected acceptance it leads to, from "
+                                                            "the draft's own detached CE (draft.loss = ce only); "
+                                                            "unset = decay")
+    mask_token_id: int | None = Field(None, ge=0, description="dflash: the target-embedding row fed at a block's "
+                                      "masked positions; unset = the first row past the data's tokenizer, else the "
+                                      "last row")
 
 
 class DistributedConfig(Section):

@@ -14,12 +14,14 @@ one-line ValueError.
 
 from __future__ import annotations
 
+from treadle.drafts.dflash import settings as dflash
 from treadle.drafts.eagle3 import settings as eagle3
 from treadle.drafts.glide import settings as glide
 
-KINDS = {k.NAME: k for k in (glide, eagle3)}
+KINDS = {k.NAME: k for k in (glide, eagle3, dflash)}
 NAMES = tuple(KINDS)  # draft.kind's accepted values, in this order (what configuration.md and errors list)
-OPTIONAL_KEYS = ("feature_layers", "vocab_size", "init", "ttt_steps")  # unset unless a kind reads them; checked in this order
+OPTIONAL_KEYS = ("feature_layers", "vocab_size", "init", "ttt_steps", "block_size", "num_layers", "anchors",
+                 "slot_gamma", "slot_weighting", "mask_token_id")  # unset unless a kind reads them; checked in this order
 
 
 def _kinds_with(test) -> str:

@@ -102,7 +102,8 @@ class DraftExportCallback(Callback):
 
 
 class TTTAccuracyCallback(Callback):
-    """After each step: ``acc_k``, the share of scored rows whose step-k guess is the target's greedy token.
+    """After each step: ``acc_k``, the share of scored rows whose step-k guess is the target's greedy token, and for a
+    block draft ``eal``, its expected accepted drafts per block (drafts/dflash/objective.py).
 
     The objective reports hits and rows summed over the step's micro-batches and ranks (divided by the same label
     count, which cancels here); runs before the metrics callback, which logs ``acc_k`` in their place.
@@ -116,3 +117,11 @@ class TTTAccuracyCallback(Callback):
             if rows > 0:
                 m[f"acc_{k}"] = hits / rows
             k += 1
+        # A block draft's (dflash) whole-block prefixes: eal = sum_k P(slots 1..k all the target's greedy tokens).
+        k, eal = 1, 0.0
+        while f"block_rows_{k}" in m:
+            hits, rows = m.pop(f"block_hits_{k}"), m.pop(f"block_rows_{k}")
+            eal += hits / rows if rows > 0 else 0.0
+            k += 1
+        if k > 1:
+            m["eal"] = eal

@@ -1,0 +1,411 @@
+"""DFlash: a block draft that proposes ``block_size - 1`` tokens in one forward over the target's fused features.
+
+Written from the DFlash design as z-lab's reference model, SpecForge and speculators describe it
+(../shared/research/dflash-offline.md Part 1):
+
+    c_t = hidden_norm(fc([h_l1 ; ... ; h_ln]_t))        the chosen target layers' states at context token t,
+                                                        fused once (``feature_layers``: output_hidden_states
+                                                        indices, treadle's one convention)
+    x   = embed([anchor, MASK, ..., MASK])               a block of ``block_size`` rows, the target's frozen
+                                                        embedding; the anchor is the last accepted token
+    per draft layer (Qwen3-style: pre-norm, q/k per-head norm, SwiGLU MLP, residuals):
+        q = q_norm(q_proj(norm(x)))                     the block only
+        K = k_norm(k_proj([c ; norm(x)])), V = v_proj([c ; norm(x)])
+                                                        the context enters as extra keys/values through the
+                                                        layer's own projections, never its residual stream
+        x = x + o_proj(Attn(q, K, V)); x = x + MLP(norm(x))
+    logits = target.lm_head(norm(x))                    the target's frozen head, the draft's own final norm
+
+RoPE: context token t at its own position, block slot j at the anchor's position + j. Attention: a block sees
+the context strictly before its anchor (in the anchor's document: packed rows are never crossed) and its own
+slots, bidirectionally. Slot k >= 1 guesses the token at anchor + k (no EAGLE-style shift); slot 0 is not
+scored. At decode time the anchor is the bonus token, which has no target features yet: exactly "context
+strictly before the anchor".
+
+Training runs every sampled anchor of a packed row in one forward: the queries are the blocks' rows, the keys
+the whole row's context followed by every block; ``block_mask`` says which key each block row may read
+(by position, never by block id: overlapping anchors must not leak a later anchor's context, SpecForge #472).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers.activations import ACT2FN
+
+from treadle.drafts.dflash import layout as dflash_layout
+from treadle.drafts.dflash import settings
+from treadle.drafts.eagle3.model import capture_features, draft_rotary, draft_shape
+from treadle.drafts.glide.model import (
+    WHOLE, DraftRunModel, RMSNorm, causal_document_mask, checked_export, document_ids, init_linears,
+    rotate, sdpa,
+)
+from treadle.drafts.targets import checked_target
+from treadle.errors import UserError
+from treadle.model_dirs import resolve_model_dir
+from treadle.data.packed import IGNORE_INDEX
+from treadle.models.chunked_ce import chunked_rows, model_logits
+from treadle.models.upcast import at_least_fp32
+from treadle.models.hf import greedy_continuations
+
+KIND = "dflash"
+
+
+def default_feature_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """z-lab's picks (``build_target_layer_ids``: ``count`` decoder layers spread evenly over 1..N-3, or N // 2 for
+    one), as output_hidden_states indices: z-lab's decoder-layer index + 1 (Qwen3-8B, 5 picks: 2, 10, 18, 26, 34).
+    A target too shallow for distinct picks gets up to ``count`` distinct indices spread over 1..N-1."""
+    n = num_target_layers
+    if count == 1:
+        zlab = [n // 2]
+    else:
+        zlab = [int(round(1 + i * (n - 4) / (count - 1))) for i in range(count)]
+    picks = tuple(i + 1 for i in zlab)
+    if all(1 <= i < n for i in picks) and all(a < b for a, b in zip(picks, picks[1:])):
+        return picks
+    m = max(1, min(count, n - 1))
+    if m == 1:
+        return (max(1, n // 2),)
+    return tuple(sorted({int(round(1 + i * (n - 2) / (m - 1))) for i in range(m)}))
+
+
+def check_feature_layers(layers, num_layers: int, key: str) -> None:
+    """What the engines serve: one or more strictly increasing output_hidden_states indices in 1..N-1 (index N is
+    a normalized state in Hugging Face's tuple and no engine captures it; index 0 would be z-lab's -1)."""
+    layers = list(layers)
+    if not layers or any(not 1 <= i < num_layers for i in layers) or any(a >= b for a, b in zip(layers, layers[1:])):
+        raise UserError(f"{key} = {layers}: accepted: one or more strictly increasing output_hidden_states indices "
+                        f"in 1..{num_layers - 1} (i = decoder layer i's output)")
+
+
+def default_mask_token(target_vocab: int, data_vocab: int) -> int:
+    """A row of the target's embedding no data token uses where there is one (the first past the tokenizer's, as
+    Qwen3's 151669), else the last row."""
+    return data_vocab if data_vocab < target_vocab else target_vocab - 1
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def block_mask(doc: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, 1, N * block_size, T + N * block_size] bool: what the rows of N anchored blocks may read among a packed
+    row's T context keys followed by the blocks' own keys. Block j (anchor index ``anchors[b, j]``) reads context
+    index t iff t < anchor and t is in the anchor's document, and every row of its own block."""
+    B, T = doc.shape
+    N = anchors.shape[1]
+    idx = torch.arange(T, device=doc.device)
+    anchor_doc = doc.gather(1, anchors)  # [B, N]
+    ctx = (idx[None, None] < anchors[..., None]) & (doc[:, None] == anchor_doc[..., None])  # [B, N, T]
+    ctx = ctx.repeat_interleave(block_size, dim=1)  # [B, N * bs, T]
+    block = torch.arange(N * block_size, device=doc.device) // block_size
+    own = (block[:, None] == block[None]).expand(B, -1, -1)
+    return torch.cat((ctx, own), dim=-1).unsqueeze(1)
+
+
+# ----------------------------------------------------------------------------- the draft
+
+
+class DFlashLayer(nn.Module):
+    """One Qwen3-style decoder layer whose attention also reads the fused context as keys/values."""
+
+    def __init__(self, s):
+        super().__init__()
+        d, hd = s.hidden_size, s.head_dim
+        self.head_dim = hd
+        self.input_layernorm = RMSNorm(d, eps=s.rms_norm_eps)
+        self.q_proj = nn.Linear(d, s.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, s.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, s.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(s.num_attention_heads * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, eps=s.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, eps=s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, eps=s.rms_norm_eps)
+        self.gate_proj = nn.Linear(d, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, d, bias=False)
+        self.act = ACT2FN[s.hidden_act]
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(*x.shape[:2], x.shape[-1] // self.head_dim, self.head_dim)  # [B, T, H, D]: the per-head norm acts on D
+
+    def keys(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values [B, H_kv, T, D] of ``h`` (the fused context, or the block's normed rows)."""
+        k = rotate(self.k_norm(self._heads(self.k_proj(h))).transpose(1, 2), cos, sin)
+        v = self._heads(self.v_proj(h)).transpose(1, 2)
+        return k, v
+
+    def forward(self, x: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        q = rotate(self.q_norm(self._heads(self.q_proj(h))).transpose(1, 2), cos, sin)
+        k, v = self.keys(h, cos, sin)
+        k, v = torch.cat((context_kv[0].to(k.dtype), k), 2), torch.cat((context_kv[1].to(v.dtype), v), 2)
+        attn = sdpa(q, k, v, mask)
+        x = x + self.o_proj(attn.transpose(1, 2).flatten(2))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DFlashDraft(nn.Module):
+    """The trainable draft: fc + hidden_norm, ``num_layers`` layers, the final norm. It owns no embedding or head
+    (the target's are shared, frozen)."""
+
+    def __init__(self, target_config, feature_layers: tuple[int, ...], num_layers: int = settings.NUM_LAYERS,
+                 block_size: int = settings.BLOCK_SIZE, mask_token_id: int | None = None):
+        super().__init__()
+        s = self.shape = draft_shape(target_config)
+        d = s.hidden_size
+        self.feature_layers = tuple(feature_layers)
+        self.block_size = block_size
+        self.target_vocab_size = target_config.vocab_size
+        self.mask_token_id = target_config.vocab_size - 1 if mask_token_id is None else mask_token_id
+        if not 0 <= self.mask_token_id < target_config.vocab_size:
+            raise UserError(f"draft.mask_token_id = {self.mask_token_id} is not a row of the target's embedding; "
+                            f"accepted: 0..{target_config.vocab_size - 1}")
+        self.fc = nn.Linear(len(self.feature_layers) * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, eps=s.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(s) for _ in range(num_layers))
+        self.norm = RMSNorm(d, eps=s.rms_norm_eps)
+        init_linears(self, target_config)
+
+    # torch.utils.checkpoint's keyword arguments when activation checkpointing is on (models/checkpointing.py).
+    checkpoint_kwargs: dict | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The context [B, T, d] every layer reads, from the target's concatenated states [B, T, n * d]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def context_kv(self, context: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> list[tuple]:
+        """Per layer, the context's rotated keys and values (what a decode caches; training recomputes them)."""
+        cos, sin = rope
+        return [layer.keys(context, cos, sin) for layer in self.layers]
+
+    def forward(self, embeds: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context_kv: list[tuple],
+                mask: torch.Tensor) -> torch.Tensor:
+        """The block rows' final hidden states [B, Q, d] (after the draft's norm: the head reads them).
+
+        ``context_kv``: per layer the keys/values the rows may read before their own (``context_kv``, or a
+        decode's cache); ``mask`` [B, 1, Q, keys] says which (True: may read)."""
+        cos, sin = rope
+        x = embeds
+        for layer, kv in zip(self.layers, context_kv):
+            if self.checkpoint_kwargs is not None and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, kv, cos, sin, mask, **self.checkpoint_kwargs)
+            else:
+                x = layer(x, kv, cos, sin, mask)
+        return self.norm(x)
+
+    def export_config(self) -> dict:
+        """treadle's own keys in config.json; the rest is z-lab's layout (``dflash_layout.config_of``)."""
+        return {"treadle_draft_kind": KIND}
+
+
+# ----------------------------------------------------------------------------- draft and target together
+
+
+@dataclass
+class DFlashOutput:
+    logits: torch.Tensor | None  # the draft's [B, N, block_size - 1, V]: slot k's guess of token anchor + k (k = 1..)
+    target_logits: torch.Tensor | None  # the target's [B, N, block_size - 1, V] at index anchor + k - 1 (its guess)
+    target_ce: torch.Tensor  # the target's own CE summed over the row's labels (the floor), scalar
+    # With a chunked loss (loss_chunk_tokens, slot_labels given) the logits are never whole; per slot [B, N, K]:
+    ce: torch.Tensor | None = None  # the draft's CE on slot_labels (0 where ignored)
+    kl: torch.Tensor | None = None  # KL(target || draft) (0 where ignored)
+    hit: torch.Tensor | None = None  # the draft's argmax equals the target's (bool)
+
+
+def _slot_scores(hidden: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, config):
+    """One chunk of slot rows through the shared head: the draft's CE on ``labels``, KL(target || draft) and whether
+    the two argmaxes agree (fp32 softmaxes; the target's logit transform applied to both, as its forward does)."""
+    logp = F.log_softmax(at_least_fp32(model_logits(config, F.linear(hidden, weight))), -1)
+    with torch.no_grad():  # the teacher is fixed: recomputed in backward, never differentiated
+        teacher_logp = F.log_softmax(at_least_fp32(model_logits(config, F.linear(teacher, weight))), -1)
+    valid = labels != IGNORE_INDEX
+    ce = F.nll_loss(logp, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1) * valid
+    hit = (logp.detach().argmax(-1) == teacher_logp.argmax(-1)) & valid
+    return ce, kl, hit
+
+
+def _target_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, config) -> tuple[torch.Tensor]:
+    """One chunk of the target's own per-token CE (the floor a draft run logs as target_loss)."""
+    logits = at_least_fp32(model_logits(config, F.linear(hidden, weight)))
+    return (F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none"),)
+
+
+class DFlashModel(DraftRunModel):
+    """What a dflash draft run trains: a frozen target and a trainable ``draft_model`` on its fused features."""
+
+    def __init__(self, target, draft_model: DFlashDraft):
+        super().__init__(target, draft_model)
+        self.rotary = draft_rotary(target.config)  # buffers only, not saved
+        self.sequences = WHOLE
+
+    # Methods evaluations call directly: a sharding engine gathers parameters around them (see GlideModel).
+    fsdp_forward_methods = ("chain_guesses", "continue_greedily")
+
+    def continue_greedily(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        return greedy_continuations(self.target, prompts, new_tokens)
+
+    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden: bool = False):
+        """The target's logits (or, ``hidden``, the final hidden states its head reads) and its features
+        ([B, T, len(feature_layers) * d]) for packed rows, without grad."""
+        run = self.target.model if hidden else self.target
+        mask = causal_document_mask(position_ids, self.target)
+        with torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap:
+            out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)
+            return out.last_hidden_state if hidden else out.logits, tap.take()
+
+    def _blocks(self, input_ids: torch.Tensor, position_ids: torch.Tensor, features: torch.Tensor,
+                anchors: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+        """The draft's final hidden states of the blocks anchored at ``anchors`` [B, N] (indices into the rows):
+        [B, N, block_size, d]."""
+        draft = self.draft_model
+        bs = draft.block_size
+        B, N = anchors.shape
+        tokens = input_ids.new_full((B, N, bs), draft.mask_token_id)
+        tokens[:, :, 0] = input_ids.gather(1, anchors)
+        embed = self.target.get_input_embeddings()
+        embeds = embed(tokens.flatten(1))
+        block_pos = (position_ids.gather(1, anchors)[..., None] + torch.arange(bs, device=anchors.device)).flatten(1)
+        context = draft.fuse(features)
+        kv = draft.context_kv(context, self.rotary(context, position_ids))
+        hidden = draft(embeds, self.rotary(embeds, block_pos), kv, block_mask(doc, anchors, bs))
+        return hidden.view(B, N, bs, -1)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The shared head on the draft's final hidden states [..., d] (flattened: one matmul, not a batched one
+        over a sliced block)."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return model_logits(self.target.config, self.target.get_output_embeddings()(flat)).view(*hidden.shape[:-1], -1)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, anchors: torch.Tensor,
+                doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                slot_labels: torch.Tensor | None = None) -> DFlashOutput:
+        """Blocks at ``anchors`` [B, N] (indices; any valid index where a row has fewer, never scored) scored
+        against the target: slot k's logits and the target's at index anchor + k - 1 (clamped at the row's end:
+        such slots are never scored). With ``loss_chunk_tokens`` > 0 and ``slot_labels`` ([B, N, K] data tokens,
+        -100 where a slot is not scored): per-slot scores computed a chunk of rows at a time instead."""
+        from treadle.data.packed import row_cross_entropy
+
+        doc = document_ids(position_ids if doc_position_ids is None else doc_position_ids)
+        bs = self.draft_model.block_size
+        rows = (anchors[..., None] + torch.arange(bs - 1, device=anchors.device)).clamp_max(input_ids.shape[1] - 1)
+        B, N, K = rows.shape
+        if self.loss_chunk_tokens and slot_labels is not None:
+            # Both heads a chunk of rows at a time (here, inside forward: a sharding engine holds the head's weight).
+            target_hidden, features = self._target_forward(input_ids, position_ids, hidden=True)
+            hidden = self._blocks(input_ids, position_ids, features, anchors, doc)[:, :, 1:]
+            teacher = target_hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_hidden.shape[-1]))
+            weight, config, chunk = self.target.get_output_embeddings().weight, self.target.config, self.loss_chunk_tokens
+            ce, kl, hit = chunked_rows(lambda h, t, y: _slot_scores(h, t, weight, y, config),
+                                       [hidden.flatten(0, -2), teacher.flatten(0, -2), slot_labels.flatten()], chunk)
+            target_ce = target_hidden.new_zeros(())
+            if labels is not None:
+                with torch.no_grad():
+                    target_ce = chunked_rows(lambda t, y: _target_ce(t, weight, y, config),
+                                             [target_hidden.flatten(0, -2), labels.flatten()], chunk)[0].sum()
+            return DFlashOutput(None, None, target_ce, ce.view(B, N, K), kl.view(B, N, K), hit.view(B, N, K))
+        target_logits, features = self._target_forward(input_ids, position_ids)
+        hidden = self._blocks(input_ids, position_ids, features, anchors, doc)
+        teacher = target_logits.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1]))
+        target_ce = row_cross_entropy(target_logits, labels).sum() if labels is not None else target_logits.new_zeros(())
+        return DFlashOutput(self.draft_logits(hidden[:, :, 1:]), teacher.view(B, N, K, -1), target_ce)
+
+    @torch.no_grad()
+    def chain_guesses(self, texts: torch.Tensor, gamma: int, chunk: int = 64) -> list[torch.Tensor]:
+        """Per chain step k = 1..gamma, [N, L] target ids: entry i is the draft's guess for token i + 1 when a
+        decode's block was anchored at token i - k + 1 (-1 where no such anchor exists). A DFlash block's slots do
+        not depend on one another's acceptance, so this is what the decode loop proposes from every start."""
+        if gamma > self.draft_model.block_size - 1:
+            raise ValueError(f"gamma {gamma} exceeds the block's {self.draft_model.block_size - 1} drafts")
+        N, L = texts.shape
+        positions = torch.arange(L, device=texts.device).expand_as(texts)
+        _, features = self._target_forward(texts, positions)
+        doc = torch.ones_like(texts)
+        slots = []  # per anchor chunk: [N, n, gamma] argmaxes of slots 1..gamma
+        for first in range(0, L, chunk):
+            anchors = torch.arange(first, min(L, first + chunk), device=texts.device).expand(N, -1)
+            hidden = self._blocks(texts, positions, features, anchors, doc)
+            slots.append(self.draft_logits(hidden[:, :, 1 : gamma + 1]).argmax(-1))
+        guess = torch.cat(slots, dim=1)  # [N, L, gamma]: anchor a's slot k guesses token a + k
+        out = []
+        for k in range(1, gamma + 1):  # entry i = a + k - 1
+            g = guess[:, :, k - 1]
+            out.append(torch.cat((g.new_full((N, k - 1), -1), g[:, : L - k + 1]), dim=1))
+        return out
+
+
+# ----------------------------------------------------------------------------- building and loading
+
+
+def build_dflash(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
+    """(DFlashModel, target dir, target identity) for a ``DraftConfig``; from ``draft.init`` the directory's draft
+    (its layers, block size and mask token are the run's)."""
+    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
+    target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
+    if cfg.init is not None:
+        draft = draft_from_layout(init_dir(cfg.init), target, "draft.init")
+        for key, want, have in (("feature_layers", cfg.feature_layers, list(draft.feature_layers)),
+                                ("num_layers", cfg.num_layers, draft.num_layers),
+                                ("block_size", cfg.block_size, draft.block_size),
+                                ("mask_token_id", cfg.mask_token_id, draft.mask_token_id)):
+            if want is not None and want != have:
+                raise UserError(f"draft.{key} = {want} but draft.init {cfg.init} has {have}; accepted: draft.{key} "
+                                "unset (the initial draft's) or equal to it")
+        return DFlashModel(target, draft), target_dir, ident
+    n = target.config.num_hidden_layers
+    if n < 2:
+        raise UserError(f"draft.target {target_dir} has {n} decoder layer; a dflash draft reads states of decoder "
+                        "layers before the last; accepted: a target with 2 or more layers")
+    count = settings.num_layers(cfg)
+    layers = tuple(cfg.feature_layers) if cfg.feature_layers else default_feature_layers(n, count)
+    check_feature_layers(layers, n, "draft.feature_layers")
+    mask = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token(target.config.vocab_size,
+                                                                                         data_vocab)
+    draft = DFlashDraft(target.config, layers, count, settings.block_size(cfg), mask)
+    return DFlashModel(target, draft), target_dir, ident
+
+
+def init_dir(path) -> Path:
+    """``draft.init``: a DFlash draft directory, or a treadle run directory holding one in draft/."""
+    path = Path(path)
+    if not (path / "config.json").is_file() and (path / "draft" / "config.json").is_file():
+        return path / "draft"
+    return path
+
+
+def draft_from_layout(draft_dir, target, where: str) -> DFlashDraft:
+    """The DFlashDraft a z-lab-layout directory holds, checked against ``target`` (a treadle export also by its
+    target's config fingerprint, one trained elsewhere by its dimensions)."""
+    from safetensors.torch import load_file
+
+    config = dflash_layout.read_config(draft_dir)
+    if config is None:
+        raise UserError(f"{where} {draft_dir} is not a DFlash draft in z-lab's layout (config.json with "
+                        f"architectures = [{dflash_layout.ARCHITECTURE!r}])")
+    if "target" in config:
+        checked_export(draft_dir, target, KIND, "a dflash")
+    dflash_layout.check_fits(config, target.config, draft_dir)
+    layers = dflash_layout.feature_layers(config, target.config.num_hidden_layers, draft_dir)
+    check_feature_layers(layers, target.config.num_hidden_layers, f"{draft_dir}/config.json target_layer_ids + 1")
+    draft = DFlashDraft(target.config, layers, config["num_hidden_layers"], dflash_layout.block_size(config),
+                        dflash_layout.mask_token_id(config, draft_dir))
+    tensors = load_file(str(Path(draft_dir) / "model.safetensors"))
+    draft.load_state_dict(dflash_layout.import_weights(tensors, draft, draft_dir))
+    return draft
+
+
+def load_dflash(draft_dir, target) -> DFlashModel:
+    """A DFlash draft in z-lab's layout (treadle's export, or one trained elsewhere for this target) attached to
+    ``target``."""
+    return DFlashModel(target, draft_from_layout(draft_dir, target, "draft")).eval()
