@@ -31,7 +31,8 @@ RUN = ("--train.max_steps=4", "--draft.max_position_offset=0", "--draft.loss=mix
        "--checkpoint.every=2")
 # GLIDE scores draft and teacher chunk by chunk (the stored final hidden state through the head per chunk); EAGLE-3
 # unrolls 3 steps on whole logits.
-KINDS = {"glide": ("--model.loss_chunk_tokens=64",), "eagle3": ("--draft.kind=eagle3", "--draft.ttt_steps=3")}
+KINDS = {"glide": ("--model.loss_chunk_tokens=64",), "eagle3": ("--draft.kind=eagle3", "--draft.ttt_steps=3"),
+         "dflash": ("--draft.kind=dflash", "--draft.block_size=6", "--draft.num_layers=2")}
 
 
 def features_args(shards, target, out, *extra):
@@ -59,7 +60,7 @@ def same_weights(a, b, rel=1e-5):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_run_from_an_fp32_store_equals_the_live_run(small, target_dir, eagle3_target_dir, tmp_path, kind, capsys):
-    target = target_dir if kind == "glide" else eagle3_target_dir
+    target = target_dir if kind == "glide" else eagle3_target_dir  # EAGLE-3's and DFlash's: three distinct layers
     extra = KINDS[kind]
     store, live, stored = tmp_path / "store", tmp_path / "live", tmp_path / "stored"
     assert main(features_args(small, target, store, "--dtype=fp32", "--shard-samples=16", *extra)) == 0
@@ -220,8 +221,7 @@ def test_an_eagle3_run_trains_from_speculators_offline_data(eagle3_target_dir, s
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
     assert not records(run, "tau_sim") and (run / "draft" / "model.safetensors").is_file()
     assert "exported draft" in out
-    for extra, named in (((), "draft.feature_layers"), (("--draft.kind=glide", "--draft.feature_layers=[1,2,3]"),
-                                                          "draft.kind = 'eagle3'")):
+    for extra, named in (((), "draft.feature_layers"), (("--draft.kind=glide",), "draft.kind = 'eagle3' (not 'glide')")):
         argv = draft_args(small, eagle3_target_dir, tmp_path / "bad", *common, *extra)
         assert main(argv) == 2
         err = capsys.readouterr().err

@@ -51,7 +51,6 @@ from treadle.model_dirs import resolve_model_dir
 from treadle.data.packed import IGNORE_INDEX
 from treadle.models.chunked_ce import chunked_rows, model_logits
 from treadle.models.upcast import at_least_fp32
-from treadle.models.hf import greedy_continuations
 
 KIND = "dflash"
 
@@ -253,12 +252,21 @@ class DFlashModel(DraftRunModel):
     # Methods evaluations call directly: a sharding engine gathers parameters around them (see GlideModel).
     fsdp_forward_methods = ("chain_guesses", "continue_greedily")
 
-    def continue_greedily(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        return greedy_continuations(self.target, prompts, new_tokens)
+    def target_reads(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden, features = self._target_forward(input_ids, position_ids, hidden=True)
+        return {"hidden": hidden, "features": features}
 
-    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden: bool = False):
+    def reads_signature(self) -> dict:
+        return {"feature_layers": list(self.draft_model.feature_layers)}
+
+    def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden: bool = False,
+                        reads: dict | None = None):
         """The target's logits (or, ``hidden``, the final hidden states its head reads) and its features
-        ([B, T, len(feature_layers) * d]) for packed rows, without grad."""
+        ([B, T, len(feature_layers) * d]) for packed rows, without grad; from ``reads`` (a store's,
+        drafts/run_model.py) when given."""
+        if reads is not None:
+            return (reads["hidden"] if hidden else self.teacher_logits(reads["hidden"])), reads["features"]
+        self.check_live()
         run = self.target.model if hidden else self.target
         mask = causal_document_mask(position_ids, self.target)
         with torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap:
@@ -290,7 +298,7 @@ class DFlashModel(DraftRunModel):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, anchors: torch.Tensor,
                 doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                slot_labels: torch.Tensor | None = None) -> DFlashOutput:
+                slot_labels: torch.Tensor | None = None, reads: dict | None = None) -> DFlashOutput:
         """Blocks at ``anchors`` [B, N] (indices; any valid index where a row has fewer, never scored) scored
         against the target: slot k's logits and the target's at index anchor + k - 1 (clamped at the row's end:
         such slots are never scored). With ``loss_chunk_tokens`` > 0 and ``slot_labels`` ([B, N, K] data tokens,
@@ -303,7 +311,7 @@ class DFlashModel(DraftRunModel):
         B, N, K = rows.shape
         if self.loss_chunk_tokens and slot_labels is not None:
             # Both heads a chunk of rows at a time (here, inside forward: a sharding engine holds the head's weight).
-            target_hidden, features = self._target_forward(input_ids, position_ids, hidden=True)
+            target_hidden, features = self._target_forward(input_ids, position_ids, hidden=True, reads=reads)
             hidden = self._blocks(input_ids, position_ids, features, anchors, doc)[:, :, 1:]
             teacher = target_hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_hidden.shape[-1]))
             weight, config, chunk = self.target.get_output_embeddings().weight, self.target.config, self.loss_chunk_tokens
@@ -315,7 +323,7 @@ class DFlashModel(DraftRunModel):
                     target_ce = chunked_rows(lambda t, y: _target_ce(t, weight, y, config),
                                              [target_hidden.flatten(0, -2), labels.flatten()], chunk)[0].sum()
             return DFlashOutput(None, None, target_ce, ce.view(B, N, K), kl.view(B, N, K), hit.view(B, N, K))
-        target_logits, features = self._target_forward(input_ids, position_ids)
+        target_logits, features = self._target_forward(input_ids, position_ids, reads=reads)
         hidden = self._blocks(input_ids, position_ids, features, anchors, doc)
         teacher = target_logits.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1]))
         target_ce = row_cross_entropy(target_logits, labels).sum() if labels is not None else target_logits.new_zeros(())
@@ -330,7 +338,7 @@ class DFlashModel(DraftRunModel):
             raise ValueError(f"gamma {gamma} exceeds the block's {self.draft_model.block_size - 1} drafts")
         N, L = texts.shape
         positions = torch.arange(L, device=texts.device).expand_as(texts)
-        _, features = self._target_forward(texts, positions)
+        _, features = self._target_forward(texts, positions, hidden=True, reads=self.eval_reads(texts))
         doc = torch.ones_like(texts)
         slots = []  # per anchor chunk: [N, n, gamma] argmaxes of slots 1..gamma
         for first in range(0, L, chunk):

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.data.packed import IGNORE_INDEX
+from treadle.drafts.run_model import batch_reads
 from treadle.drafts.dflash import settings
 from treadle.drafts.glide.model import anchored_positions, document_ids
 from treadle.models.upcast import at_least_fp32
@@ -138,7 +139,7 @@ class DFlashObjective:
         scored, tokens = scored_slots(labels, document_ids(positions), anchors, valid, self.block_size)
         out = model(input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions,
                     offset), anchors=anchors, doc_position_ids=positions, labels=labels,
-                    slot_labels=torch.where(scored, tokens, IGNORE_INDEX))
+                    slot_labels=torch.where(scored, tokens, IGNORE_INDEX), reads=batch_reads(batch))
         if out.logits is None:  # a chunked loss (model.loss_chunk_tokens): per-slot scores, logits never whole
             ce, kl, hit = out.ce, out.kl, out.hit
         else:
