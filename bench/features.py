@@ -156,6 +156,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40, help="steps of each speed run")
     parser.add_argument("--tau-steps", type=int, default=120, help="steps of each tau run")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-features"))
+    parser.add_argument("--parts", default="speed,tau", help="speed (online vs store), tau (the storage forms)")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
@@ -166,7 +167,8 @@ def main() -> int:
     data = small_data(args.target, out / "data", args.files)
     deep = deep_target(args.target, args.deep_layers, out / "deep-target")
     rows, disk, taus = [], [], []
-    for name, target in (("bench target", args.target), (f"{args.deep_layers}-layer", deep)):
+    parts = args.parts.split(",")
+    for name, target in (("bench target", args.target), (f"{args.deep_layers}-layer", deep)) if "speed" in parts else ():
         layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
         store = out / f"store-{layers}-fp32"
         shutil.rmtree(store, ignore_errors=True)
@@ -179,7 +181,7 @@ def main() -> int:
                      "online RSS MiB": online["peak_rss_mib"], "store RSS MiB": stored["peak_rss_mib"],
                      "write s": wrote["seconds"], "write tok/s": wrote["tokens"] / wrote["seconds"]})
         print(json.dumps(rows[-1]), flush=True)
-    for dtype in ("fp32", "bf16", "fp8"):
+    for dtype in ("fp32", "bf16", "fp8") if "tau" in parts else ():
         store = out / f"store-tau-{dtype}"
         if dtype == "fp32":
             store = out / f"store-{json.loads((args.target / 'config.json').read_text())['num_hidden_layers']}-fp32"
@@ -201,15 +203,15 @@ def main() -> int:
     topk = topk_teacher(args.target, data)
     proj = projection_8b()
     print(f"\n## bench/features.py on {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
-    print(table(rows, list(rows[0])), "\n")
-    print(table(disk, list(disk[0])), "\n")
-    print(table(taus, list(taus[0])), "\n")
+    for got in (rows, disk, taus):
+        if got:
+            print(table(got, list(got[0])), "\n")
     print(table([{"k": k, **v} for k, v in topk.items()], ["k", "missing_mass", "kl_on_support"]), "\n")
     print(f"8B projection: target forward {proj['target_forward_gflop']:.1f} GFLOP/token, EAGLE-3 draft training "
           f"{proj['draft_train_gflop']:.1f} GFLOP/token (7 unroll steps, 32k head): a store-backed step does "
           f"{proj['speedup']:.1f}x less compute")
-    (out / "results.json").write_text(json.dumps({"speed": rows, "disk": disk, "tau": taus, "topk": topk,
-                                                  "projection_8b": proj}, indent=1))
+    (out / f"results-{'-'.join(parts)}.json").write_text(json.dumps({"speed": rows, "disk": disk, "tau": taus,
+                                                                      "topk": topk, "projection_8b": proj}, indent=1))
     return 0
 
 

@@ -126,7 +126,10 @@ def test_explain_covers_every_key_with_its_description_default_and_accepted_valu
         elif line and not line.startswith(("#", " ", "]")) or line.startswith("# ") and line.endswith(" = (unset)"):
             name = line.removeprefix("# ").split(" = ")[0]
             seen.add(f"{section}.{name}" if section else name)  # before the first section: top-level ([[callbacks]])
-            assert lines[i - 1].startswith("# ") and "accepted: " in lines[i - 1], (line, lines[i - 1])
+            j = i - 1
+            while lines[j].startswith("#   "):  # a wrapped comment's continuation lines
+                j -= 1
+            assert lines[j].startswith("# ") and "accepted: " in lines[j], (line, lines[j])
     fields = {f"{s}.{k}": f for s, sf in Config.model_fields.items() if hasattr(sf.annotation, "model_fields")
               for k, f in sf.annotation.model_fields.items()}
     fields |= {s: f for s, f in Config.model_fields.items() if not hasattr(f.annotation, "model_fields")}
