@@ -32,9 +32,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
-def run_args(target: Path, data: Path, out: Path, steps: int, *extra: str) -> list[str]:
+KIND_ARGS = {"eagle3": ["--draft.kind=eagle3", "--draft.ttt_steps=3"], "glide": ["--draft.kind=glide"]}
+
+
+def run_args(target: Path, data: Path, out: Path, steps: int, *extra: str, kind: str = "eagle3") -> list[str]:
     return [f"--train.output_dir={out}", f"--data.train={data / 'train'}", f"--data.val={data / 'val'}",
-            "--draft.kind=eagle3", f"--draft.target={target}", "--draft.ttt_steps=3", "--data.seq_len=256",
+            *KIND_ARGS[kind], f"--draft.target={target}", "--data.seq_len=256",
             "--train.micro_batch_size=8", f"--train.max_steps={steps}", "--train.threads=2", "--optim.lr=3e-3",
             f"--train.log_every={max(1, steps // 4)}", f"--train.eval_every={steps}", "--train.eval_batches=2",
             "--checkpoint.resume=none", "--checkpoint.every_minutes=0", "--model.compile=false",
@@ -43,7 +46,11 @@ def run_args(target: Path, data: Path, out: Path, steps: int, *extra: str) -> li
 
 
 def child(argv: list[str]) -> dict:
-    """One command in a fresh process: its result line (JSON) and its peak RSS."""
+    """One command in a fresh process: its result line (JSON) and its peak RSS. A run starts fresh (its directory,
+    an earlier bench's, removed)."""
+    for a in argv:
+        if a.startswith("--train.output_dir="):
+            shutil.rmtree(a.split("=", 1)[1], ignore_errors=True)
     out = subprocess.run([sys.executable, __file__, "--child", json.dumps(argv)], capture_output=True, text=True)
     if out.returncode != 0:
         sys.stderr.write(out.stderr[-3000:])
@@ -113,10 +120,9 @@ def topk_teacher(target: Path, data: Path, ks=(8, 32, 64)) -> dict:
     for k in ks:
         top, _ = logp.topk(k, -1)
         kept = top.exp().sum(-1)
-        # The top-k teacher renormalized is p / kept on its k tokens: KL(p || it) over all tokens is infinite
-        # (mass off the support), so the error a top-k KL makes is stated as the dropped mass and the KL over the
-        # top-k support, sum_top p log(p / (p / kept)) = kept log kept.
-        out[k] = {"missing_mass": float((1 - kept).mean()), "kl_on_support": float((kept * kept.log()).mean())}
+        # The top-k teacher renormalized is p / kept on its k tokens: KL(p || it) is infinite (mass off its
+        # support), so its error is stated as the dropped mass and KL(it || p) = -log kept (nats per token).
+        out[k] = {"missing_mass": float((1 - kept).mean()), "kl_topk_vs_full": float((-kept.log()).mean())}
     return out
 
 
@@ -156,6 +162,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40, help="steps of each speed run")
     parser.add_argument("--tau-steps", type=int, default=120, help="steps of each tau run")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-features"))
+    parser.add_argument("--kinds", default="eagle3,glide", help="draft kinds of the speed rows")
     parser.add_argument("--parts", default="speed,tau", help="speed (online vs store), tau (the storage forms)")
     parser.add_argument("--child")
     args = parser.parse_args()
@@ -168,15 +175,17 @@ def main() -> int:
     deep = deep_target(args.target, args.deep_layers, out / "deep-target")
     rows, disk, taus = [], [], []
     parts = args.parts.split(",")
-    for name, target in (("bench target", args.target), (f"{args.deep_layers}-layer", deep)) if "speed" in parts else ():
+    targets = (("bench target", args.target), (f"{args.deep_layers}-layer", deep))
+    speed = [(kind, *t) for kind in args.kinds.split(",") for t in targets] if "speed" in parts else []
+    for kind, name, target in speed:
         layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
-        store = out / f"store-{layers}-fp32"
+        store = out / (f"store-{layers}-fp32" if kind == "eagle3" else f"store-{kind}-{layers}-fp32")
         shutil.rmtree(store, ignore_errors=True)
-        wrote = child(["features", str(store), "fp32", *run_args(target, data, out / "unused", args.steps)])
-        online = child(["train", *run_args(target, data, out / f"online-{layers}", args.steps)])
+        wrote = child(["features", str(store), "fp32", *run_args(target, data, out / "unused", args.steps, kind=kind)])
+        online = child(["train", *run_args(target, data, out / f"online-{layers}", args.steps, kind=kind)])
         stored = child(["train", *run_args(target, data, out / f"stored-{layers}", args.steps,
-                                           f"--draft.features={store}")])
-        rows.append({"target": f"{name} ({layers} layers)", "online tok/s": online["tokens_per_s"],
+                                           f"--draft.features={store}", kind=kind)])
+        rows.append({"draft": kind, "target": f"{name} ({layers} layers)", "online tok/s": online["tokens_per_s"],
                      "store tok/s": stored["tokens_per_s"], "speed-up": stored["tokens_per_s"] / online["tokens_per_s"],
                      "online RSS MiB": online["peak_rss_mib"], "store RSS MiB": stored["peak_rss_mib"],
                      "write s": wrote["seconds"], "write tok/s": wrote["tokens"] / wrote["seconds"]})
@@ -206,7 +215,7 @@ def main() -> int:
     for got in (rows, disk, taus):
         if got:
             print(table(got, list(got[0])), "\n")
-    print(table([{"k": k, **v} for k, v in topk.items()], ["k", "missing_mass", "kl_on_support"]), "\n")
+    print(table([{"k": k, **v} for k, v in topk.items()], ["k", "missing_mass", "kl_topk_vs_full"]), "\n")
     print(f"8B projection: target forward {proj['target_forward_gflop']:.1f} GFLOP/token, EAGLE-3 draft training "
           f"{proj['draft_train_gflop']:.1f} GFLOP/token (7 unroll steps, 32k head): a store-backed step does "
           f"{proj['speedup']:.1f}x less compute")
