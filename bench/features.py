@@ -192,9 +192,9 @@ def main() -> int:
         print(json.dumps(rows[-1]), flush=True)
     for dtype in ("fp32", "bf16", "fp8") if "tau" in parts else ():
         store = out / f"store-tau-{dtype}"
-        if dtype == "fp32":
+        if dtype == "fp32":  # the speed part's store of the bench target, written here when that part did not run
             store = out / f"store-{json.loads((args.target / 'config.json').read_text())['num_hidden_layers']}-fp32"
-        else:
+        if dtype != "fp32" or not (store / "manifest.json").is_file():
             shutil.rmtree(store, ignore_errors=True)
             child(["features", str(store), dtype, *run_args(args.target, data, out / "unused", args.steps)])
         manifest = json.loads((store / "manifest.json").read_text())
