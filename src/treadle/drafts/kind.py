@@ -11,6 +11,14 @@ from pathlib import Path
 from types import ModuleType
 
 
+def init_dir(path) -> Path:
+    """``draft.init`` of any kind: a draft directory, or a treadle run directory holding one in draft/."""
+    path = Path(path)
+    if not (path / "config.json").is_file() and (path / "draft" / "config.json").is_file():
+        return path / "draft"
+    return path
+
+
 class DraftKind:
     settings: ModuleType  # the kind's settings.py: NAME, KEYS, TTT_STEPS, LAYOUTS, check, check_context_parallel
 

@@ -95,6 +95,23 @@ class DraftRunModel(nn.Module):
         return {}
 
 
+class FusedFeatureReads:
+    """What EAGLE-3 and DFlash read from their target (a ``DraftRunModel`` mixin): the final hidden state and the
+    fused hidden states of ``draft_model.feature_layers``; their ``_target_forward`` returns ``(teacher, features)``."""
+
+    def target_reads(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden, features = self._target_forward(input_ids, position_ids, hidden=True)
+        return {"hidden": hidden, "features": features}
+
+    def reads_signature(self) -> dict:
+        return {"feature_layers": list(self.draft_model.feature_layers)}
+
+    def from_reads(self, reads: dict, hidden: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_target_forward``'s result from a store's reads: the final hidden state (or the teacher's logits from
+        it) and the features."""
+        return (reads["hidden"] if hidden else self.teacher_logits(reads["hidden"])), reads["features"]
+
+
 # A store's reads travel in a batch under these keys (drafts/features/dataset.py), beside input_ids and labels.
 READS_PREFIX = "target."
 

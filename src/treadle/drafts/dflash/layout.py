@@ -101,7 +101,7 @@ def export(draft, weights: dict, target_config, dtype: torch.dtype, extra: dict)
 
 
 def config_of(draft, target_config, dtype: torch.dtype, extra: dict) -> dict:
-    from treadle.drafts.eagle3.layout import draft_rope_parameters, rope_keys
+    from treadle.drafts.eagle3.layout import layer_keys
 
     s, t = draft.shape, target_config.to_dict()
     ids = to_zlab(draft.feature_layers)
@@ -110,17 +110,9 @@ def config_of(draft, target_config, dtype: torch.dtype, extra: dict) -> dict:
         "model_type": MODEL_TYPE,
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "num_hidden_layers": draft.num_layers,
-        "hidden_size": s.hidden_size,
-        "intermediate_size": s.intermediate_size,
-        "num_attention_heads": s.num_attention_heads,
-        "num_key_value_heads": s.num_key_value_heads,
-        "head_dim": s.head_dim,
-        "hidden_act": s.hidden_act,
-        "rms_norm_eps": s.rms_norm_eps,
         # the rotary the draft computes with (eagle3's draft_rotary: the target's theta and scaling over the whole
         # head); rope_theta is always written: vLLM assumes 1e6 for a DFlash config without one
-        **rope_keys({"rope_parameters": draft_rope_parameters(target_config),
-                     "max_position_embeddings": t.get("max_position_embeddings")}),
+        **layer_keys(s, target_config),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "layer_types": ["full_attention"] * draft.num_layers,

@@ -38,13 +38,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
+from treadle.drafts.kind import init_dir
 from treadle.drafts.dflash import layout as dflash_layout
 from treadle.drafts.dflash import settings
 from treadle.drafts.eagle3.model import capture_features, draft_rotary, draft_shape
 from treadle.drafts.glide.model import (
-    WHOLE, DraftRunModel, RMSNorm, causal_document_mask, checked_export, document_ids, init_linears,
-    rotate, sdpa,
+    WHOLE, RMSNorm, causal_document_mask, checked_export, document_ids, init_linears, rotate, sdpa,
 )
+from treadle.drafts.run_model import DraftRunModel, FusedFeatureReads
 from treadle.drafts.targets import checked_target
 from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
@@ -241,7 +242,7 @@ def _target_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     return (F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none"),)
 
 
-class DFlashModel(DraftRunModel):
+class DFlashModel(FusedFeatureReads, DraftRunModel):
     """What a dflash draft run trains: a frozen target and a trainable ``draft_model`` on its fused features."""
 
     def __init__(self, target, draft_model: DFlashDraft):
@@ -252,20 +253,13 @@ class DFlashModel(DraftRunModel):
     # Methods evaluations call directly: a sharding engine gathers parameters around them (see GlideModel).
     fsdp_forward_methods = ("chain_guesses", "continue_greedily")
 
-    def target_reads(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        hidden, features = self._target_forward(input_ids, position_ids, hidden=True)
-        return {"hidden": hidden, "features": features}
-
-    def reads_signature(self) -> dict:
-        return {"feature_layers": list(self.draft_model.feature_layers)}
-
     def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden: bool = False,
                         reads: dict | None = None):
         """The target's logits (or, ``hidden``, the final hidden states its head reads) and its features
         ([B, T, len(feature_layers) * d]) for packed rows, without grad; from ``reads`` (a store's,
         drafts/run_model.py) when given."""
         if reads is not None:
-            return (reads["hidden"] if hidden else self.teacher_logits(reads["hidden"])), reads["features"]
+            return self.from_reads(reads, hidden)
         self.check_live()
         run = self.target.model if hidden else self.target
         mask = causal_document_mask(position_ids, self.target)
@@ -383,13 +377,6 @@ def build_dflash(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
     draft = DFlashDraft(target.config, layers, count, settings.block_size(cfg), mask)
     return DFlashModel(target, draft), target_dir, ident
 
-
-def init_dir(path) -> Path:
-    """``draft.init``: a DFlash draft directory, or a treadle run directory holding one in draft/."""
-    path = Path(path)
-    if not (path / "config.json").is_file() and (path / "draft" / "config.json").is_file():
-        return path / "draft"
-    return path
 
 
 def draft_from_layout(draft_dir, target, where: str) -> DFlashDraft:

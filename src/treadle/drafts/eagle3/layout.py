@@ -77,6 +77,18 @@ def check_feature_layers(layers, num_layers: int, key: str) -> None:
                         f"1..{num_layers - 1} (i = decoder layer i's output), what vLLM and SGLang serve{shallow}")
 
 
+def layer_keys(shape, target_config) -> dict:
+    """A draft layer's dimensions and rotary as a Hugging Face config states them (EAGLE-3's and DFlash's exports):
+    the rotary the draft computes with (``draft_rope_parameters``), not the target's layer types' or partial
+    rotation, so that a layer built from the config rotates as the trained draft did."""
+    s = shape
+    return {"hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+            "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_key_value_heads,
+            "head_dim": s.head_dim, "hidden_act": s.hidden_act, "rms_norm_eps": s.rms_norm_eps,
+            **rope_keys({"rope_parameters": draft_rope_parameters(target_config),
+                         "max_position_embeddings": target_config.to_dict().get("max_position_embeddings")})}
+
+
 def export(draft, weights: dict, target_config, dtype: torch.dtype, extra: dict) -> tuple[dict, dict]:
     """(tensors, config) of ``draft`` in the consumers' layout. ``weights``: the draft's state dict on the CPU, in
     treadle's names and already in the export dtype; ``extra``: treadle's metadata keys for config.json."""
@@ -101,17 +113,7 @@ def config_of(draft, target_config, dtype: torch.dtype, extra: dict) -> dict:
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "num_hidden_layers": 1,
-        "hidden_size": s.hidden_size,
-        "intermediate_size": s.intermediate_size,
-        "num_attention_heads": s.num_attention_heads,
-        "num_key_value_heads": s.num_key_value_heads,
-        "head_dim": s.head_dim,
-        "hidden_act": s.hidden_act,
-        "rms_norm_eps": s.rms_norm_eps,
-        # the rotary the draft layer computes with (``draft_rope_parameters``), not the target's layer types' or
-        # partial rotation, so that a Llama layer built from this config rotates as the trained draft did
-        **rope_keys({"rope_parameters": draft_rope_parameters(target_config),
-                     "max_position_embeddings": t.get("max_position_embeddings")}),
+        **layer_keys(s, target_config),
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,

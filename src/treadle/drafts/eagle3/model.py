@@ -40,13 +40,14 @@ from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
+from treadle.drafts.kind import init_dir
 from treadle.drafts.eagle3 import layout as eagle3_layout
 from treadle.drafts.eagle3.attention import UnrollKeys
 from treadle.drafts.glide.model import (
     WHOLE, GlideShape, RMSNorm, WholeSequences, attention_mask, causal_document_mask, checked_export,
     document_ids, init_linears, read_draft_config, sdpa, self_attention_inputs, ttt_mask,
 )
-from treadle.drafts.run_model import DraftRunModel
+from treadle.drafts.run_model import DraftRunModel, FusedFeatureReads
 from treadle.models.hf import decoder_layers
 from treadle.drafts.targets import checked_target
 from treadle.drafts.ttt_scores import UnrollScores, chunked_unroll_scores
@@ -241,7 +242,7 @@ class Eagle3Output:
     scores: UnrollScores | None = None
 
 
-class Eagle3Model(DraftRunModel):
+class Eagle3Model(FusedFeatureReads, DraftRunModel):
     """What an eagle3 draft run trains: a frozen target and a trainable ``draft_model`` on its fused features.
     ``loss_chunk_tokens`` > 0: ``forward(labels=...)`` returns per-row scores computed chunk by chunk
     (drafts/ttt_scores.py) instead of whole logits."""
@@ -272,20 +273,13 @@ class Eagle3Model(DraftRunModel):
             guesses.append(torch.cat((ids.new_full((ids.shape[0], k), -1), ids[:, : ids.shape[1] - k]), dim=1))
         return guesses
 
-    def target_reads(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        hidden, features = self._target_forward(input_ids, position_ids, hidden=True)
-        return {"hidden": hidden, "features": features}
-
-    def reads_signature(self) -> dict:
-        return {"feature_layers": list(self.draft_model.feature_layers)}
-
     def _target_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden: bool = False,
                         seq: WholeSequences = WHOLE, reads: dict | None = None):
         """The target's logits (or, ``hidden``, the final hidden states its head reads) and its features
         ([B, T, len(feature_layers) * d]) for packed rows, without grad (``seq``: ``input_ids`` is this rank's
         slice; the mask is the whole sequence's); from ``reads`` (a store's, drafts/run_model.py) when given."""
         if reads is not None:
-            return (reads["hidden"] if hidden else self.teacher_logits(reads["hidden"])), reads["features"]
+            return self.from_reads(reads, hidden)
         self.check_live()
         run = self.target.model if hidden else self.target
         mask = causal_document_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
@@ -384,13 +378,6 @@ def build_eagle3(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
                         "accepted: 1..the target's vocab_size, or unset for the whole vocabulary")
     return Eagle3Model(target, Eagle3Draft(target.config, layers, vocab)), target_dir, ident
 
-
-def init_dir(path) -> Path:
-    """``draft.init``: an EAGLE-3 draft directory, or a treadle run directory holding one in draft/."""
-    path = Path(path)
-    if not (path / "config.json").is_file() and (path / "draft" / "config.json").is_file():
-        return path / "draft"
-    return path
 
 
 def _draft_from_layout(draft_dir, target, where: str) -> Eagle3Draft:
