@@ -169,6 +169,8 @@ def main() -> int:
     if args.child:
         run_child(json.loads(args.child))
         return 0
+    from treadle.drafts.features.store import bytes_per_token
+
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     data = small_data(args.target, out / "data", args.files)
@@ -200,8 +202,6 @@ def main() -> int:
         manifest = json.loads((store / "manifest.json").read_text())
         tokens = sum(s["samples"] for s in manifest["splits"].values()) * manifest["seq_len"]
         size = sum(p.stat().st_size for p in store.glob("*-*.safetensors"))
-        from treadle.drafts.features.store import bytes_per_token
-
         d8b = {"hidden": [4096], "features": [3 * 4096]}
         disk.append({"dtype": dtype, "bytes/token (bench)": size / tokens, "bytes/token 8B EAGLE-3":
                      bytes_per_token(d8b, dtype), "MB per 8k-token sample (8B)": bytes_per_token(d8b, dtype) * 8192 / 1e6})

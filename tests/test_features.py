@@ -2,6 +2,7 @@
 `treadle features` resumes to the same files, and a store for another run, or a damaged one, is refused in one line."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -65,7 +66,7 @@ def test_a_run_from_an_fp32_store_equals_the_live_run(small, target_dir, eagle3_
     store, live, stored = tmp_path / "store", tmp_path / "live", tmp_path / "stored"
     assert main(features_args(small, target, store, "--dtype=fp32", "--shard-samples=16", *extra)) == 0
     line = capsys.readouterr().out
-    assert "treadle: features:" in line and "0 kept" in line
+    assert "treadle: features:" in line and " and 0 kept;" in line  # a new store: everything written now
     manifest = json.loads((store / "manifest.json").read_text())
     assert manifest["complete"] and manifest["kind"] == kind and set(manifest["splits"]) == {"train", "val"}
     assert len(manifest["splits"]["train"]["shards"]) > 1  # several shards: the windows are read across files
@@ -124,7 +125,8 @@ def test_killed_features_resume_to_the_same_files_and_bad_stores_are_refused(sma
     assert main(draft_args(small, target_dir, tmp_path / "r0", *RUN, f"--draft.features={cut}")) == 2
     assert "unfinished feature store" in capsys.readouterr().err
     assert main(features_args(small, target_dir, cut, "--shard-samples=4")) == 0
-    assert "kept" in capsys.readouterr().out
+    kept = re.search(r"and ([\d,]+) kept;", capsys.readouterr().out)
+    assert kept and int(kept.group(1).replace(",", "")) > 0  # the whole shards of the killed run were kept
     files = sorted(p.name for p in whole.iterdir())
     assert files == sorted(p.name for p in cut.iterdir())
     for name in files:
