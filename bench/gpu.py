@@ -10,10 +10,13 @@ the others go on:
   torchrun    the tiny Llama under torchrun, one process: FSDP2 over NCCL
   glide       a GLIDE draft (configs/demo-draft.toml) against the tiny target trained by `tiny`
   eagle3      an EAGLE-3 draft (configs/demo-eagle3.toml) against the same target
-  glide-1b    the same two drafts against the 1.1B Llama (llama-1b's hf/), sequences of 2048; each export's
-  eagle3-1b   config.json and tensor names/shapes are copied beside the table (<item>.config.json, .weights.json)
-  spec-glide  `treadle spec-eval` of the tiny target with each draft: tau, speed-up, lossless
-  spec-eagle3
+  dflash      a DFlash block draft (configs/demo-dflash.toml: block 8) against the same target
+  glide-1b    the same three drafts against the 1.1B Llama (llama-1b's hf/, 100 steps), sequences of 2048; each
+  eagle3-1b   export's config.json and tensor names/shapes are copied beside the table (<item>.config.json,
+  dflash-1b   .weights.json)
+  spec-KIND   `treadle spec-eval --device cuda` of the tiny target with each draft (KIND: glide, eagle3, dflash),
+  spec-KIND-1b and of the 1.1B target with each 1b draft: tau, speed-up, draft forwards per round, lossless; chains
+              of 4 (GLIDE, EAGLE-3) and 7 (DFlash: its whole block, one draft forward)
   samples     small JSONL files (`treadle samples`): the data of the two store items
   features-1b `treadle features` of eagle3-1b's run on that data: the 1.1B target's reads stored once (bf16)
   eagle3-1b-stored  eagle3-1b's run trained from that store (draft.features): the target's layers never built
@@ -59,6 +62,13 @@ LLAMA_TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num
                  num_key_value_heads=2, vocab_size=32768, max_position_embeddings=512)
 
 
+# The draft kinds checked, each from its demo config, and the chain spec-eval judges it on (DFlash: its whole block).
+DRAFT_CONFIGS = {"glide": "configs/demo-draft.toml", "eagle3": "configs/demo-eagle3.toml",
+                 "dflash": "configs/demo-dflash.toml"}
+DRAFT_NAMES = {"glide": "GLIDE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
+SPEC_GAMMA = {"glide": 4, "eagle3": 4, "dflash": 7}
+
+
 @dataclass(frozen=True)
 class Sizes:
     """Steps and shapes of one plan: the GPU check's, or the toy ones that run it on a CPU in a few minutes."""
@@ -82,21 +92,23 @@ class Sizes:
     samples: int = 300    # rows per `treadle samples` file: the store items' data
 
 
-GPU = Sizes(tiny_steps=200, tiny_seq=256, tiny_batch=8, big=LLAMA_1B, big_steps=30, big_seq=2048, big_batch=8,
+GPU = Sizes(tiny_steps=200, tiny_seq=256, tiny_batch=8, big=LLAMA_1B, big_steps=100, big_seq=2048, big_batch=8,
             dist_steps=40, draft_steps=100, draft_batch=4, log_every=10, eval_batches=4, chunk_tokens=1024,
             draft_eval=["--draft.eval_prompts=8", "--draft.eval_new_tokens=32"],
-            spec=["--num-prompts", "8", "--prompt-len", "64", "--max-new-tokens", "64"],
+            spec=["--num-prompts", "8", "--prompt-len", "64", "--max-new-tokens", "128"],
             timeout={"tiny": 420, "llama-1b": 600, "torchrun": 300, "glide": 300, "eagle3": 300,
-                     "spec-glide": 240, "spec-eagle3": 240,
-                     "glide-1b": 300, "eagle3-1b": 300, "samples": 120, "features-1b": 600, "eagle3-1b-stored": 300},
+                     "dflash": 300, "spec-glide": 240, "spec-eagle3": 240, "spec-dflash": 240,
+                     "glide-1b": 300, "eagle3-1b": 300, "dflash-1b": 300,
+                     "spec-glide-1b": 300, "spec-eagle3-1b": 300, "spec-dflash-1b": 300, "samples": 120, "features-1b": 600, "eagle3-1b-stored": 300},
             samples=300)
 TOY = Sizes(tiny_steps=4, tiny_seq=64, tiny_batch=2, big=LLAMA_TOY, big_steps=4, big_seq=64, big_batch=2,
             dist_steps=2, draft_steps=2, draft_batch=2, log_every=2, eval_batches=1, chunk_tokens=32,
             draft_eval=["--draft.eval_prompts=2", "--draft.eval_prompt_len=16", "--draft.eval_new_tokens=8"],
             spec=["--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "8"],
             timeout={"tiny": 300, "llama-1b": 300, "torchrun": 300, "glide": 300, "eagle3": 300,
-                     "spec-glide": 300, "spec-eagle3": 300,
-                     "glide-1b": 300, "eagle3-1b": 300, "samples": 120, "features-1b": 300, "eagle3-1b-stored": 300},
+                     "dflash": 300, "spec-glide": 300, "spec-eagle3": 300, "spec-dflash": 300,
+                     "glide-1b": 300, "eagle3-1b": 300, "dflash-1b": 300,
+                     "spec-glide-1b": 300, "spec-eagle3-1b": 300, "spec-dflash-1b": 300, "samples": 120, "features-1b": 300, "eagle3-1b-stored": 300},
             samples=20)
 
 
@@ -153,26 +165,29 @@ def plan(out: Path, device: str, s: Sizes, only: list[str] | None = None) -> lis
                        "-m", "treadle"],
              env={"NCCL_DEBUG": "VERSION"}),  # NCCL prints its version once it is up: the row's proof it ran
     ]
-    for kind, config in (("glide", "configs/demo-draft.toml"), ("eagle3", "configs/demo-eagle3.toml")):
-        items.append(Item(kind, f"{'GLIDE' if kind == 'glide' else 'EAGLE-3'} draft on the tiny target, bf16, "
-                                f"{compiled}",
+    for kind, config in DRAFT_CONFIGS.items():
+        items.append(Item(kind, f"{DRAFT_NAMES[kind]} draft on the tiny target, bf16, {compiled}",
                           ["train", config, f"--train.output_dir={out / kind}", f"--draft.target={tiny}", *common,
                            *short(s.draft_steps, s.tiny_seq, s.tiny_batch), "--train.eval_every=0", *s.draft_eval],
                           needs=tiny / "hf"))
     big = out / "llama-1b"
-    for kind, config in (("glide", "configs/demo-draft.toml"), ("eagle3", "configs/demo-eagle3.toml")):
-        items.append(Item(f"{kind}-1b", f"{'GLIDE' if kind == 'glide' else 'EAGLE-3'} draft on the {n_big} Llama, "
+    for kind, config in DRAFT_CONFIGS.items():
+        items.append(Item(f"{kind}-1b", f"{DRAFT_NAMES[kind]} draft on the {n_big} Llama, "
                                         f"seq {s.big_seq} x {s.draft_batch}, bf16, {compiled}, its export's config "
                                         f"copied to {kind}-1b.config.json",
                           ["train", config, f"--train.output_dir={out / f'{kind}-1b'}", f"--draft.target={big}",
                            *common, *short(s.draft_steps, s.big_seq, s.draft_batch, s.log_every),
                            "--train.eval_every=0", *s.draft_eval],
                           needs=big / "hf"))
-    for kind in ("glide", "eagle3"):
-        items.append(Item(f"spec-{kind}", f"spec-eval, tiny target + {kind} draft, gamma 4",
-                          ["spec-eval", "--target", str(tiny), "--draft", str(out / kind), "--gamma", "4", *s.spec,
-                           "--json", str(out / f"spec-{kind}.json"), "--threads", "0" if cuda else "1"],
-                          needs=out / kind / "draft"))
+    for kind in DRAFT_CONFIGS:  # each draft at the chain it was trained for, on the run's device (fp32 weights)
+        for name, target in ((f"spec-{kind}", tiny), (f"spec-{kind}-1b", big)):
+            draft = out / name.removeprefix("spec-")
+            items.append(Item(name, f"spec-eval, {'tiny' if target == tiny else n_big} target + {kind} draft, "
+                                    f"gamma {SPEC_GAMMA[kind]}, fp32, on {device}",
+                              ["spec-eval", "--target", str(target), "--draft", str(draft), "--gamma",
+                               str(SPEC_GAMMA[kind]), *s.spec, "--json", str(out / f"{name}.json"),
+                               "--threads", "0" if cuda else "1", "--device", device],
+                              needs=draft / "draft"))
     # eagle3-1b's run on small data (a store of the whole built-in corpus would be ~100 GB at this width), once with
     # its reads written by `treadle features` and once trained from them: the store's two halves, timed.
     data = ["--data.train=" + str(out / "samples" / "text.jsonl"), "--data.val=[]"]
@@ -294,7 +309,8 @@ def spec_row(item: Item, out: Path, result: dict) -> dict:
     return {**result, "tokens_per_s": r["tokens_per_s_spec"],
             "note": f"tau {r['tau']:.2f}, {r['speedup']:.2f}x the target alone "
                     f"({r['tokens_per_s_target']:,.0f} tokens/s), "
-                    f"{'lossless' if r['lossless'] else 'NOT lossless'}; on the CPU (spec-eval has no device option)"}
+                    f"{'lossless' if r['lossless'] else 'NOT lossless'}, "
+                    f"{r['draft_forwards_per_round'] or 0:.1f} draft forwards per round"}
 
 
 # --------------------------------------------------------------------------- the table
@@ -384,8 +400,8 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true", help="toy sizes and steps: the plan in a minute or two on a CPU")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check",
                    help="output directory (default: runs/gpu-check); its item directories are replaced")
-    p.add_argument("--only", help="comma-separated items (default: all): tiny,llama-1b,torchrun,glide,eagle3,"
-                                  "glide-1b,eagle3-1b,spec-glide,spec-eagle3")
+    p.add_argument("--only", help="comma-separated items (default: all): "
+                                  f"{','.join(i.name for i in plan(REPO / 'runs' / 'gpu-check', 'cuda', GPU))}")
     p.add_argument("--max-item-s", type=int, help="cap every item's time limit at this many seconds")
     p.add_argument("--dry-run", action="store_true", help="print and validate every command; run nothing")
     args = p.parse_args()

@@ -252,6 +252,7 @@ def test_eagle3_run_trains_exports_and_decodes(shards, eagle3_target_dir, tmp_pa
                  "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "eagle3" and 1.0 <= got["tau"] <= 5.0
+    assert got["draft_forwards_per_round"] == 4.0  # one draft forward per token of the gamma-4 chain
     # Sampled verification: the reduced head's q rows live on the draft's tokens of the target vocabulary.
     assert main(["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
                  "--prompt-len", "8", "--max-new-tokens", "12", "--temperature", "1", "--json", str(out)]) == 0

@@ -556,3 +556,17 @@ def test_tree_hands_feature_layers_the_accepted_path(target, prompts, noisy_copy
     spy = TreeFeatureSpy(ModelDrafter(noisy_copy))
     result = tree_run(target, spy, prompts[:1], TREE, max_new_tokens=32)[0]
     assert_hidden_rows_tile_the_sequence(spy.calls, target, prompts[0][0].tolist() + result.tokens)
+
+
+def test_tau_by_position_and_expected_accepted_by_hand():
+    # Calls of one sequence emit 3, 1, 5 tokens: they start at generated tokens 1, 4 and 5 (the prefill's token
+    # is token 0); with buckets of 4 the first call is in bucket 0, the other two in bucket 1.
+    from treadle.speculative.decode import tau_by_position
+
+    r = SpecResult([0] * 10, 3, [2, 0, 4], 4, 1.0)
+    assert tau_by_position([r], bucket=4) == [3.0, 3.0]
+    other = SpecResult([0] * 4, 2, [0, 1], 4, 1.0)  # starts 1 and 2: both in bucket 0
+    assert tau_by_position([r, other], bucket=4) == [pytest.approx((3 + 1 + 2) / 3), 3.0]
+    s = summarize([r, other], 4)
+    assert s["expected_accepted"] == pytest.approx(s["tau"] - 1)
+    assert s["tau_by_position"] == [pytest.approx(s["tau"])]  # 64-token buckets: everything in the first

@@ -55,19 +55,20 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def choose_device(pref: str, local_rank: int = 0) -> torch.device:
-    """``auto`` takes the accelerator when there is one; a bare accelerator type gets this process's local rank."""
+def choose_device(pref: str, local_rank: int = 0, key: str = "train.device") -> torch.device:
+    """``auto`` takes the accelerator when there is one; a bare accelerator type gets this process's local rank.
+    ``key``: the setting named in a refusal."""
     if pref == "auto":
         pref = "cuda" if torch.cuda.is_available() else "cpu"  # device-ok: chosen from availability
     try:
         device = torch.device(pref)
     except RuntimeError:
-        raise UserError(f"train.device = {pref!r} is not a device; accepted: auto, cpu, cuda, cuda:N") from None
+        raise UserError(f"{key} = {pref!r} is not a device; accepted: auto, cpu, cuda, cuda:N") from None
     if device.type == "cpu":
         return device
     module = torch.get_device_module(device)
     if not module.is_available():
-        raise UserError(f"train.device = {pref!r} but no {device.type} device is available; accepted here: auto, cpu")
+        raise UserError(f"{key} = {pref!r} but no {device.type} device is available; accepted here: auto, cpu")
     if device.index is None:  # one accelerator per local rank, as torchrun lays processes out
         device = torch.device(device.type, local_rank)
     if device.index >= module.device_count():

@@ -372,21 +372,49 @@ def target_generate(
     return tokens, time.perf_counter() - start
 
 
+POSITION_BUCKET = 64  # tau_by_position: generated tokens per bucket
+
+
+def tau_by_position(results: list[SpecResult], bucket: int = POSITION_BUCKET) -> list[float]:
+    """tau of the verification calls that start in generated tokens [0, bucket), [bucket, 2 bucket), ...: how
+    acceptance changes as the output grows (one call's start is 1 + the tokens the calls before it emitted, the
+    first token being the prefill's). Pooled over sequences: calls of every prompt in a bucket count alike."""
+    sums: dict[int, list[int]] = {}
+    for r in results:
+        start = 1
+        for n in r.accepted_per_call:
+            total = sums.setdefault(start // bucket, [0, 0])
+            total[0] += n + 1
+            total[1] += 1
+            start += n + 1
+    return [sums[b][0] / sums[b][1] for b in sorted(sums)]
+
+
 def summarize(results: list[SpecResult], gamma: int) -> dict:
     """Acceptance statistics over all verification calls of ``results``.
 
     ``tau`` is tokens per verification call, bonus token included, so
     ``tau == 1 + sum(acceptance_unconditional)`` (E[n+1] = 1 + sum_k P(n >= k)).
-    Rates that are undefined (no calls, or no call reached position k-1) are None.
+    Rates that are undefined (no calls, or no call reached position k-1) are None. The rates come from counts
+    pooled over every call of every sequence (never an average of per-sequence rates), so they do not depend on
+    how the calls are batched or split into prompts: ``expected_accepted`` = sum_k prod_{i <= k}
+    acceptance_conditional[i] is then exactly ``tau - 1``.
     """
     accepted = [n for r in results for n in r.accepted_per_call]
     calls = len(accepted)
     reached = [sum(n >= k for n in accepted) for k in range(gamma + 1)]  # reached[0] == calls
+    conditional = [reached[k] / reached[k - 1] if reached[k - 1] else None for k in range(1, gamma + 1)]
+    survive, expected = 1.0, 0.0
+    for rate in conditional:
+        survive *= rate or 0.0
+        expected += survive
     return {
         "gamma": gamma,
         "tau": sum(n + 1 for n in accepted) / calls if calls else None,
-        "acceptance_conditional": [reached[k] / reached[k - 1] if reached[k - 1] else None for k in range(1, gamma + 1)],
+        "acceptance_conditional": conditional,
         "acceptance_unconditional": [reached[k] / calls if calls else None for k in range(1, gamma + 1)],
+        "expected_accepted": expected if calls else None,
+        "tau_by_position": tau_by_position(results),
         "verify_calls": calls,
         "generated_tokens": sum(len(r.tokens) for r in results),
     }

@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as a JSON object here")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = torch's default")
+    parser.add_argument("--device", default="auto",
+                        help="where target and draft decode: auto (an accelerator when there is one), cpu, cuda, "
+                             "cuda:N (default: auto); the weights stay in fp32")
 
 
 # --------------------------------------------------------------------------- loading
@@ -140,19 +143,29 @@ def evaluate_drafter(
     top_p: float = 1.0,
     seed: int = 0,
     tree: tuple[int, ...] | DynamicTree | None = None,
+    device: torch.device | None = None,
 ) -> dict:
     """Target-alone and speculative decoding of every prompt: acceptance, speed and (greedy) losslessness.
 
     ``tree``: branching per depth or a ``DynamicTree``, ``gamma`` its depth. ``lossless`` is None when sampled.
+    ``device``: where the models already are; the decode loops' own tensors are made there too.
     """
     import torch
 
-    from treadle.speculative.decode import speculative_generate, summarize, target_generate
     from treadle.speculative.sampling import Sampler
 
     if not prompts:
         raise ValueError("evaluate_drafter: no prompts")
-    sampler = Sampler(temperature, top_p, torch.Generator().manual_seed(seed))
+    device = torch.device("cpu") if device is None else device
+    sampler = Sampler(temperature, top_p, torch.Generator(device).manual_seed(seed))
+    with torch.device(device):  # the loops build their small tensors (ids, positions, masks) without naming a device
+        return _evaluate(target, drafter, prompts, gamma, max_new_tokens, eos_id, sampler, tree, temperature, top_p)
+
+
+def _evaluate(target, drafter, prompts, gamma, max_new_tokens, eos_id, sampler, tree, temperature, top_p) -> dict:
+    import torch
+
+    from treadle.speculative.decode import speculative_generate, summarize, target_generate
 
     def decode(prompt_ids, new_tokens):
         return speculative_generate(target, drafter, prompt_ids, gamma, new_tokens, eos_id, sampler, tree)
@@ -161,6 +174,7 @@ def evaluate_drafter(
     # selection) that would otherwise land on whichever side is timed first.
     target_generate(target, torch.tensor([prompts[0]]), _WARMUP_TOKENS, eos_id, sampler)
     decode(torch.tensor([prompts[0]]), _WARMUP_TOKENS)
+    forwards = _ForwardCounter(drafter)
     results, target_tokens, target_seconds, mismatches = [], 0, 0.0, []
     for index, prompt in enumerate(prompts):
         prompt_ids = torch.tensor([prompt])
@@ -172,6 +186,7 @@ def evaluate_drafter(
         position = first_mismatch(reference, result.tokens) if sampler.greedy else None
         if position is not None:
             mismatches.append({"prompt": index, "position": position})
+    forwards.remove()
     spec_tokens = sum(len(r.tokens) for r in results)
     spec_seconds = sum(r.seconds for r in results)
     summary = summarize(results, gamma)
@@ -188,7 +203,29 @@ def evaluate_drafter(
         tree=None if tree is None else list(tree) if isinstance(tree, tuple) else str(tree),
     )
     summary["speedup"] = summary["tokens_per_s_spec"] / summary["tokens_per_s_target"]
+    # A chain of gamma one-token drafts runs the draft gamma times in a row per call, a DFlash block once: the cost
+    # model's count (None: a drafter without a model, prompt lookup).
+    summary["draft_forwards_per_round"] = (forwards.calls / summary["verify_calls"]
+                                           if forwards.module is not None and summary["verify_calls"] else None)
     return summary
+
+
+class _ForwardCounter:
+    """Counts the calls of the drafter's network: a treadle draft's ``draft_model`` (its decoder stack), or a
+    ``ModelDrafter``'s whole model."""
+
+    def __init__(self, drafter):
+        model = getattr(drafter, "model", None)
+        self.module = getattr(model, "draft_model", model)
+        self.calls = 0
+        self._hook = self.module.register_forward_pre_hook(self._count) if self.module is not None else None
+
+    def _count(self, module, args) -> None:
+        self.calls += 1
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
 
 
 # --------------------------------------------------------------------------- command
@@ -277,6 +314,14 @@ def _print_report(result: dict, target_dir: Path) -> None:
         table.add_row("draft", f"chain of gamma {gamma}")
     table.add_row("tau", f"{_rate(result['tau'])} tokens per target verification call, bonus token included "
                          f"(at most {gamma + 1})")
+    if result.get("draft_forwards_per_round") is not None:
+        table.add_row("draft forwards", f"{result['draft_forwards_per_round']:.2f} per verification call")
+    by_position = result.get("tau_by_position") or []
+    if len(by_position) > 1:
+        from treadle.speculative.decode import POSITION_BUCKET
+
+        table.add_row("tau by position", ", ".join(
+            f"{b * POSITION_BUCKET}+: {tau:.2f}" for b, tau in enumerate(by_position)) + " (generated tokens)")
     table.add_row("speculative", f"{result['tokens_per_s_spec']:,.1f} tokens/s")
     table.add_row("target alone", f"{result['tokens_per_s_target']:,.1f} tokens/s")
     table.add_row("speedup", f"{result['speedup']:.2f}x")
@@ -301,7 +346,7 @@ def _print_report(result: dict, target_dir: Path) -> None:
 def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Path | None = None, num_prompts: int = 8,
               prompt_len: int = 64, max_new_tokens: int = 64, json_path: Path | None = None, threads: int = 0,
               tree: str | tuple[int, ...] | DynamicTree | None = None, temperature: float = 0.0, top_p: float = 1.0,
-              seed: int = 0) -> dict:
+              seed: int = 0, device: str = "auto") -> dict:
     """Speculative decoding of ``target`` with ``draft``: the result record (``--json`` writes it, with
     ``written_by``). The keywords are the command's flags; its defaults are theirs (a test compares them)."""
     json_path = Path(json_path) if json_path is not None else None
@@ -316,8 +361,11 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
     check_draft_spec(str(draft))
     import torch
 
+    from treadle.distributed import choose_device
     from treadle.models.hf import load_causal_lm
     from treadle.speculative.prompts import heldout_prompts, load_prompts_jsonl
+
+    where = choose_device(device, key="--device")
 
     if threads:
         torch.set_num_threads(threads)
@@ -329,10 +377,13 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
         prompt_ids = heldout_prompts(tokenizer, num_prompts, prompt_len)
     target_model = load_causal_lm(target_dir, "--target")
     drafter = load_drafter(str(draft), target_model, tokenizer)
+    target_model.to(where)
+    if isinstance(getattr(drafter, "model", None), torch.nn.Module):  # a draft model (it may hold the target too)
+        drafter.model.to(where)
 
     result = evaluate_drafter(target_model, drafter, prompt_ids, gamma, max_new_tokens, tokenizer.eos_token_id,
-                              temperature=temperature, top_p=top_p, seed=seed, tree=branching)
-    record = {"written_by": WRITTEN_BY, **result, "target": str(target_dir)}
+                              temperature=temperature, top_p=top_p, seed=seed, tree=branching, device=where)
+    record = {"written_by": WRITTEN_BY, **result, "target": str(target_dir), "device": str(where)}
     if json_path is not None:
         write_atomic(json_path, json.dumps(record, indent=2) + "\n")
     return record
@@ -343,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     result = spec_eval(args.target, args.draft, gamma=args.gamma, prompts=args.prompts, num_prompts=args.num_prompts,
                        prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, json_path=args.json,
                        threads=args.threads, tree=args.tree, temperature=args.temperature, top_p=args.top_p,
-                       seed=args.seed)
+                       seed=args.seed, device=args.device)
     _print_report(result, Path(result["target"]))
     for m in result["mismatches"]:
         print(f"treadle: not lossless: prompt {m['prompt']} differs from the target's greedy output "
