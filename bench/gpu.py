@@ -67,6 +67,10 @@ DRAFT_CONFIGS = {"glide": "configs/demo-draft.toml", "eagle3": "configs/demo-eag
                  "dflash": "configs/demo-dflash.toml"}
 DRAFT_NAMES = {"glide": "GLIDE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
 SPEC_GAMMA = {"glide": 4, "eagle3": 4, "dflash": 7}
+# The 1b drafts' rows are 8x the demo's: DFlash's anchors go back to their default (seq_len / block_size, every
+# position anchors about once), or the demo's 32 blocks a row would train on an eighth of the positions (the
+# first GPU run did: acc_1 0.15 after 100 steps).
+LONG_ROWS = {"dflash": ["--draft.anchors=none"]}
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,7 @@ def plan(out: Path, device: str, s: Sizes, only: list[str] | None = None) -> lis
                                         f"copied to {kind}-1b.config.json",
                           ["train", config, f"--train.output_dir={out / f'{kind}-1b'}", f"--draft.target={big}",
                            *common, *short(s.draft_steps, s.big_seq, s.draft_batch, s.log_every),
-                           "--train.eval_every=0", *s.draft_eval],
+                           "--train.eval_every=0", *s.draft_eval, *LONG_ROWS.get(kind, [])],
                           needs=big / "hf"))
     for kind in DRAFT_CONFIGS:  # each draft at the chain it was trained for, on the run's device (fp32 weights)
         for name, target in ((f"spec-{kind}", tiny), (f"spec-{kind}-1b", big)):

@@ -5,16 +5,22 @@ runs/bench-target and reused (an interrupted training resumes). Its greedy outpu
 checked for loops (distinct n-grams) and prompt lookup's tau says how much repetition there is to exploit.
 
 Every trainable drafter in ``RECIPES`` gets the same training wall time (``--train-seconds``), not the same
-steps: a short probe run measures each recipe's step time, and its cosine schedule is sized to the budget.
+steps: short probe runs, all taken first and back to back, measure each recipe's step time, and its cosine schedule
+is sized to the budget.
 Then each drafter decodes the same held-out prompts against the frozen target, in every mode of ``MODES``:
 a greedy chain of gamma drafts, a greedy static tree, a greedy EAGLE-2 dynamic tree, and a sampled chain,
 static tree and dynamic tree (T = 1). Greedy rows must be lossless.
+
+``dflash`` is a DFlash block draft (block 8): its chain rows draft the whole block (gamma 7) in one draft forward.
+Every row gives tau by output position (per 64 generated tokens: acceptance decays as the output grows), the draft
+forwards run per verification call (counted), and sum_k prod_{i<=k} acc_i from the pooled per-position counts.
 
 Beside measured tokens/s (this CPU, where a draft step of the tiny target costs a large share of a target step),
 a cost model projects the speedup a real target would give: batch-1 decoding reads every weight once per
 forward, so a step's cost is taken as the parameters it reads (embedding rows excluded, LM head included);
 with c = draft step / target step, a chain of gamma costs 1 + gamma c target steps per verification call
-(the verify forward of gamma + 1 tokens about one step: memory-bound) and a tree costs 1 + depth c;
+(the verify forward of gamma + 1 tokens about one step: memory-bound), a tree 1 + depth c and a DFlash block
+1 + c (one draft forward, counted: the draft forwards per round replace gamma);
 projected speedup = tau / that.
 
     python bench/spec.py [--train-seconds 150 | --steps N] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1,dynamic-t1] [--reuse-trained]
@@ -48,6 +54,8 @@ from transformers import AutoTokenizer
 
 from treadle.config import load_config
 from treadle.corpus import corpus_files, split_of
+from treadle.drafts.dflash.drafter import DFlashDrafter
+from treadle.drafts.dflash.model import load_dflash
 from treadle.drafts.eagle3.model import load_eagle3
 from treadle.drafts.glide.layout import load_glide
 from treadle.model_dirs import resolve_model_dir
@@ -83,6 +91,10 @@ COST_8B = {
     # target layers (3d -> d; counted on every step although only the first link of a chain runs it), and its
     # own head over a 32k draft vocabulary (EAGLE-3's choice for Llama-3).
     "eagle3": 2 * _D * (_D + 2 * _KV) + _D * _D + 3 * _D * _FF + 3 * _D * _D + _D * 32000,
+    # DFlash at 8B: the bench's two draft layers (attention reads the fused context through its own k/v, so no wider
+    # than a plain layer), the fc fusing z-lab's five target layers (5d -> d), and the target's head over the
+    # block; one such forward drafts the whole block (memory-bound: the weights are read once for all its slots).
+    "dflash": 2 * _LAYER_8B + 5 * _D * _D + _D * _V,
     # An independent draft for an 8B target: a Llama-3.2-1B-like model (16 layers of d 2048, tied 128k head).
     "lm": 16 * (2048 * (2 * 2048 + 2 * 512) + 3 * 2048 * 8192) + 2048 * _V,
     "prompt-lookup": 0,
@@ -101,6 +113,7 @@ class Recipe:
     drafter: Callable[[Path | None, torch.nn.Module], object]
     family: str
     imports: str | None = None  # the recipe whose trained draft this one re-imports (nothing trained of its own)
+    gamma: int | None = None  # the chain it is judged on (None: --gamma); trees keep the tree's depth
 
 
 def _glide_args(loss: str, regen: bool = False, ttt_steps: int = 1, layout: str = "treadle"):
@@ -116,6 +129,17 @@ def _eagle3_args(args) -> list[str]:
     # as the gamma-4 chain it is judged on, as configs/demo-eagle3.toml.
     return [*_data_args(args, False), "--draft.kind=eagle3", f"--draft.target={args.target}", "--draft.loss=kl",
             f"--draft.gamma={args.gamma}", "--draft.vocab_size=2048", f"--draft.ttt_steps={args.gamma}"]
+
+
+DFLASH_BLOCK = 8  # the anchor + 7 mask slots: one draft forward proposes 7 tokens (configs/demo-dflash.toml's)
+
+
+def _dflash_args(args) -> list[str]:
+    # Every position of a 256-token row anchors a block about once (anchors = seq_len / block), slot k weighed
+    # exp(-(k - 1) / 4), the paper's choice at block 8; two draft layers (z-lab's are 5 at 8B).
+    return [*_data_args(args, False), "--draft.kind=dflash", f"--draft.target={args.target}", "--draft.loss=kl",
+            f"--draft.block_size={DFLASH_BLOCK}", "--draft.num_layers=2", "--draft.slot_gamma=4",
+            f"--draft.gamma={DFLASH_BLOCK - 1}"]
 
 
 def _lm_args(args) -> list[str]:
@@ -167,10 +191,12 @@ RECIPES = [
     # invocation or an earlier one's record (--reuse-trained)
     Recipe("eagle3-imported", None, lambda run, target: Eagle3Drafter(load_eagle3(run / "draft", target)), "eagle3",
            imports="eagle3"),
+    Recipe("dflash", _dflash_args, lambda run, target: DFlashDrafter(load_dflash(run / "draft", target)), "dflash",
+           gamma=DFLASH_BLOCK - 1),
     Recipe("lm", _lm_args, lambda run, target: ModelDrafter(load_causal_lm(run / "hf", "lm draft"), name="lm"), "lm"),
     Recipe("prompt-lookup", None, lambda run, target: PromptLookupDrafter(), "prompt-lookup"),
 ]
-DEFAULT = "glide-kl,glide-ce,glide-kl-ttt,eagle3,lm,prompt-lookup"
+DEFAULT = "glide-kl,glide-ce,glide-kl-ttt,eagle3,dflash,lm,prompt-lookup"
 MODES = {
     "chain": dict(),
     "tree": dict(tree=TREE),
@@ -211,7 +237,7 @@ def train_windows(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
 def bench_target(args) -> Path:
     """configs/bench-target.toml's run, trained once (an interrupted run resumes from its checkpoint)."""
     cfg = load_config(BENCH_TARGET, [f"--train.output_dir={args.target}"])
-    if not (Path(args.target) / "hf" / "config.json").is_file():
+    if not any((Path(args.target) / sub / "config.json").is_file() for sub in ("hf", ".")):  # a run, or an HF dir
         print(f"training the bench target ({BENCH_TARGET}) into {args.target} ...", file=sys.stderr, flush=True)
         run_training(cfg, live=False)
     return Path(args.target)
@@ -232,15 +258,19 @@ def _train(args, recipe: Recipe, name: str, steps: int, eval_every: int) -> obje
     return run_training(load_config(None, common + recipe.train_args(args)), live=False)
 
 
-def train(args, recipe: Recipe) -> dict:
-    """Train for about ``args.train_seconds``: a probe measures the step time, the real run gets that many steps."""
-    probe = _train(args, recipe, f"{recipe.name}-probe", args.probe_steps, eval_every=0)
-    step_s = TOKENS_PER_STEP / probe.tokens_per_s
+def probe(args, recipe: Recipe) -> float:
+    """Seconds per training step of ``recipe``, from a short run."""
+    summary = _train(args, recipe, f"{recipe.name}-probe", args.probe_steps, eval_every=0)
+    shutil.rmtree(args.out / f"{recipe.name}-probe", ignore_errors=True)
+    return TOKENS_PER_STEP / summary.tokens_per_s
+
+
+def train(args, recipe: Recipe, step_s: float) -> dict:
+    """Train for about ``args.train_seconds`` at ``step_s`` seconds a step (the probe's)."""
     # --steps: the same step count for every drafter, for a machine others share (a probe's step time there is
     # not the run's); the probe's step time is still reported, so equal steps can be read as equal wall time only
     # where the recipes' step times are equal.
     steps = args.steps or max(args.probe_steps, int(args.train_seconds / step_s))
-    shutil.rmtree(args.out / f"{recipe.name}-probe", ignore_errors=True)
     print(f"training {recipe.name}: {step_s:.2f} s/step in the probe -> {steps} steps", file=sys.stderr, flush=True)
     summary = _train(args, recipe, recipe.name, steps, eval_every=steps)
     # train_s: the steps' time at the run's own pace (the budget spent); wall_s adds its start and evaluations.
@@ -262,6 +292,8 @@ def draft_step_params(recipe: Recipe, drafter, target) -> int:
         return sum(p.numel() for p in drafter.model.draft_model.parameters()) + target.get_output_embeddings().weight.numel()
     if recipe.family == "eagle3":
         return sum(p.numel() for p in drafter.model.draft_model.parameters())  # own head; the embedding is one row
+    if recipe.family == "dflash":  # its layers and fc, and the target's head it scores the block with
+        return sum(p.numel() for p in drafter.model.draft_model.parameters()) + target.get_output_embeddings().weight.numel()
     if recipe.family == "lm":
         return params_read(drafter.model)
     return 0
@@ -349,8 +381,10 @@ def merged(args, rows: list[dict], retrained: set[str]) -> list[dict]:
                                        if r["mode"] in MODES else len(MODES)))
 
 
-def projected(tau: float, depth: int, c: float) -> float:
-    return tau / (1 + depth * c)
+def projected(tau: float, forwards: float, c: float) -> float:
+    """tau per verification call over its cost in target steps: the verify forward (about one step, memory-bound)
+    plus ``forwards`` draft forwards of cost ``c`` each."""
+    return tau / (1 + forwards * c)
 
 
 def main() -> int:
@@ -387,6 +421,11 @@ def main() -> int:
     bench_target(args)
     args.regen = regenerate(args) if any(n.endswith("-regen") for n in names) else None
     trained, retrained = {}, set()
+    # Every recipe that trains is probed first, back to back: on a machine whose load changes, probes taken one
+    # right after another compare the recipes' step times under the same load (the budget is shared fairly).
+    step_s = {name: probe(args, recipes[name]) for name in names
+              if recipes[name].train_args and not recipes[name].imports
+              and not (args.reuse_trained and (args.out / f"{name}.train.json").is_file())}
     for name in names:
         recipe, record = recipes[name], args.out / f"{name}.train.json"
         if recipe.imports:
@@ -395,7 +434,7 @@ def main() -> int:
         elif args.reuse_trained and record.is_file():
             trained[name] = json.loads(record.read_text())  # decode again (e.g. in new modes) without retraining
         elif recipe.train_args:
-            trained[name] = train(args, recipe)
+            trained[name] = train(args, recipe, step_s[name])
             retrained.add(name)
             record.write_text(json.dumps(trained[name]) + "\n")
         else:
@@ -412,13 +451,17 @@ def main() -> int:
         c = draft_step_params(recipe, drafter, target) / target_params
         c_8b = COST_8B[recipe.family] / TARGET_8B
         for mode in modes:
-            got = evaluate_drafter(target, drafter, prompts, args.gamma, args.max_new_tokens, tokenizer.eos_token_id,
+            gamma = recipe.gamma if recipe.gamma and "tree" not in MODES[mode] else args.gamma
+            got = evaluate_drafter(target, drafter, prompts, gamma, args.max_new_tokens, tokenizer.eos_token_id,
                                    **MODES[mode])
-            depth = got["gamma"]
+            # The draft forwards a round runs in a row, as counted (a chain of one-token drafts: its length; a
+            # DFlash block: 1); the tree's depth for a drafter without a model.
+            forwards = got["draft_forwards_per_round"] or got["gamma"]
             rows.append({"drafter": name, "mode": mode, **trained[name], "cost_ratio": c, "cost_ratio_8b": c_8b,
-                         "projected_speedup": projected(got["tau"], depth, c),
-                         "projected_speedup_8b": projected(got["tau"], depth, c_8b),
-                         **{k: got[k] for k in ("tau", "acceptance_conditional", "acceptance_unconditional",
+                         "projected_speedup": projected(got["tau"], forwards, c),
+                         "projected_speedup_8b": projected(got["tau"], forwards, c_8b),
+                         **{k: got[k] for k in ("gamma", "tau", "acceptance_conditional", "acceptance_unconditional",
+                                                "expected_accepted", "tau_by_position", "draft_forwards_per_round",
                                                 "tokens_per_s_spec", "tokens_per_s_target", "speedup", "lossless")}})
 
     rows = merged(args, rows, retrained)
@@ -432,15 +475,19 @@ def main() -> int:
           f"tree {','.join(map(str, TREE))}, dynamic tree {DYNAMIC}, {args.prompts} held-out prompts x {args.max_new_tokens} new tokens; "
           f"{budget} of training per drafter (8 x 256 tokens per step); "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| drafter | mode | trainable params | steps | probe s/step | train s | tau | acceptance (conditional, k=1..) | "
-          "spec tok/s | target tok/s | speedup | c | projected | c (8B) | projected (8B) | lossless |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| drafter | mode | gamma | trainable params | steps | probe s/step | train s | tau | acceptance (conditional, "
+          "k=1..) | sum_k prod acc | tau by output position (per 64 tokens) | draft fwd / round | spec tok/s | "
+          "target tok/s | speedup | c | projected | c (8B) | projected (8B) | lossless |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = ", ".join(f"{a:.2f}" if a is not None else "n/a" for a in r["acceptance_conditional"])
         lossless = "n/a (sampled)" if r["lossless"] is None else r["lossless"]
-        print(f"| {r['drafter']} | {r['mode']} | {r['trainable_params'] / 1e6:.2f}M | {r['steps']} | "
-              f"{r.get('probe_step_s') or 0:.3f} | {r['train_s']:.0f} | "
-              f"{r['tau']:.2f} | {acc} | {r['tokens_per_s_spec']:.0f} | {r['tokens_per_s_target']:.0f} | "
+        by_position = ", ".join(f"{t:.2f}" for t in r.get("tau_by_position") or [])
+        forwards = r.get("draft_forwards_per_round")
+        print(f"| {r['drafter']} | {r['mode']} | {r.get('gamma', args.gamma)} | {r['trainable_params'] / 1e6:.2f}M | "
+              f"{r['steps']} | {r.get('probe_step_s') or 0:.3f} | {r['train_s']:.0f} | {r['tau']:.2f} | {acc} | "
+              f"{r.get('expected_accepted') or 0:.2f} | {by_position} | {'-' if forwards is None else f'{forwards:.1f}'} | "
+              f"{r['tokens_per_s_spec']:.0f} | {r['tokens_per_s_target']:.0f} | "
               f"{r['speedup']:.2f}x | {r['cost_ratio']:.3f} | {r['projected_speedup']:.2f}x | {r['cost_ratio_8b']:.3f} | "
               f"{r['projected_speedup_8b']:.2f}x | {lossless} |")
     (args.out / "results.json").write_text(json.dumps({"settings": settings(args), "target_loops": loops,

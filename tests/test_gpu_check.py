@@ -14,7 +14,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "gpu.py"
-ITEMS = ["tiny", "llama-1b", "torchrun", "glide", "eagle3", "glide-1b", "eagle3-1b", "spec-glide", "spec-eagle3",
+ITEMS = ["tiny", "llama-1b", "torchrun", "glide", "eagle3", "dflash", "glide-1b", "eagle3-1b", "dflash-1b",
+         "spec-glide", "spec-glide-1b", "spec-eagle3", "spec-eagle3-1b", "spec-dflash", "spec-dflash-1b",
          "samples", "features-1b", "eagle3-1b-stored"]
 
 
