@@ -168,6 +168,10 @@ EAGLE3 = ["--draft.kind=eagle3", "--draft.vocab_size=200", "--draft.ttt_steps=3"
 DRAFT_ENGINES["eagle3-fsdp2"] = DRAFT_ENGINES["fsdp2"] + EAGLE3
 # An EAGLE-3 run at CP = 2 (its scores chunk by chunk, auto) against the one-process run (whole logits).
 DRAFT_ENGINES["eagle3-cp2"] = DRAFT_ENGINES["cp2"] + EAGLE3
+# A DFlash block draft on fsdp2: its anchors are drawn per row by the row's global position, not per rank.
+DFLASH = ["--draft.kind=dflash", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4",
+          "--draft.anchors=4"]
+DRAFT_ENGINES["dflash-fsdp2"] = DRAFT_ENGINES["fsdp2"] + DFLASH
 
 
 def _draft_runs(rank, world_size, shards, target_dir, eagle3_target_dir, out):
@@ -175,7 +179,7 @@ def _draft_runs(rank, world_size, shards, target_dir, eagle3_target_dir, out):
 
     got = {}
     for name, extra in DRAFT_ENGINES.items():
-        target = eagle3_target_dir if name.startswith("eagle3") else target_dir
+        target = eagle3_target_dir if name.startswith(("eagle3", "dflash")) else target_dir
         trainer = build_trainer(load_config(None, draft_args(shards, target, out / name, "--train.max_steps=3",
                                                              "--train.threads=1", *extra)[1:]))
         before = trainer.engine.export_state_dict()  # full weights on rank 0 (gathered: every rank calls it)
@@ -207,18 +211,20 @@ def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, 
                                                                          tmp_path):
     res = run_distributed(_draft_runs, world_size=2, timeout=360, shards=shards, target_dir=target_dir,
                           eagle3_target_dir=eagle3_target_dir, out=tmp_path)[0]
-    one, one_eagle3 = tmp_path / "one", tmp_path / "one-eagle3"
-    assert main(draft_args(shards, target_dir, one, "--train.max_steps=3", "--train.grad_accum_steps=4")) == 0
-    assert main(draft_args(shards, eagle3_target_dir, one_eagle3, "--train.max_steps=3", "--train.grad_accum_steps=4",
-                           *EAGLE3)) == 0
+    one = {kind: tmp_path / f"one-{kind}" for kind in ("glide", "eagle3", "dflash")}
+    for kind, extra, target in (("glide", [], target_dir), ("eagle3", EAGLE3, eagle3_target_dir),
+                                ("dflash", DFLASH, eagle3_target_dir)):
+        assert main(draft_args(shards, target, one[kind], "--train.max_steps=3", "--train.grad_accum_steps=4",
+                               *extra)) == 0
     for name in DRAFT_ENGINES:
         got, run = res[name], tmp_path / name
         assert got["target_keys"] > 0 and got["draft_keys"] > 0
         assert got["target_same"] and got["draft_changed"], got
-        # The same draft run as one process: lags are drawn per global micro-batch, not per rank.
-        eagle3 = name.startswith("eagle3")
-        ref = one_eagle3 if eagle3 else one
-        for key in ("loss", "draft_kl", "eval_loss", "tau_sim", "grad_norm") + (("acc_1", "acc_3") if eagle3 else ()):
+        # The same draft run as one process: lags and anchors are drawn per global micro-batch, not per rank.
+        kind = next((k for k in ("eagle3", "dflash") if name.startswith(k)), "glide")
+        ref = one[kind]
+        accuracies = {"eagle3": ("acc_1", "acc_3"), "dflash": ("acc_1", "acc_5", "eal")}.get(kind, ())
+        for key in ("loss", "draft_kl", "eval_loss", "tau_sim", "grad_norm") + accuracies:
             a, b = records(ref, key), records(run, key)
             atol = KL_ATOL if key in ("loss", "draft_kl") else 0.0  # draft.loss = "kl": the loss is a KL too
             assert a.keys() == b.keys() and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL, abs_tol=atol) for s in a), (
