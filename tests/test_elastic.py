@@ -16,6 +16,7 @@ All three run the same computation on the same machine, so their losses, grad no
 must be equal; the comparison allows the fp32 rounding of 1e-6 relative.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -45,20 +46,36 @@ def _env(**extra) -> dict:
     return {**env, **extra}
 
 
+def _processes_with(token: str) -> list[int]:
+    """The pids whose environment holds ``TREADLE_TEST_JOB=token``: a launcher's ranks (torchrun starts each in a
+    session of its own, so ending the launcher's process group misses them)."""
+    found, needle = [], f"TREADLE_TEST_JOB={token}".encode()
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and needle in open(f"/proc/{entry}/environ", "rb").read().split(b"\0"):
+                found.append(int(entry))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
+
+
 def _launch(launchers: list[list[str]], env: dict, log) -> list[int]:
-    """Start every launcher at once (two nodes must meet at the rendezvous), wait for all; on a timeout or an early
-    failure, end every process group they started so nothing outlives the test."""
+    """Start every launcher at once (two nodes must meet at the rendezvous) and wait for all. On a timeout every
+    process of the job is SIGKILLed, launchers and ranks: a hang fails the test and leaves nothing running."""
+    token = uuid.uuid4().hex
+    env = {**env, "TREADLE_TEST_JOB": token}
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], env=env, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True) for argv in launchers]
+                              stderr=subprocess.STDOUT) for argv in launchers]
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
+        for pid in _processes_with(token):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            p.wait()
     return [p.returncode for p in procs]
 
 
