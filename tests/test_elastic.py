@@ -4,9 +4,9 @@ ends; two torchrun launchers on this machine train as two nodes (c10d rendezvous
 Three real torchrun jobs of 2 gloo ranks on FSDP2, the same tiny run each (8 steps, a checkpoint every 3):
 
 - ``standalone``: ``--standalone --nproc_per_node=2 --max-restarts=1``; rank 1 is SIGKILLed after step 6's
-  checkpoint (``resilience.inject_kill_step``). The second attempt must start (before the fix in
-  ``distributed._attempt_store`` it died in gloo's connectFullMesh on the first attempt's stale store entries, and
-  the job failed) and auto-resume from step_6.
+  checkpoint (``resilience.inject_kill_step``). The second attempt must start and auto-resume from step_6 (before
+  the fix in ``distributed._attempt_store`` it read the first attempt's stale store entries: gloo's connectFullMesh
+  was refused or the attempt hung, and the job timed out here).
 - ``two_nodes``: two launchers ``--nnodes=2 --nproc_per_node=1``, uninterrupted: the reference.
 - ``two_nodes_killed``: the same with ``--max-restarts=1`` and rank 0 (the metrics writer) killed after step 3,
   with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 as docs/multinode.md says (each node counts its restarts: with the
