@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
 from treadle.errors import UserError, first_line
 
@@ -107,11 +109,45 @@ def init_distributed(device_pref: str = "auto", *, num_threads: int | None = Non
     elif device.type == "cpu" and world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     if not dist.is_initialized():
-        kwargs = {"timeout": timeout} if timeout is not None else {}
-        if device.type != "cpu":
-            kwargs["device_id"] = device  # binds the communicator to this rank's device eagerly
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+        if timeout is None:  # torch's own default per backend (NCCL's is the shorter)
+            timeout = default_pg_nccl_timeout if backend == "nccl" and default_pg_nccl_timeout else default_pg_timeout
+        kwargs = {"device_id": device} if device.type != "cpu" else {}  # binds the communicator to the device eagerly
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout,
+                                store=_attempt_store(rank, world_size, timeout), **kwargs)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def restart_count() -> int:
+    """How many times torchrun (``--max-restarts``) has restarted this job's workers; 0 outside torchrun."""
+    return _env_int("TORCHELASTIC_RESTART_COUNT", default=0)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The store the default group bootstraps on: what ``init_process_group`` would make, under a key prefix that
+    is this attempt's own when the store outlives attempts.
+
+    torchrun's c10d rendezvous hosts one TCPStore in its agent for the whole job and hands every attempt the same
+    MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True). ``init_process_group`` keys its bootstrap under a
+    fixed prefix, so a restarted attempt reads the dead attempt's entries: gloo dials the old ranks' addresses
+    (``connectFullMesh``: Connection refused), NCCL takes the old unique id, and an attempt after that can hang.
+    Every other group (``new_group``, device meshes, the checkpoint writer's and the health check's groups)
+    derives its keys from the default group's store, so this one prefix covers them all. The restart count is
+    counted by each node's agent, and an agent that restarts its workers because another node re-joined does not
+    count: across nodes the counts can differ. Without the agent's store (c10d rendezvous with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, or another launcher) rank 0 hosts a fresh store on a fresh port
+    each attempt, so the plain prefix is safe and no count has to agree (docs/multinode.md).
+    """
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    prefix = "default_pg"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        prefix = f"treadle/attempt_{restart_count()}/default_pg"
+        nodes = _env_int("GROUP_WORLD_SIZE", default=1)
+        if rank == 0 and nodes > 1 and _env_int("TORCHELASTIC_MAX_RESTARTS", default=0) > 0:
+            print(f"treadle: warning: torchrun --max-restarts on {nodes} nodes sharing the agent's store: nodes count "
+                  "restarts apart, so a restarted attempt can hang at its start; set "
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (docs/multinode.md)", file=sys.stderr, flush=True)
+    return dist.PrefixStore(prefix, store)
 
 
 @dataclass(frozen=True)

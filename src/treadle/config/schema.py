@@ -133,6 +133,11 @@ class ResilienceConfig(Section):
     shutdown_timeout_s: float = Field(300.0, gt=0.0, description="forced exit if the shutdown checkpoint hangs")
     inject_nan_steps: list[int] = Field(default_factory=list, description="FAULT INJECTION for tests and drills: steps whose loss is made NaN")
     inject_nan_ranks: list[int] = Field(default_factory=list, description="FAULT INJECTION: ranks that inject (empty = all)")
+    inject_kill_step: int | None = Field(None, ge=1, description="FAULT INJECTION for drills: SIGKILL one rank right "
+                                         "after this step's checkpoint (a multiple of checkpoint.every), on "
+                                         "torchrun's first attempt only: a job under --max-restarts restarts and "
+                                         "resumes past it")
+    inject_kill_rank: int = Field(0, ge=0, description="FAULT INJECTION: the rank that inject_kill_step kills")
 
 
 class ModelConfig(Section):

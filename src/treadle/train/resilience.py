@@ -12,9 +12,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from treadle.config import ResilienceConfig
-from treadle.distributed import HealthCheck, HealthCheckFailed
-from treadle.errors import EXIT_INTERRUPTED, EXIT_TRAINING_FAILED, TrainingFailed
+from treadle.config import Config, ResilienceConfig
+from treadle.distributed import HealthCheck, HealthCheckFailed, all_reduce_max, restart_count
+from treadle.errors import EXIT_INTERRUPTED, EXIT_TRAINING_FAILED, TrainingFailed, UserError
 from treadle.train.callbacks import Callback
 from treadle.train.step import StepResult, split_loss
 
@@ -100,6 +100,66 @@ def _poisoned(loss_fn):
         return summed * math.nan, side
 
     return nan_loss
+
+
+class KillInjectionCallback(Callback):
+    """FAULT INJECTION FOR TESTS AND DRILLS ONLY (``resilience.inject_kill_step``): SIGKILL this rank after the step.
+
+    It runs after every other callback, so the step's checkpoint is complete and ``latest`` points at it when the
+    rank dies; an async save is waited for first. SIGKILL, not an exception: nothing of treadle's own shutdown
+    runs, as when the kernel's OOM killer or a failing node takes a rank.
+    """
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if trainer.state.step == self.step:
+            trainer.checkpoints.wait()
+            print(f"treadle: resilience.inject_kill_step = {self.step}: SIGKILL to this rank (a drill)",
+                  file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RestartNoticeCallback(Callback):
+    """A torchrun restart (``--max-restarts``) is written where the run is read: an ``elastic_restart`` record in
+    metrics.jsonl and on the console, with the attempt and the checkpoint auto-resume took (None: none existed yet).
+
+    Each node's agent counts its own restarts, and one that restarts because another node re-joined does not count
+    (torch.distributed.elastic): rank 0's count alone can read 0 after a restart, so the attempt is the largest
+    count of any rank (one collective at the start).
+    """
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        attempt = restart_count()
+        if trainer.engine.world_size > 1:
+            attempt = int(all_reduce_max([attempt], trainer.engine.device)[0])
+        if attempt:
+            trainer.log({"step": trainer.state.step, "event": "elastic_restart", "attempt": attempt,
+                         "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None}, kind="guard")
+
+
+def elastic_callbacks(cfg: Config, rank: int, world_size: int) -> list[Callback]:
+    """The callbacks of a run under torchrun, built before anything is written (a drill key that cannot fire is a
+    UserError now) and placed last in the list (the kill comes after the step's checkpoint)."""
+    callbacks: list[Callback] = [RestartNoticeCallback()] if "TORCHELASTIC_RESTART_COUNT" in os.environ else []
+    r, every, max_steps = cfg.resilience, cfg.checkpoint.every, cfg.train.max_steps
+    if r.inject_kill_step is None:
+        return callbacks
+    if r.inject_kill_rank >= world_size:
+        raise UserError(f"resilience.inject_kill_rank = {r.inject_kill_rank} is not a rank of this launch "
+                        f"(world size {world_size}); accepted: 0 to {world_size - 1}")
+    if r.inject_kill_step > max_steps:
+        raise UserError(f"resilience.inject_kill_step = {r.inject_kill_step} is after train.max_steps = {max_steps}, "
+                        f"so the kill would never happen; accepted: 1 to {max_steps}")
+    # The kill follows a checkpoint of its own step, so the restart resumes past it and never kills again, even
+    # where a node's restart count stays 0 (above); without one, the replayed step would kill at every attempt.
+    if not every or r.inject_kill_step % every:
+        raise UserError(f"resilience.inject_kill_step = {r.inject_kill_step} is not a checkpoint step "
+                        f"(checkpoint.every = {every}); accepted: a multiple of checkpoint.every")
+    if rank == r.inject_kill_rank and restart_count() == 0:
+        callbacks.append(KillInjectionCallback(r.inject_kill_step))
+    return callbacks
 
 
 class HealthCheckCallback(Callback):

@@ -45,7 +45,8 @@ from treadle.train.auto import resolve_auto
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, TTTAccuracyCallback, eval_prompts
 from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
 from treadle.engine.optim import build_schedule
-from treadle.train.resilience import FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher
+from treadle.train.resilience import (FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher,
+                                      elastic_callbacks)
 from treadle.train.profiling import ProfilerCallback
 from treadle.train.rundir import check_output_dir, check_resume, prepare_output_dir, save_run_config
 from treadle.train.step import loss_sum
@@ -325,6 +326,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
                             timeout=datetime.timedelta(seconds=d.timeout_s))
     engine_name = resolve_engine(d.engine, info, d.pipeline_parallel)
     layout = context_layout(info, d.context_parallel)  # dp x cp; one line when the world does not divide
+    elastic = elastic_callbacks(cfg, info.rank, info.world_size)  # torchrun restarts; a drill's keys checked now
     deepspeed_json = read_deepspeed_config(d.deepspeed_config) if engine_name == "deepspeed" else None
     device, main = info.device, info.is_main
     seq_len = cfg.data.seq_len
@@ -408,6 +410,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     callbacks.append(CheckpointCallback(cfg.checkpoint.every, cfg.checkpoint.every_minutes * 60))
     if cfg.checkpoint.export_hf:
         callbacks.append(setup.export)
+    callbacks += elastic  # last: a drill's kill comes after the step's checkpoint
     bf16 = cfg.model.dtype == "bf16"
     console = Console(t.max_steps, enabled=main, live=live, records="console" in cfg.metrics.sinks)
     metrics = Sinks(JsonlSink(out / "metrics.jsonl", enabled=main and "jsonl" in cfg.metrics.sinks), warn=console.print)
