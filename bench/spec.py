@@ -45,6 +45,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -248,7 +249,7 @@ def _train(args, recipe: Recipe, name: str, steps: int, eval_every: int) -> obje
     shutil.rmtree(out, ignore_errors=True)  # each bench run trains from scratch
     common = [
         f"--train.output_dir={out}", f"--train.max_steps={steps}", "--train.micro_batch_size=8",
-        "--data.seq_len=256", "--train.threads=2", f"--train.log_every={max(1, steps // 4)}",
+        "--data.seq_len=256", f"--train.threads={1 if args.budget == 'cpu' else 2}", f"--train.log_every={max(1, steps // 4)}",
         f"--train.eval_every={eval_every}", "--train.eval_batches=4", "--schedule.warmup_proportion=0.1",
         "--optim.lr=3e-3", "--checkpoint.resume=none", "--checkpoint.every_minutes=0",
         # compile = auto would decide per run length: off for the short probe, maybe on for the real run, whose
@@ -259,22 +260,35 @@ def _train(args, recipe: Recipe, name: str, steps: int, eval_every: int) -> obje
 
 
 def probe(args, recipe: Recipe) -> float:
-    """Seconds per training step of ``recipe``, from a short run."""
-    summary = _train(args, recipe, f"{recipe.name}-probe", args.probe_steps, eval_every=0)
-    shutil.rmtree(args.out / f"{recipe.name}-probe", ignore_errors=True)
-    return TOKENS_PER_STEP / summary.tokens_per_s
+    """Seconds per training step of ``recipe``: wall seconds from a short run, or with ``--budget cpu`` this process's
+    CPU seconds per step from two runs (probe_steps and twice that; their difference leaves start-up out). CPU time
+    hardly moves when other jobs share the cores, where wall time can change several-fold between two probes."""
+    if args.budget == "wall":
+        summary = _train(args, recipe, f"{recipe.name}-probe", args.probe_steps, eval_every=0)
+        shutil.rmtree(args.out / f"{recipe.name}-probe", ignore_errors=True)
+        return TOKENS_PER_STEP / summary.tokens_per_s
+    cpu = []
+    for steps in (args.probe_steps, 2 * args.probe_steps):
+        start = time.process_time()
+        _train(args, recipe, f"{recipe.name}-probe", steps, eval_every=0)
+        cpu.append(time.process_time() - start)
+        shutil.rmtree(args.out / f"{recipe.name}-probe", ignore_errors=True)
+    return (cpu[1] - cpu[0]) / args.probe_steps
 
 
 def train(args, recipe: Recipe, step_s: float) -> dict:
-    """Train for about ``args.train_seconds`` at ``step_s`` seconds a step (the probe's)."""
+    """Train for about ``args.train_seconds`` (wall, or CPU with ``--budget cpu``) at ``step_s`` a step."""
     # --steps: the same step count for every drafter, for a machine others share (a probe's step time there is
     # not the run's); the probe's step time is still reported, so equal steps can be read as equal wall time only
     # where the recipes' step times are equal.
     steps = args.steps or max(args.probe_steps, int(args.train_seconds / step_s))
-    print(f"training {recipe.name}: {step_s:.2f} s/step in the probe -> {steps} steps", file=sys.stderr, flush=True)
+    print(f"training {recipe.name}: {step_s:.2f} {args.budget} s/step in the probe -> {steps} steps", file=sys.stderr,
+          flush=True)
+    start = time.process_time()
     summary = _train(args, recipe, recipe.name, steps, eval_every=steps)
     # train_s: the steps' time at the run's own pace (the budget spent); wall_s adds its start and evaluations.
-    return {"probe_step_s": step_s, "trainable_params": summary.parameters, "train_s": TOKENS_PER_STEP * steps / summary.tokens_per_s,
+    return {"probe_step_s": step_s, "budget": args.budget, "trainable_params": summary.parameters,
+            "train_s": TOKENS_PER_STEP * steps / summary.tokens_per_s, "cpu_s": time.process_time() - start,
             "wall_s": summary.elapsed_s, "steps": steps,
             "train_tokens_per_s": summary.tokens_per_s, "run": str(args.out / recipe.name)}
 
@@ -363,8 +377,8 @@ def loop_check(args, model_dirs: list[str]) -> int:
 
 def settings(args) -> dict:
     """What makes rows of two invocations comparable (one table)."""
-    return {k: str(getattr(args, k)) for k in ("target", "data", "train_seconds", "steps", "gamma", "prompts", "prompt_len",
-                                               "max_new_tokens")}
+    return {k: str(getattr(args, k)) for k in ("target", "data", "train_seconds", "budget", "steps", "gamma", "prompts",
+                                               "prompt_len", "max_new_tokens")}
 
 
 def merged(args, rows: list[dict], retrained: set[str]) -> list[dict]:
@@ -391,7 +405,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="runs/bench-target", help="where configs/bench-target.toml's run lives")
     parser.add_argument("--data", default="builtin", help="draft training data: shard dir or 'builtin'")
-    parser.add_argument("--train-seconds", type=float, default=150.0, help="training wall time per drafter")
+    parser.add_argument("--train-seconds", type=float, default=150.0, help="training time per drafter (--budget)")
+    parser.add_argument("--budget", choices=["wall", "cpu"], default="wall",
+                        help="what --train-seconds counts: wall time (an idle machine; 2 training threads), or "
+                             "this process's CPU time (a machine others share; 1 training thread, so no thread waits "
+                             "spinning on another)")
     parser.add_argument("--steps", type=int, help="train every drafter this many steps instead of --train-seconds")
     parser.add_argument("--probe-steps", type=int, default=6, help="steps of the run that measures a recipe's step time")
     parser.add_argument("--gamma", type=int, default=4)
@@ -470,7 +488,7 @@ def main() -> int:
           f"lookup tau {r['lookup_tau']:.2f}" for who, r in (("its greedy outputs", loops["target"]),
                                                               ("its T = 1 samples", loops["target_t1"]),
                                                               ("the real continuations", loops["real"]))))
-    budget = f"{args.steps} steps" if args.steps else f"{args.train_seconds:.0f} s"
+    budget = f"{args.steps} steps" if args.steps else f"{args.train_seconds:.0f} {args.budget} s"
     print(f"gamma {args.gamma}, "
           f"tree {','.join(map(str, TREE))}, dynamic tree {DYNAMIC}, {args.prompts} held-out prompts x {args.max_new_tokens} new tokens; "
           f"{budget} of training per drafter (8 x 256 tokens per step); "
