@@ -20,7 +20,7 @@ engine builds (engine/pipeline.py, the same row-major layout) and takes only its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -40,6 +40,8 @@ class Mesh:
     world_size: int
     sizes: dict  # axis -> size, every axis of AXES
     device_mesh: DeviceMesh | None = None  # None: one process, or a pipeline run (its engine builds its groups)
+    # Flattened dimensions by name, kept here: torch deprecates slicing them back out of the root mesh.
+    flattened: dict = field(default_factory=dict)
 
     def coordinate(self, axis: str) -> int:
         """This rank's index along ``axis`` (row-major over AXES)."""
@@ -80,15 +82,15 @@ class Mesh:
         if self.device_mesh is None:
             return None
         if self.sizes["dp_replicate"] > 1:
-            return self.device_mesh["dp_replicate", "dp_shard_cp"]
-        return self.device_mesh["dp_shard_cp"]
+            return DeviceMesh._concatenate([self.device_mesh["dp_replicate"], self.flattened["dp_shard_cp"]])
+        return self.flattened["dp_shard_cp"]
 
     @property
     def loss_group(self) -> dist.ProcessGroup | None:
         """The group the step's token counts and loss sums are summed over (None: the world, the same ranks)."""
         if self.device_mesh is None or self.tp == 1:
             return None
-        return self.device_mesh["loss"].get_group()
+        return self.flattened["loss"].get_group()
 
     def describe(self) -> str:
         """The axes larger than 1, as the start line shows them."""
@@ -134,7 +136,14 @@ def build_mesh(d, info: DistInfo) -> Mesh:
         return Mesh(info.rank, info.world_size, sizes)
     mesh = init_device_mesh(info.device.type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
     # Flattened views the components use (each is one process group): FSDP's shard dimension, the loss sums'.
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    if sizes["tp"] > 1:
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss")
-    return Mesh(info.rank, info.world_size, sizes, mesh)
+    flat = {"dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp")}
+    tp, rep = sizes["tp"] > 1, sizes["dp_replicate"] > 1
+    if tp or rep:  # with rep alone: also the grad norm's mesh (HSDP's 2-D DTensors)
+        flat["loss"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss")
+    # The grad norm of 2-D / 3-D parameters is reduced over all their dimensions at once: DTensor finds a flattened
+    # mesh of the same ranks and runs one all-reduce instead of one per dimension (and warns when there is none).
+    if tp:
+        flat["dp_shard_cp_tp"] = mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
+    if tp and rep:
+        flat["dp_tp"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_tp")
+    return Mesh(info.rank, info.world_size, sizes, mesh, flat)

@@ -154,8 +154,9 @@ class VocabParallelHead(ChunkedLMHead):
         ce = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), labels.flatten(), ignore_index=self.ignore_index,
                              reduction="none")
         # Replicated on every rank of "tp" (each holds the same rows): its local value is the loss, and autograd
-        # through to_local hands the same gradient to every rank, as one process's.
-        return (ce.to_local() if isinstance(ce, DTensor) else ce).view(labels.shape)
+        # through to_local hands the same gradient to every rank, as one process's. A copy, not a view: FSDP2's
+        # root would warn that an in-place op on a returned view skips its backward hook ([B, L]: small).
+        return (ce.to_local() if isinstance(ce, DTensor) else ce).reshape(labels.shape).clone()
 
 
 @contextlib.contextmanager
