@@ -40,7 +40,7 @@ class Mesh:
     world_size: int
     sizes: dict  # axis -> size, every axis of AXES
     device_mesh: DeviceMesh | None = None  # None: one process, or a pipeline run (its engine builds its groups)
-    # Flattened dimensions by name, kept here: torch deprecates slicing them back out of the root mesh.
+    # Flattened dimensions by the dimensions they join, kept here: torch deprecates slicing them back out of the root.
     flattened: dict = field(default_factory=dict)
 
     def coordinate(self, axis: str) -> int:
@@ -64,6 +64,11 @@ class Mesh:
     def dp_rank(self) -> int:
         return self.coordinate("dp_replicate") * self.sizes["dp_shard"] + self.coordinate("dp_shard")
 
+    def view(self, *axes: str) -> DeviceMesh:
+        """The 1-D mesh over ``axes`` together (the dimensions of size 1 left out: they are not in the DeviceMesh)."""
+        present = tuple(a for a in axes if a in self.device_mesh.mesh_dim_names)
+        return self.device_mesh[present[0]] if len(present) == 1 else self.flattened[present]
+
     @property
     def layout(self) -> Layout:
         cp = self.sizes["cp"]
@@ -81,16 +86,17 @@ class Mesh:
         the shards), with dp_replicate as the outer dimension (HSDP: sharded within, replicated across)."""
         if self.device_mesh is None:
             return None
+        shard = self.view("dp_shard", "cp")
         if self.sizes["dp_replicate"] > 1:
-            return DeviceMesh._concatenate([self.device_mesh["dp_replicate"], self.flattened["dp_shard_cp"]])
-        return self.flattened["dp_shard_cp"]
+            return DeviceMesh._concatenate([self.device_mesh["dp_replicate"], shard])
+        return shard
 
     @property
     def loss_group(self) -> dist.ProcessGroup | None:
         """The group the step's token counts and loss sums are summed over (None: the world, the same ranks)."""
         if self.device_mesh is None or self.tp == 1:
             return None
-        return self.flattened["loss"].get_group()
+        return self.view("dp_replicate", "dp_shard", "cp").get_group()
 
     def describe(self) -> str:
         """The axes larger than 1, as the start line shows them."""
@@ -134,16 +140,21 @@ def build_mesh(d, info: DistInfo) -> Mesh:
     sizes = _sizes(d, info.world_size)
     if not info.distributed or sizes["pp"] > 1:
         return Mesh(info.rank, info.world_size, sizes)
-    mesh = init_device_mesh(info.device.type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
-    # Flattened views the components use (each is one process group): FSDP's shard dimension, the loss sums'.
-    flat = {"dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp")}
-    tp, rep = sizes["tp"] > 1, sizes["dp_replicate"] > 1
-    if tp or rep:  # with rep alone: also the grad norm's mesh (HSDP's 2-D DTensors)
-        flat["loss"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss")
-    # The grad norm of 2-D / 3-D parameters is reduced over all their dimensions at once: DTensor finds a flattened
-    # mesh of the same ranks and runs one all-reduce instead of one per dimension (and warns when there is none).
-    if tp:
-        flat["dp_shard_cp_tp"] = mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
-    if tp and rep:
-        flat["dp_tp"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_tp")
+    # Only the dimensions larger than 1 become process groups (a plain FSDP run: one, over the world), and dp_shard
+    # always: FSDP2 shards over it, at size 1 too, where tensor parallelism takes every rank (its DTensors and
+    # FSDP's must come from one root mesh).
+    names = tuple(a for a in AXES if sizes[a] > 1 or a == "dp_shard")
+    mesh = init_device_mesh(info.device.type, tuple(sizes[a] for a in names), mesh_dim_names=names)
+    # Flattened views, each one process group, made here because making one is collective: FSDP's shard dimension
+    # (dp_shard x cp), the loss sums' (data x context), and the meshes of the grad norm of 2-D / 3-D parameters
+    # (reduced over all their dimensions at once: DTensor finds a flattened mesh of the same ranks and runs one
+    # all-reduce instead of one per dimension, and warns when there is none). Kept by their dimensions: torch
+    # deprecates slicing a flattened dimension back out of the root mesh.
+    wanted = [("dp_shard", "cp"), ("dp_replicate", "dp_shard", "cp"), ("dp_shard", "cp", "tp"),
+              ("dp_replicate", "dp_shard", "cp", "tp")]
+    flat = {}
+    for axes in wanted:
+        present = tuple(a for a in axes if a in names)
+        if len(present) > 1 and present not in flat:
+            flat[present] = mesh[present]._flatten("_".join(present))
     return Mesh(info.rank, info.world_size, sizes, mesh, flat)
