@@ -7,7 +7,8 @@ Two launches on gloo, each checking much against one process on the same global 
 
 * 2 ranks: TP 2 on the FSDP2 engine (3 steps at GA 2: losses, grad norms, label tokens, exported weights), a tied
   embedding, one step of every family the plan accepts; then a whole run through ``run_training`` at TP 2 whose
-  checkpoint of step 2 one process (TP 1) resumes (DCP reshards the vocabulary / column / row shards).
+  checkpoint of step 2 one process (TP 1) resumes (DCP reshards the vocabulary / column / row shards), and a run of
+  a saved model (``model.path``) with activation checkpointing.
 * 4 ranks: FSDP 2 x TP 2 and HSDP (replicate 2 x shard 2) on the engine (3 steps); then a whole run at FSDP 2 x
   TP 2 whose checkpoint of step 2 is resumed in the same launch as FSDP 4 (2-D DTensors read back as 1-D shards).
 
@@ -155,7 +156,7 @@ def _family_step(engine):
     return r.loss, r.grad_norm
 
 
-def _tp2_ranks(rank, world_size, shards, out):
+def _tp2_ranks(rank, world_size, shards, out, target_dir, path_out):
     from treadle.train.run import run_training
 
     got = {}
@@ -172,13 +173,24 @@ def _tp2_ranks(rank, world_size, shards, out):
     # A whole run at TP 2: loader, eval, checkpoints at steps 2 and 4 (DCP), export.
     run_training(load_config(None, args(shards, out, "--train.max_steps=4", "--train.threads=1",
                                         "--distributed.tensor_parallel=2", "--checkpoint.every=2")[1:]))
+    # A model read from model.path (whole on every rank, then split) with activation checkpointing (the blocks'
+    # gathers and reduce-scatters run again in backward).
+    run_training(load_config(None, _path_args(shards, path_out, target_dir, "--train.threads=1",
+                                              "--distributed.tensor_parallel=2")[1:]))
     return got
 
 
+def _path_args(shards, out, target_dir, *extra):
+    """A 2-step run of the saved target (its own architecture: no overrides), activation checkpointing on."""
+    return [a for a in args(shards, out) if not a.startswith("--model.overrides")] + [
+        "--train.max_steps=2", f"--model.path={target_dir}", "--model.activation_checkpointing=selective", *extra]
+
+
 @pytest.fixture(scope="module")
-def tp2(shards, tmp_path_factory):
+def tp2(shards, target_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "tp2"
-    return run_distributed(_tp2_ranks, world_size=2, timeout=400, shards=shards, out=out), out
+    return run_distributed(_tp2_ranks, world_size=2, timeout=400, shards=shards, out=out, target_dir=target_dir,
+                           path_out=out.parent / "path"), out
 
 
 def _assert_steps(got, want, what):
@@ -231,6 +243,14 @@ def test_a_tensor_parallel_run_resumes_in_one_process(tp2, shards, tmp_path):
     assert main(args(shards, resumed, "--train.max_steps=4",
                      f"--checkpoint.resume={two / 'checkpoints' / 'step_2'}")) == 0
     _assert_records(resumed, one, [3, 4], keys=("loss", "grad_norm"))
+
+
+def test_a_tensor_parallel_run_of_a_saved_model_with_activation_checkpointing_matches_one_process(
+        tp2, shards, target_dir, tmp_path):
+    _, two = tp2
+    one = tmp_path / "one"
+    assert main(_path_args(shards, one, target_dir)) == 0
+    _assert_records(two.parent / "path", one, [1, 2])
 
 
 def _four_ranks(rank, world_size, shards, out):
