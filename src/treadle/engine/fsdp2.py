@@ -30,6 +30,7 @@ Every method that communicates (the collectives, ``clip_grad_norm``, ``state_dic
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable, Iterator
 
 import torch
@@ -151,4 +152,20 @@ class FSDP2Engine(CollectiveEngine):
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU weights on rank 0 ({} elsewhere); frozen ones included, as ``LocalEngine`` exports them."""
-        return get_model_state_dict(self.model, options=_EXPORT)
+        with _quiet_gathers():
+            return get_model_state_dict(self.model, options=_EXPORT)
+
+
+@contextlib.contextmanager
+def _quiet_gathers() -> Iterator[None]:
+    """Around the export's gathers: a parameter sharded by FSDP2 over one already sharded by TP on the same dim
+    gathers in two all-gathers, and DTensor warns on every rank that two collectives "may give inconsistent results
+    between ranks". An all-gather only copies, so they cannot; the warning is held back here only (its logger's
+    level restored after)."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
