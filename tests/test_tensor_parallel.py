@@ -9,7 +9,8 @@ Two launches on gloo, each checking much against one process on the same global 
   embedding, one step of every family the plan accepts; then a whole run through ``run_training`` at TP 2 whose
   checkpoint of step 2 one process (TP 1) resumes (DCP reshards the vocabulary / column / row shards), and a run of
   a saved model (``model.path``) with activation checkpointing.
-* 4 ranks: FSDP 2 x TP 2 and HSDP (replicate 2 x shard 2) on the engine (3 steps); then a whole run at FSDP 2 x
+* 4 ranks: FSDP 2 x TP 2, HSDP (replicate 2 x shard 2) and HSDP x CP (replicate 2 x context 2) on the engine
+  (3 steps); then a whole run at FSDP 2 x
   TP 2 whose checkpoint of step 2 is resumed in the same launch as FSDP 4 (2-D DTensors read back as 1-D shards).
 
 Tolerances (fp32): TP sums partial matmuls and norms in another order than one process, a few ulps per op:
@@ -254,6 +255,8 @@ def test_a_tensor_parallel_run_of_a_saved_model_with_activation_checkpointing_ma
 
 
 def _four_ranks(rank, world_size, shards, out):
+    from treadle.data.loader import slice_sequences
+    from treadle.distributed import init_distributed
     from treadle.train.run import run_training
 
     got = {}
@@ -265,6 +268,19 @@ def _four_ranks(rank, world_size, shards, out):
     assert (mesh.dp_rank, mesh.dp_size) == (rank, 4) and mesh.fsdp_mesh.ndim == 2
     got["hsdp"] = _train(engine, mesh)
     got["hsdp_export"] = snapshot(engine.export_state_dict())
+    # HSDP x context parallel: 2 replicas, each one context group of 2 ranks (FSDP2 shards over the group).
+    from treadle.engine.context_parallel import apply_context_parallel
+
+    model = tiny_llama(0)
+    mesh = build_mesh(_axes(rep=2, cp=2), init_distributed("cpu"))
+    layout = mesh.layout
+    assert (layout.dp_rank, layout.dp_size, layout.cp_rank) == (rank // 2, 2, rank % 2)
+    apply_context_parallel(model, layout.cp_group)
+    engine, _ = _engine(_axes(rep=2, cp=2), model=model)
+    got["hsdp_cp"] = [optimizer_step(engine, [slice_sequences(mb, layout.cp_rank, 2) for mb in
+                                              rank_micro_batches(s, layout.dp_rank, 2)], grad_clip=GRAD_CLIP)
+                      for s in range(STEPS)]
+    got["hsdp_cp"] = [(r.loss, r.grad_norm, r.label_tokens, r.applied) for r in got["hsdp_cp"]]
     # A whole run at FSDP 2 x TP 2 (checkpoints at steps 2 and 4); its step 2 resumed as FSDP 4 (GA 1: the same 16
     # rows a step).
     common = ("--train.threads=1", "--checkpoint.every=2", "--train.max_steps=4")
@@ -279,6 +295,8 @@ def test_fsdp2_x_tp2_and_hsdp_match_one_process_and_resume_as_fsdp4(shards, tmp_
     results = run_distributed(_four_ranks, world_size=4, timeout=500, shards=shards, out=out)
     engine, want = local_run()
     want_export = snapshot(engine.model.state_dict())
+    for rank, res in enumerate(results):
+        _assert_steps(res["hsdp_cp"], want, f"hsdp x cp rank {rank}")
     for kind in ("fsdp_tp", "hsdp"):
         for rank, res in enumerate(results):
             _assert_steps(res[kind], want, f"{kind} rank {rank}")
