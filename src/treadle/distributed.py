@@ -152,7 +152,8 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
 
 @dataclass(frozen=True)
 class Layout:
-    """Data-parallel replicas x context-parallel groups (``distributed.context_parallel``).
+    """Data-parallel ranks x context-parallel groups (``distributed.context_parallel``), as the device mesh
+    (engine/mesh.py ``Mesh.layout``) lays them out.
 
     Ranks ``[g * cp, (g + 1) * cp)`` form context group ``g`` (neighbours: on GPUs, one node's fast links carry
     the all-to-alls) and share one data-parallel rank, ``g``: they are handed the same micro-batches and each
@@ -167,17 +168,15 @@ class Layout:
 
 
 def context_layout(info: DistInfo, cp: int) -> Layout:
-    """The layout of this launch for ``cp`` ranks per sequence; a one-line UserError when it cannot be laid out."""
-    if cp == 1:
-        return Layout(dp_rank=info.rank, dp_size=info.world_size)
-    if info.world_size % cp:
-        launch = ("a launch of a multiple of it (torchrun --nproc_per_node N, N divisible by it)" if info.distributed
-                  else f"a launch of {cp} or a multiple of {cp} ranks (torchrun --nproc_per_node {cp} -m treadle train ...)")
-        raise UserError(f"distributed.context_parallel = {cp} does not divide the world size {info.world_size}; "
-                        f"accepted: {launch}, or context_parallel = 1")
-    group, _ = dist.new_subgroups(group_size=cp)  # collective: every rank creates every group, in order
-    return Layout(dp_rank=info.rank // cp, dp_size=info.world_size // cp, cp_rank=info.rank % cp, cp_size=cp,
-                  cp_group=group)
+    """The layout of this launch for ``cp`` ranks per sequence (every other rank data-parallel); a one-line UserError
+    when it cannot be laid out. The device mesh (engine/mesh.py) decides it: this is its data x context view."""
+    from types import SimpleNamespace
+
+    from treadle.engine.mesh import build_mesh
+
+    axes = SimpleNamespace(pipeline_parallel=1, data_parallel_replicate=1, data_parallel_shard=-1, context_parallel=cp,
+                           tensor_parallel=1)
+    return build_mesh(axes, info).layout
 
 
 @contextlib.contextmanager
@@ -203,10 +202,10 @@ def destroy() -> None:
 
 # ---- collectives shared by the distributed engines (one collective each) ----
 
-def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The sum over ranks, on ``device``; the caller's tensor is left untouched."""
+def all_reduce_sum(t: torch.Tensor, device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The sum over the ranks of ``group`` (None: all), on ``device``; the caller's tensor is left untouched."""
     out = t.detach().to(device, copy=True)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
 

@@ -384,6 +384,12 @@ class DistributedConfig(Section):
     health_check_timeout_s: float = Field(60.0, gt=0.0, description="a rank that does not answer the health check by then is hung")
     context_parallel: int = Field(1, ge=1, description="ranks that split every sequence (Ulysses: attention heads "
                                   "exchanged all-to-all); data-parallel replicas = world size / this")
+    data_parallel_replicate: int = Field(1, ge=1, description="fsdp2: replicas that each hold a whole copy of the "
+                                         "shards (HSDP: sharded within a replica, all-reduced across; across nodes)")
+    data_parallel_shard: int = Field(-1, ge=-1, description="ranks each replica's parameters are sharded over (FSDP2); "
+                                     "-1 = what the other axes leave of the world size")
+    tensor_parallel: int = Field(1, ge=1, description="ranks every matmul weight is split over (column / row-wise, "
+                                 "sequence parallel between them, vocabulary-parallel loss); fsdp2 engine; 1 = off")
     pipeline_parallel: int = Field(1, ge=1, description="pipeline stages: the decoder layers are split over this many ranks "
                                    "(embedding on the first, norm, head and loss on the last); 1 = off")
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
@@ -483,7 +489,38 @@ class Config(Section):
             raise ValueError(f"distributed.context_parallel = {cp} with distributed.pipeline_parallel = "
                              f"{self.distributed.pipeline_parallel} is not supported yet; accepted: one of them > 1")
         self._check_pipeline()
+        self._check_mesh()
         return self
+
+    def _check_mesh(self) -> None:
+        """Axes an engine cannot run, refused before anything starts (their product against the launch's world size
+        is checked where the launch is known: engine/mesh.py)."""
+        d = self.distributed
+        if d.data_parallel_shard == 0:
+            raise ValueError("distributed.data_parallel_shard = 0; accepted: -1 (what the other axes leave) or >= 1")
+        tp, rep = d.tensor_parallel, d.data_parallel_replicate
+        for key, n in (("tensor_parallel", tp), ("data_parallel_replicate", rep)):
+            if n > 1 and d.engine not in ("auto", "fsdp2"):
+                raise ValueError(f"distributed.{key} = {n} runs on FSDP2's DTensors, not on the {d.engine} engine; "
+                                 f"accepted: distributed.engine = auto or fsdp2, or {key} = 1")
+            if n > 1 and d.pipeline_parallel > 1:
+                raise ValueError(f"distributed.{key} = {n} with pipeline_parallel = {d.pipeline_parallel}: FSDP2 and "
+                                 f"tensor parallelism inside pipeline stages are not built; accepted: one of them = 1")
+        if tp > 1 and self.draft.kind is not None:
+            raise ValueError(f"distributed.tensor_parallel = {tp} is not supported for draft runs yet (the frozen "
+                             "target is not split for its forward); accepted: tensor_parallel = 1")
+        if tp > 1 and d.context_parallel > 1:
+            raise ValueError(f"distributed.tensor_parallel = {tp} with context_parallel = {d.context_parallel} is not "
+                             "built (both split the attention heads); accepted: one of them = 1")
+        if tp > 1 and self.model.loss_chunk_tokens not in ("auto", 0):
+            raise ValueError(f"model.loss_chunk_tokens = {self.model.loss_chunk_tokens} with distributed.tensor_parallel"
+                             f" = {tp}: the LM head's weight is split over the vocabulary and the loss runs on the "
+                             "vocabulary shards (loss_parallel: no rank holds the whole logits), which the chunked loss "
+                             "cannot take; accepted: loss_chunk_tokens = 0 or auto (off with tensor parallelism)")
+        if tp > 1 and self.data.seq_len % tp:
+            raise ValueError(f"data.seq_len = {self.data.seq_len} cannot be split into distributed.tensor_parallel = "
+                             f"{tp} equal parts (sequence parallelism shards the tokens between blocks); accepted: a "
+                             f"multiple of {tp}")
 
     def _check_pipeline(self) -> None:
         """Layouts torch's pipeline schedules cannot run, refused before anything starts (the layer split and the

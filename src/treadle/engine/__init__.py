@@ -68,6 +68,8 @@ def builds_empty(name: str, cfg: Config, world_size: int, deepspeed_json: dict |
     a pipeline: each rank its stages, after the split; ZeRO-3: module by module). Otherwise it is read whole, on
     every rank."""
     if cfg.model.path is None and cfg.draft.kind is None:
+        return False
+    if cfg.distributed.tensor_parallel > 1:  # read whole, then split: the shard-on-read path knows 1-D shards only
         return False  # a preset is built whole and seeded: the same weights under every engine
     return name in ("fsdp2", "pipeline") or (name == "deepspeed" and _zero3(cfg, deepspeed_json, world_size) is not None)
 
@@ -87,12 +89,14 @@ def _deepspeed_settings(cfg: Config, deepspeed_json: dict | None) -> dict:
                 grad_clip=t.grad_clip, bf16=cfg.model.dtype == "bf16", offload=d.cpu_offload, user_config=deepspeed_json)
 
 
-def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device, deepspeed_json: dict | None = None):
+def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device, deepspeed_json: dict | None = None,
+                 mesh=None):
     """Move ``model`` (fp32, identical on every rank) to ``device``, wrap it and build its optimizer in the engine.
 
     Parts of ``model`` may be empty (on the meta device, ``builds_empty``): FSDP2 reads its shards after sharding,
     a pipeline its stages after the split, ZeRO-3 reads and partitions it module by module, the others read it
-    whole first.
+    whole first. ``mesh`` (engine/mesh.py): the launch's axes; FSDP2 takes its shard / replicate dims, the
+    tensor-parallel dim and the group its sums go over from it (None: FSDP2 over every rank).
     """
     from treadle.engine.optim import build_optimizer
     from treadle.models.sharded_load import is_empty, materialize, materialize_by_module
@@ -131,7 +135,9 @@ def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device,
         return FSDP2Engine(model, lambda m: build_optimizer(m, cfg), device,
                            mp_param_dtype=torch.bfloat16 if bf16 else None,
                            reduce_dtype=torch.bfloat16 if d.reduce_dtype == "bf16" else torch.float32,
-                           reshard_after_forward=d.reshard_after_forward, cpu_offload=d.cpu_offload)
+                           reshard_after_forward=d.reshard_after_forward, cpu_offload=d.cpu_offload,
+                           **(dict(mesh=mesh.fsdp_mesh, tp_mesh=mesh.tp_mesh, loss_group=mesh.loss_group)
+                              if mesh is not None else {}))
     if name == "deepspeed":
         from treadle.engine.deepspeed import DeepSpeedEngine
 

@@ -17,6 +17,12 @@ The same interface as ``LocalEngine``; what differs is hidden here:
 * Frozen parameters (a draft run's target) are sharded like the rest (they only take part
   in forward) and, as in ``LocalEngine``, left out of checkpoints.
 
+Meshes (engine/mesh.py): ``mesh`` is what FSDP2 shards over (dp_shard x cp; 2-D with dp_replicate in front for
+HSDP, where each replica's shards are all-reduced across replicas, summed as well). With ``tp_mesh`` the model is
+first split by tensor parallelism (engine/tensor_parallel.py) and FSDP2 shards those DTensors again (2-D
+parameters); its loss runs on vocabulary-sharded logits, so forward and backward run under ``loss_parallel`` here,
+and the step's sums go over ``loss_group`` (data-parallel x context ranks: a TP group's ranks hold the same rows).
+
 Every method that communicates (the collectives, ``clip_grad_norm``, ``state_dict``,
 ``load_state_dict``, ``export_state_dict``) must be called on all ranks.
 """
@@ -24,19 +30,22 @@ Every method that communicates (the collectives, ``clip_grad_norm``, ``state_dic
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from treadle import distributed
 from treadle.engine.local import CollectiveEngine
+from treadle.engine.tensor_parallel import apply_tensor_parallel, vocabulary_parallel_loss
 from treadle.models.hf import decoder_layers
 from treadle.models.sharded_load import materialize
 
@@ -59,6 +68,9 @@ class FSDP2Engine(CollectiveEngine):
         reduce_dtype: torch.dtype | None = torch.float32,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        mesh: DeviceMesh | None = None,
+        tp_mesh: DeviceMesh | None = None,
+        loss_group: dist.ProcessGroup | None = None,
     ):
         """Shard ``model`` (fp32, identical on every rank: same seed or same checkpoint) and build its optimizer.
 
@@ -73,7 +85,12 @@ class FSDP2Engine(CollectiveEngine):
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        mesh = init_device_mesh(device.type, (self.world_size,))
+        if mesh is None:  # every rank one shard (the engine used alone, as tests build it)
+            mesh = init_device_mesh(device.type, (self.world_size,))
+        self.loss_group = loss_group
+        self.tensor_parallel = tp_mesh is not None
+        if tp_mesh is not None:  # first: FSDP2 shards the tensor-parallel DTensors again over the data dims
+            apply_tensor_parallel(model, tp_mesh)
         shard_kwargs = dict(
             mesh=mesh,
             reshard_after_forward=reshard_after_forward,
@@ -98,6 +115,21 @@ class FSDP2Engine(CollectiveEngine):
         self.model = self.module = model
         self.optimizer = optimizer_factory(model)
 
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return distributed.all_reduce_sum(t, self.device, self.loss_group)
+
+    def forward_backward(self, micro_batches: list[dict], fn: Callable) -> torch.Tensor:
+        if not self.tensor_parallel:
+            return super().forward_backward(micro_batches, fn)
+        with vocabulary_parallel_loss():  # the backward of a loss_parallel cross-entropy must run inside it too
+            return super().forward_backward(micro_batches, fn)
+
+    def forward_only(self, batches, fn: Callable) -> torch.Tensor | None:
+        if not self.tensor_parallel:
+            return super().forward_only(batches, fn)
+        with vocabulary_parallel_loss():
+            return super().forward_only(batches, fn)
+
     @contextlib.contextmanager
     def no_sync(self, last: bool) -> Iterator[None]:
         self.model.set_requires_gradient_sync(last)
@@ -120,4 +152,20 @@ class FSDP2Engine(CollectiveEngine):
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU weights on rank 0 ({} elsewhere); frozen ones included, as ``LocalEngine`` exports them."""
-        return get_model_state_dict(self.model, options=_EXPORT)
+        with _quiet_gathers():
+            return get_model_state_dict(self.model, options=_EXPORT)
+
+
+@contextlib.contextmanager
+def _quiet_gathers() -> Iterator[None]:
+    """Around the export's gathers: a parameter sharded by FSDP2 over one already sharded by TP on the same dim
+    gathers in two all-gathers, and DTensor warns on every rank that two collectives "may give inconsistent results
+    between ranks". An all-gather only copies, so they cannot; the warning is held back here only (its logger's
+    level restored after)."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

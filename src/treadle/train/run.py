@@ -27,9 +27,11 @@ from treadle.data.mixture import Mixture, Phase
 from treadle.data.packed import IGNORE_INDEX, ExampleDataset, PackedDataset
 from treadle.data.shards import read_meta
 from treadle.data.sources import OpenedSource, file_tokenizer, open_source, resolve
-from treadle.distributed import context_layout, init_distributed
+from treadle.distributed import init_distributed
 from treadle.engine import build_engine, builds_empty, read_deepspeed_config, resolve_engine
 from treadle.engine.context_parallel import apply_context_parallel, check_model, split_model_config
+from treadle.engine.mesh import build_mesh
+from treadle.engine.tensor_parallel import check_model as check_tensor_parallel
 from treadle.engine.pipeline import plan_stages
 from treadle.errors import UserError
 from treadle.metrics.flops import (attention_dims, forward_flops_per_token, matmul_parameters, peak_tflops,
@@ -185,6 +187,8 @@ def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"], empty=empty)
     _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
     chunk = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.config.vocab_size)
+    if cfg.distributed.tensor_parallel > 1:  # the loss runs on vocabulary shards instead (config refuses a number)
+        chunk = 0
     if cfg.distributed.pipeline_parallel > 1 and chunk:  # the last stage returns logits to the schedule's loss
         if cfg.model.loss_chunk_tokens != "auto":
             raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with "
@@ -325,7 +329,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     info = init_distributed(cfg.train.device, num_threads=cfg.train.threads or None,
                             timeout=datetime.timedelta(seconds=d.timeout_s))
     engine_name = resolve_engine(d.engine, info, d.pipeline_parallel)
-    layout = context_layout(info, d.context_parallel)  # dp x cp; one line when the world does not divide
+    mesh = build_mesh(d, info)  # every axis; one line when their product does not fit the launch
+    layout = mesh.layout  # data-parallel x context ranks
     elastic = elastic_callbacks(cfg, info.rank, info.world_size)  # torchrun restarts; a drill's keys checked now
     deepspeed_json = read_deepspeed_config(d.deepspeed_config) if engine_name == "deepspeed" else None
     device, main = info.device, info.is_main
@@ -362,6 +367,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
+    if mesh.tp > 1:  # before anything is written: a model it cannot split is refused
+        check_tensor_parallel(setup.model, mesh.tp, seq_len)
     if layout.cp_size > 1:  # before anything is written: a model it cannot split is refused
         check_model(split_model_config(setup.model), layout.cp_size)
         refuse_sliced_load_balancing(setup.loss_fn, layout.cp_size)
@@ -378,12 +385,12 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if cfg.model.compile:  # a draft is one block: compile it whole; the frozen target stays eager
         persistent_compile_cache()
         model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
-    engine = build_engine(engine_name, model, cfg, device, deepspeed_json)
+    engine = build_engine(engine_name, model, cfg, device, deepspeed_json, mesh=mesh)
     t, r = cfg.train, cfg.resilience
-    # Data-parallel ranks draw the samples; the ranks of a context group share them and slice every sequence, the
-    # stages of a pipeline are one data-parallel replica (the engine says which).
+    # Data-parallel ranks (replicas x shards) draw the samples; the ranks of a context group share them and slice
+    # every sequence, those of a tensor-parallel group or of one pipeline share them whole (the mesh says which).
     slicing = dict(cp_rank=layout.cp_rank, cp_size=layout.cp_size)
-    dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout.cp_size > 1 else (engine.data_rank, engine.data_world_size)
+    dp_rank, dp_size = layout.dp_rank, layout.dp_size
     loader = StepLoader({o.name: o.dataset for o in data.sources}, t.micro_batch_size, t.grad_accum_steps, t.seed,
                         dp_rank, dp_size, data.mixture, prefetch=cfg.data.prefetch, vocab_size=setup.vocab_size,
                         **slicing)
@@ -441,6 +448,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     where = f"{device}" if info.world_size == 1 else f"{info.world_size} ranks ({engine_name}, {device.type})"
     if layout.cp_size > 1:
         where += f", {layout.dp_size} data-parallel x {layout.cp_size} context-parallel"
+    elif mesh.tp > 1 or mesh.sizes["dp_replicate"] > 1:
+        where += f", {mesh.describe()}"
     trainer.console.print(
         f"treadle: {setup.describe()} on {where}, {sum(o.dataset.num_tokens for o in data.sources):,} train tokens, "
         f"{loader.global_batch} x {seq_len} tokens per step, {validation_words(cfg, data)}, run directory {out}"
