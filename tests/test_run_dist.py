@@ -23,6 +23,7 @@ from tests.distributed import run_distributed
 from tests.helpers import KL_ATOL, args, draft_args, mixture_args, moe_args, records, write_pairs
 from treadle.cli import main
 from treadle.config import load_config
+from treadle.errors import UserError
 from treadle.train.callbacks import Callback, CheckpointCallback
 
 LOSS_RTOL = 1e-5
@@ -172,6 +173,11 @@ DRAFT_ENGINES["eagle3-cp2"] = DRAFT_ENGINES["cp2"] + EAGLE3
 DFLASH = ["--draft.kind=dflash", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4",
           "--draft.anchors=4"]
 DRAFT_ENGINES["dflash-fsdp2"] = DRAFT_ENGINES["fsdp2"] + DFLASH
+# The frozen target split over 2 tensor-parallel ranks for its forward (one data-parallel replica: GA 4), the draft
+# whole on both: EAGLE-3 and DFlash read its hidden states.
+TP2 = ["--distributed.tensor_parallel=2", "--train.grad_accum_steps=4"]
+DRAFT_ENGINES["eagle3-tp2"] = TP2 + EAGLE3
+DRAFT_ENGINES["dflash-tp2"] = TP2 + DFLASH
 
 
 def _draft_runs(rank, world_size, shards, target_dir, eagle3_target_dir, out):
@@ -182,7 +188,9 @@ def _draft_runs(rank, world_size, shards, target_dir, eagle3_target_dir, out):
         target = eagle3_target_dir if name.startswith(("eagle3", "dflash")) else target_dir
         trainer = build_trainer(load_config(None, draft_args(shards, target, out / name, "--train.max_steps=3",
                                                              "--train.threads=1", *extra)[1:]))
-        before = trainer.engine.export_state_dict()  # full weights on rank 0 (gathered: every rank calls it)
+        # Full weights on rank 0 (gathered: every rank calls it), copied: where FSDP2's shard dimension has one rank
+        # (TP 2 on 2 ranks) the "gathered" tensors are the live parameters' own storage.
+        before = {k: v.clone() for k, v in trainer.engine.export_state_dict().items()}
         trainer.fit()
         trainer.metrics.close()
         after = trainer.engine.export_state_dict()
@@ -192,6 +200,13 @@ def _draft_runs(rank, world_size, shards, target_dir, eagle3_target_dir, out):
             got[name] = {"target_keys": len(target), "draft_keys": len(draft),
                          "target_same": all(torch.equal(before[k], after[k]) for k in target),
                          "draft_changed": any(not torch.equal(before[k], after[k]) for k in draft)}
+    # GLIDE reads the target's per-head K/V, which TP splits: refused in one line, on every rank, before any write.
+    try:
+        build_trainer(load_config(None, draft_args(shards, target_dir, out / "glide-tp2", "--train.max_steps=3",
+                                                   "--train.threads=1", *TP2)[1:]))
+        got["glide-tp2"] = None
+    except UserError as exc:
+        got["glide-tp2"] = (str(exc), (out / "glide-tp2").exists())
     return got
 
 
@@ -216,6 +231,8 @@ def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, 
                                 ("dflash", DFLASH, eagle3_target_dir)):
         assert main(draft_args(shards, target, one[kind], "--train.max_steps=3", "--train.grad_accum_steps=4",
                                *extra)) == 0
+    message, written = res["glide-tp2"]
+    assert "draft.kind = 'glide'" in message and "per-head K/V" in message and "\n" not in message and not written
     for name in DRAFT_ENGINES:
         got, run = res[name], tmp_path / name
         assert got["target_keys"] > 0 and got["draft_keys"] > 0

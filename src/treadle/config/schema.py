@@ -506,18 +506,15 @@ class Config(Section):
             if n > 1 and d.pipeline_parallel > 1:
                 raise ValueError(f"distributed.{key} = {n} with pipeline_parallel = {d.pipeline_parallel}: FSDP2 and "
                                  f"tensor parallelism inside pipeline stages are not built; accepted: one of them = 1")
-        if tp > 1 and self.draft.kind is not None:
-            raise ValueError(f"distributed.tensor_parallel = {tp} is not supported for draft runs yet (the frozen "
-                             "target is not split for its forward); accepted: tensor_parallel = 1")
         if tp > 1 and d.context_parallel > 1:
             raise ValueError(f"distributed.tensor_parallel = {tp} with context_parallel = {d.context_parallel} is not "
                              "built (both split the attention heads); accepted: one of them = 1")
-        if tp > 1 and self.model.loss_chunk_tokens not in ("auto", 0):
+        if tp > 1 and self.model.loss_chunk_tokens not in ("auto", 0) and self.draft.kind is None:
             raise ValueError(f"model.loss_chunk_tokens = {self.model.loss_chunk_tokens} with distributed.tensor_parallel"
                              f" = {tp}: the LM head's weight is split over the vocabulary and the loss runs on the "
                              "vocabulary shards (loss_parallel: no rank holds the whole logits), which the chunked loss "
                              "cannot take; accepted: loss_chunk_tokens = 0 or auto (off with tensor parallelism)")
-        if tp > 1 and self.data.seq_len % tp:
+        if tp > 1 and self.data.seq_len % tp and self.draft.kind is None:  # a draft's target: no sequence split
             raise ValueError(f"data.seq_len = {self.data.seq_len} cannot be split into distributed.tensor_parallel = "
                              f"{tp} equal parts (sequence parallelism shards the tokens between blocks); accepted: a "
                              f"multiple of {tp}")

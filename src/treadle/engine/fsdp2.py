@@ -45,7 +45,8 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from treadle import distributed
 from treadle.engine.local import CollectiveEngine
-from treadle.engine.tensor_parallel import apply_tensor_parallel, vocabulary_parallel_loss
+from treadle.engine.tensor_parallel import (apply_target_tensor_parallel, apply_tensor_parallel,
+                                            vocabulary_parallel_loss)
 from treadle.models.hf import decoder_layers
 from treadle.models.sharded_load import materialize
 
@@ -88,9 +89,14 @@ class FSDP2Engine(CollectiveEngine):
         if mesh is None:  # every rank one shard (the engine used alone, as tests build it)
             mesh = init_device_mesh(device.type, (self.world_size,))
         self.loss_group = loss_group
-        self.tensor_parallel = tp_mesh is not None
-        if tp_mesh is not None:  # first: FSDP2 shards the tensor-parallel DTensors again over the data dims
+        self.tensor_parallel = False  # the model's loss runs on vocabulary shards (loss_parallel)
+        # A draft run's frozen target is split for its forward only (its outputs whole); the draft stays whole.
+        target = getattr(model, "target", None) if hasattr(model, "draft_model") else None
+        if tp_mesh is not None and target is not None:
+            apply_target_tensor_parallel(target, tp_mesh)
+        elif tp_mesh is not None:  # first: FSDP2 shards the tensor-parallel DTensors again over the data dims
             apply_tensor_parallel(model, tp_mesh)
+            self.tensor_parallel = True
         shard_kwargs = dict(
             mesh=mesh,
             reshard_after_forward=reshard_after_forward,

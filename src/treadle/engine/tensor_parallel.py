@@ -134,6 +134,41 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     model.set_output_embeddings(VocabParallelHead(head, **_logit_transform(model.config)))
 
 
+def check_target(model: nn.Module, tp: int, draft_kind: str) -> None:
+    """A one-line UserError when a draft run's frozen target cannot be split over ``tp`` ranks for its forward."""
+    if draft_kind == "glide":
+        raise UserError(f"distributed.tensor_parallel = {tp} with draft.kind = 'glide': GLIDE reads the target's "
+                        "per-head K/V, which tensor parallelism splits over the ranks; accepted: tensor_parallel = 1, "
+                        "or draft.kind = 'eagle3' or 'dflash' (they read hidden states, whole on every rank)")
+    why = _why_not(model, tp)
+    if why is not None:
+        raise UserError(f"distributed.tensor_parallel = {tp}: the target: {why}; accepted: tensor_parallel = 1 for "
+                        "this target, or a Llama-shaped family (llama, mistral, qwen2, qwen3, gemma2, granite, ...)")
+    c = model.config
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(c, field, None) or c.num_attention_heads
+        if value % tp:
+            raise UserError(f"distributed.tensor_parallel = {tp} does not divide the target's {field} = {value}; "
+                            f"accepted: a divisor of {value}")
+
+
+def apply_target_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Split a draft run's frozen target (``model``: its HF causal LM) over the "tp" ``mesh`` for its forward, in
+    place: the decoder layers' q/k/v and gate/up column-wise, o and down row-wise with their output all-reduced
+    (replicated), so every block's input and output, the hidden states a draft reads and the logits stay whole
+    tensors on every rank. No sequence parallelism: the acceptance evaluation decodes one token at a time, which
+    cannot be split on the sequence. The embedding, final norm and LM head stay whole (the draft shares them)."""
+    for layer in decoder_layers(model):
+        plan = {f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+        plan["self_attn.o_proj"] = RowwiseParallel()
+        for name, child in layer.self_attn.named_children():
+            if _is_norm(child):  # per head, on [B, T, heads / tp, head_dim]: local heads, the weight whole
+                plan[f"self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                     "mlp.down_proj": RowwiseParallel()})
+        parallelize_module(layer, mesh, plan)
+
+
 class VocabParallelHead(ChunkedLMHead):
     """The LM head on vocabulary shards: while scoring (``chunked_ce.scoring`` sets labels, as for the chunked head,
     so the step and evaluation need no other path) it returns each token's cross-entropy as a plain [B, L] tensor,

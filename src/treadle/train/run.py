@@ -32,6 +32,7 @@ from treadle.engine import build_engine, builds_empty, read_deepspeed_config, re
 from treadle.engine.context_parallel import apply_context_parallel, check_model, split_model_config
 from treadle.engine.mesh import build_mesh
 from treadle.engine.tensor_parallel import check_model as check_tensor_parallel
+from treadle.engine.tensor_parallel import check_target as check_tensor_parallel_target
 from treadle.engine.pipeline import plan_stages
 from treadle.errors import UserError
 from treadle.metrics.flops import (attention_dims, forward_flops_per_token, matmul_parameters, peak_tflops,
@@ -367,7 +368,9 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
-    if mesh.tp > 1:  # before anything is written: a model it cannot split is refused
+    if mesh.tp > 1 and cfg.draft.kind:  # before anything is written: a target it cannot split is refused
+        check_tensor_parallel_target(setup.model.target, mesh.tp, cfg.draft.kind)
+    elif mesh.tp > 1:
         check_tensor_parallel(setup.model, mesh.tp, seq_len)
     if layout.cp_size > 1:  # before anything is written: a model it cannot split is refused
         check_model(split_model_config(setup.model), layout.cp_size)
