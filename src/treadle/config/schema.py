@@ -504,8 +504,9 @@ class Config(Section):
                 raise ValueError(f"distributed.{key} = {n} runs on FSDP2's DTensors, not on the {d.engine} engine; "
                                  f"accepted: distributed.engine = auto or fsdp2, or {key} = 1")
             if n > 1 and d.pipeline_parallel > 1:
-                raise ValueError(f"distributed.{key} = {n} with pipeline_parallel = {d.pipeline_parallel}: FSDP2 and "
-                                 f"tensor parallelism inside pipeline stages are not built; accepted: one of them = 1")
+                raise ValueError(f"distributed.{key} = {n} with pipeline_parallel = {d.pipeline_parallel}: HSDP and "
+                                 "tensor parallelism inside pipeline stages are not built (FSDP2 over "
+                                 "data_parallel_shard is: engine = fsdp2); accepted: one of them = 1")
         if tp > 1 and self.draft.kind is not None:
             raise ValueError(f"distributed.tensor_parallel = {tp} is not supported for draft runs yet (the frozen "
                              "target is not split for its forward); accepted: tensor_parallel = 1")
