@@ -510,9 +510,11 @@ class Config(Section):
         if tp > 1 and self.draft.kind is not None:
             raise ValueError(f"distributed.tensor_parallel = {tp} is not supported for draft runs yet (the frozen "
                              "target is not split for its forward); accepted: tensor_parallel = 1")
-        if tp > 1 and d.context_parallel > 1:
-            raise ValueError(f"distributed.tensor_parallel = {tp} with context_parallel = {d.context_parallel} is not "
-                             "built (both split the attention heads); accepted: one of them = 1")
+        cp = d.context_parallel
+        if tp > 1 and cp > 1 and self.data.seq_len % (cp * tp):
+            raise ValueError(f"data.seq_len = {self.data.seq_len} cannot be split into distributed.context_parallel "
+                             f"x tensor_parallel = {cp * tp} equal parts (sequence parallelism splits each context "
+                             f"slice again); accepted: a multiple of {cp * tp}")
         if tp > 1 and self.model.loss_chunk_tokens not in ("auto", 0):
             raise ValueError(f"model.loss_chunk_tokens = {self.model.loss_chunk_tokens} with distributed.tensor_parallel"
                              f" = {tp}: the LM head's weight is split over the vocabulary and the loss runs on the "
