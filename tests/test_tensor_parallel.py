@@ -310,6 +310,10 @@ def _four_ranks(rank, world_size, shards, out):
     run_training(load_config(None, args(shards, out / "fsdp_tp", *common, "--distributed.tensor_parallel=2")[1:]))
     run_training(load_config(None, args(shards, out / "fsdp4", *common, "--train.grad_accum_steps=1",
                                         f"--checkpoint.resume={out / 'fsdp_tp' / 'checkpoints' / 'step_2'}")[1:]))
+    # A whole run at CP 2 x TP 2 (one data rank: GA 4, the same 16 rows a step), 2 steps.
+    run_training(load_config(None, args(shards, out / "cp_tp", "--train.threads=1", "--train.max_steps=2",
+                                        "--train.grad_accum_steps=4", "--distributed.tensor_parallel=2",
+                                        "--distributed.context_parallel=2")[1:]))
     return got
 
 
@@ -329,3 +333,4 @@ def test_fsdp2_x_tp2_and_hsdp_match_one_process_and_resume_as_fsdp4(shards, tmp_
     _assert_records(out / "fsdp_tp", one, [1, 2, 3, 4])
     assert records(out / "fsdp_tp", "tokens") == records(one, "tokens")
     _assert_records(out / "fsdp4", one, [3, 4], keys=("loss", "grad_norm"))
+    _assert_records(out / "cp_tp", one, [1, 2], keys=("loss", "grad_norm"))
