@@ -74,7 +74,7 @@ def check_layout(pipeline_parallel: int, world_size: int) -> None:
                         f"(the multiple = data-parallel pipelines)")
 
 
-def _tied_group(mesh: Mesh) -> dist.ProcessGroup:
+def _tied_group(mesh: Mesh) -> dist.ProcessGroup | None:
     """The group of the first and the last stage rank of this rank's pipeline (a tied embedding and head), None on
     the ranks of neither. Two stage ranks: the pipeline itself. More: one pair per data coordinate, created on every
     rank in the same order (collective); rank = stage rank x data ranks + data rank (the mesh's row-major layout)."""
