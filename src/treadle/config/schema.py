@@ -391,7 +391,8 @@ class DistributedConfig(Section):
     tensor_parallel: int = Field(1, ge=1, description="ranks every matmul weight is split over (column / row-wise, "
                                  "sequence parallel between them, vocabulary-parallel loss); fsdp2 engine; 1 = off")
     pipeline_parallel: int = Field(1, ge=1, description="pipeline stages: the decoder layers are split over this many ranks "
-                                   "(embedding on the first, norm, head and loss on the last); 1 = off")
+                                   "(embedding on the first, norm, head and loss on the last); the data ranks left run whole stages (engine "
+                                   "auto) or shard each stage with FSDP2 (engine fsdp2); 1 = off")
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
         "1f1b", description="pipeline_parallel > 1: how the step's micro-batches (train.grad_accum_steps) flow through "
         "the stages; interleaved_1f1b puts two stages on each rank")
