@@ -5,9 +5,11 @@ tied embeddings, a DCP checkpoint written by the stages, and whole runs through 
 checkpoint, HF export); the tests below compare each with a single-process ``LocalEngine`` or a PP=1 run, and
 resume the PP=2 run's checkpoint at PP=1. The reference takes the step's micro-batches in one loop (GA=4):
 a pipeline must give the same loss (normalized by the step's token count over all micro-batches), the same
-global grad norm and the same weights. A second launch (four ranks: two pipelines of two stages, data-parallel)
-checks the replicas' summed gradients against the same reference, with tied embeddings, and a whole 4-rank run
-against one process, resumed in one process.
+global grad norm and the same weights. A second launch (four ranks: two stages x two data-parallel ranks) checks
+both ways of running the data ranks against the same reference: whole stages whose gradients are summed
+(``engine = auto``), with tied embeddings, and FSDP2 inside each stage (``engine = fsdp2``: 1f1b with tied
+embeddings, interleaved 1f1b); whole 4-rank runs of each against one process, their checkpoints resumed in one
+process and one process's checkpoint resumed by them; and a layout that does not fit, refused in one line.
 """
 
 from __future__ import annotations
@@ -76,12 +78,12 @@ def _eval(engine) -> list[float]:
 
 # ---------------------------------------------------------------- on each rank
 
-def _pipeline(schedule: str, tied: bool = False, micro: int = GA):
+def _pipeline(schedule: str, tied: bool = False, micro: int = GA, fsdp: dict | None = None):
     from treadle.engine.pipeline import PipelineEngine
 
     import contextlib
     return PipelineEngine(tiny_llama(tied), make_optimizer, CPU, pipeline_parallel=2, schedule=schedule,
-                          micro_batches=micro, autocast=contextlib.nullcontext)
+                          micro_batches=micro, autocast=contextlib.nullcontext, fsdp=fsdp)
 
 
 def run_args(shards, out, saved, *extra) -> list[str]:
@@ -121,30 +123,69 @@ def _check(rank: int, world_size: int, tmp: str, shards, out, saved) -> dict:
     return got
 
 
+def _half_steps(engine) -> list[tuple[float, float, int]]:
+    """The steps of a data rank that takes its half of every step's micro-batches (GA / 2 of them)."""
+    half = slice(engine.data_rank * GA // 2, (engine.data_rank + 1) * GA // 2)
+    out = []
+    for s in range(STEPS):
+        r = optimizer_step(engine, micro_batches(s)[half], grad_clip=1.0)
+        out.append((r.loss, r.grad_norm, r.label_tokens))
+    return out
+
+
+def _half_eval(engine) -> list[float]:
+    """Evaluation sums over both data ranks, each taking half of the batches."""
+    def measure(model, batch):
+        return torch.stack([loss_sum(model, batch).sum().double(), (batch["labels"] != -100).sum().double()])
+    half = slice(engine.data_rank * GA // 2, (engine.data_rank + 1) * GA // 2)
+    return engine.all_reduce_sum(engine.forward_only(micro_batches(9)[half], measure)).tolist()
+
+
+def _sharded(engine) -> bool:
+    """Every parameter of the rank's stages is a DTensor holding about half of its rows (two shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(p, DTensor) and p.to_local().shape[0] <= -(-p.shape[0] // 2)
+               for p in engine.model.parameters())
+
+
 def _check_replicas(rank: int, world_size: int, shards, out, saved, reference) -> dict:
-    """Four ranks: two pipelines of two stages (rank = stage rank x 2 + pipeline); each pipeline takes half of
-    every step's micro-batches (GA / 2 of them), as the data-parallel replicas do in a run."""
+    """Four ranks: two stages x two data-parallel ranks (rank = stage rank x 2 + data rank); each data rank takes
+    half of every step's micro-batches (GA / 2 of them), as the data-parallel ranks do in a run. First two
+    pipelines of whole stages (their gradients summed), then FSDP2 inside each stage."""
+    from treadle.errors import UserError
     from treadle.train.run import run_training
 
     engine = _pipeline("1f1b", tied=True, micro=GA // 2)
     assert (engine.stage_rank, engine.data_rank, engine.data_world_size) == (rank // 2, rank % 2, 2)
-    half = slice(engine.data_rank * GA // 2, (engine.data_rank + 1) * GA // 2)
-    got = {"steps": []}
-    for s in range(STEPS):
-        r = optimizer_step(engine, micro_batches(s)[half], grad_clip=1.0)
-        got["steps"].append((r.loss, r.grad_norm, r.label_tokens))
-
-    def measure(model, batch):
-        return torch.stack([loss_sum(model, batch).sum().double(), (batch["labels"] != -100).sum().double()])
-    got["eval"] = engine.all_reduce_sum(engine.forward_only(micro_batches(9)[half], measure)).tolist()
+    got = {"steps": _half_steps(engine), "eval": _half_eval(engine)}
     got["weights"] = engine.export_state_dict()
     # A whole run: 2 pipelines x 2 stages, micro-batch 2 x GA 2 x 2 replicas = the 8 rows of one process's step.
     layout = ["--train.micro_batch_size=2", "--train.eval_batches=4",  # the same 8 samples as one process
               "--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=gpipe"]
     run_training(load_config(None, run_args(shards, out / "pp2dp2", saved, "--train.max_steps=2", *layout)))
     # The one-process run's step-2 checkpoint (PP = 1) resumed here, at 2 stages x 2 pipelines, to step 4.
-    run_training(load_config(None, run_args(shards, out / "from_pp1", saved, "--train.max_steps=4", *layout,
-                                            f"--checkpoint.resume={reference / 'checkpoints' / 'step_2'}")))
+    resume = f"--checkpoint.resume={reference / 'checkpoints' / 'step_2'}"
+    run_training(load_config(None, run_args(shards, out / "from_pp1", saved, "--train.max_steps=4", *layout, resume)))
+
+    # FSDP2 inside each stage: the same steps, each stage's parameters sharded over its two data ranks.
+    got["fsdp"] = {}
+    for schedule, tied in (("1f1b", True), ("interleaved_1f1b", False)):
+        engine = _pipeline(schedule, tied=tied, micro=GA // 2, fsdp={})
+        got["fsdp"][schedule] = {"steps": _half_steps(engine), "eval": _half_eval(engine), "sharded": _sharded(engine),
+                                 "weights": engine.export_state_dict()}
+    # Whole runs at 2 stages x FSDP 2 (model.path: built empty, each rank reading its stage's shards): 2 steps with
+    # a checkpoint (resumed in one process by the test), and one process's step-2 checkpoint resumed here to step 4.
+    fsdp = ["--train.micro_batch_size=2", "--train.eval_batches=4", "--distributed.pipeline_parallel=2",
+            "--distributed.engine=fsdp2", "--distributed.pipeline_schedule=1f1b"]
+    run_training(load_config(None, run_args(shards, out / "pp2fsdp2", saved, "--train.max_steps=2", *fsdp)))
+    run_training(load_config(None, run_args(shards, out / "fsdp_from_pp1", saved, "--train.max_steps=4", *fsdp,
+                                            resume)))
+    try:  # 2 stages x 4 shards on 4 ranks: refused before anything is written
+        run_training(load_config(None, run_args(shards, out / "bad", saved, "--train.max_steps=2", *fsdp,
+                                                "--distributed.data_parallel_shard=4")))
+    except UserError as e:
+        got["refused"] = str(e)
     return got
 
 
@@ -326,3 +367,52 @@ def test_two_pipelines_of_two_stages_match_one_process(replicas, one_process_run
     # And the other way: one process's checkpoint continued by 4 ranks in 2 pipelines of 2 stages.
     resumed = records(tmp / "from_pp1")
     assert resumed.keys() == {3, 4} and resumed == pytest.approx({s: records(one_process_run)[s] for s in (3, 4)}, rel=1e-5)
+
+
+def test_fsdp2_inside_two_stages_matches_one_process(replicas, one_process_run, shards, saved):
+    """engine = fsdp2 at 2 stages x 2 shards: the same losses, norms and weights as one process (the engine with
+    1f1b and tied embeddings, and with interleaved 1f1b), whole runs that resume across layouts both ways, and a
+    layout whose product is not the launch's refused in one line."""
+    from treadle.train.run import run_training
+
+    results, tmp = replicas
+    for schedule, tied in (("1f1b", True), ("interleaved_1f1b", False)):
+        ref = _local(tied)
+        want = _steps(ref, range(STEPS))
+        for res in results:
+            got = res["fsdp"][schedule]
+            assert got["sharded"]
+            _assert_steps(got["steps"], want)
+            assert got["eval"] == pytest.approx(_eval(ref), rel=1e-6)
+        assert _close(results[0]["fsdp"][schedule]["weights"], ref.export_state_dict()) <= WEIGHT_ATOL
+        assert all(res["fsdp"][schedule]["weights"] == {} for res in results[1:])
+    one = records(one_process_run)
+    run = tmp / "pp2fsdp2"
+    assert records(run) == pytest.approx({s: one[s] for s in (1, 2)}, rel=1e-5)
+    assert records(run, "eval_loss") == pytest.approx({s: records(one_process_run, "eval_loss")[s] for s in (0, 2)},
+                                                      rel=1e-5)
+    # The sharded stages' checkpoint (4 ranks) continued by one process, to the one-process run's step 4.
+    run_training(load_config(None, run_args(shards, run, saved, "--train.max_steps=4")))
+    assert records(run) == pytest.approx(one, rel=1e-5)
+    want = load_file(one_process_run / "hf" / "model.safetensors")
+    assert _close(load_file(run / "hf" / "model.safetensors"), want) <= WEIGHT_ATOL
+    # One process's checkpoint continued by 2 stages x FSDP 2; its export gathered from the shards of both stages.
+    resumed = records(tmp / "fsdp_from_pp1")
+    assert resumed.keys() == {3, 4} and resumed == pytest.approx({s: one[s] for s in (3, 4)}, rel=1e-5)
+    assert _close(load_file(tmp / "fsdp_from_pp1" / "hf" / "model.safetensors"), want) <= WEIGHT_ATOL
+    for res in results:
+        assert res["refused"].startswith("distributed: pipeline_parallel 2 x data_parallel_shard 4 = 8 ranks, but "
+                                         "the launch has 4; accepted:") and "\n" not in res["refused"]
+    assert not (tmp / "bad").exists()
+
+
+def test_engines_that_cannot_run_stages_are_refused_in_one_line():
+    from treadle.distributed import DistInfo
+    from treadle.engine import resolve_engine
+    from treadle.errors import UserError
+
+    info = DistInfo(0, 4, 0, CPU, "gloo")
+    assert resolve_engine("auto", info, 2) == resolve_engine("fsdp2", info, 2) == "pipeline"
+    with pytest.raises(UserError, match=r"^distributed.engine = 'ddp' with pipeline_parallel = 2: .*accepted: "
+                                        r"distributed.engine = auto .* or fsdp2 "):
+        resolve_engine("ddp", info, 2)

@@ -9,8 +9,8 @@ Two launches on gloo, each checking much against one process on the same global 
   embedding, one step of every family the plan accepts; then a whole run through ``run_training`` at TP 2 whose
   checkpoint of step 2 one process (TP 1) resumes (DCP reshards the vocabulary / column / row shards), and a run of
   a saved model (``model.path``) with activation checkpointing.
-* 4 ranks: FSDP 2 x TP 2, HSDP (replicate 2 x shard 2) and HSDP x CP (replicate 2 x context 2) on the engine
-  (3 steps); then a whole run at FSDP 2 x
+* 4 ranks: FSDP 2 x TP 2, HSDP (replicate 2 x shard 2), HSDP x CP (replicate 2 x context 2) and CP 2 x TP 2 (the
+  context group's all-to-all splits the heads TP left each rank) on the engine (3 steps); then a whole run at FSDP 2 x
   TP 2 whose checkpoint of step 2 is resumed in the same launch as FSDP 4 (2-D DTensors read back as 1-D shards).
 
 Tolerances (fp32): TP sums partial matmuls and norms in another order than one process, a few ulps per op:
@@ -95,6 +95,16 @@ def test_the_plan_takes_llama_shaped_families_and_refuses_the_others_in_one_line
         check_model(tiny_llama(), 4, 32)
 
 
+def test_context_parallel_splits_the_heads_tensor_parallel_left():
+    from treadle.engine.context_parallel import check_model
+
+    config = tiny_llama().config  # 4 heads: TP 2 leaves 2 per rank, which CP 2 splits again
+    check_model(config, 2, 2)
+    with pytest.raises(UserError, match=r"^distributed.context_parallel = 2 x tensor_parallel = 4 does not divide the "
+                                        r"model's 4 attention heads"):
+        check_model(config, 2, 4)
+
+
 def test_layouts_and_settings_tensor_parallel_cannot_run_exit_2_with_one_line(shards, tmp_path, capsys):
     cases = [
         (["--distributed.tensor_parallel=2"], "distributed.tensor_parallel = 2 does not divide the world size 1"),
@@ -103,7 +113,8 @@ def test_layouts_and_settings_tensor_parallel_cannot_run_exit_2_with_one_line(sh
         (["--distributed.data_parallel_replicate=2", "--distributed.engine=deepspeed"], "not on the deepspeed engine"),
         (["--distributed.tensor_parallel=2", "--model.loss_chunk_tokens=64"], "loss_chunk_tokens = 0 or auto"),
         (["--distributed.tensor_parallel=3"], "data.seq_len = 32 cannot be split into distributed.tensor_parallel = 3"),
-        (["--distributed.tensor_parallel=2", "--distributed.context_parallel=2"], "both split the attention heads"),
+        (["--distributed.tensor_parallel=2", "--distributed.context_parallel=2", "--data.seq_len=34"],
+         "data.seq_len = 34 cannot be split into distributed.context_parallel x tensor_parallel = 4 equal parts"),
         (["--distributed.tensor_parallel=2", "--distributed.pipeline_parallel=2"], "inside pipeline stages"),
     ]
     for extra, message in cases:
@@ -281,12 +292,28 @@ def _four_ranks(rank, world_size, shards, out):
                                               rank_micro_batches(s, layout.dp_rank, 2)], grad_clip=GRAD_CLIP)
                       for s in range(STEPS)]
     got["hsdp_cp"] = [(r.loss, r.grad_norm, r.label_tokens, r.applied) for r in got["hsdp_cp"]]
+    # Context parallel x tensor parallel: one data rank, its sequences split over 2 context ranks, each of whose
+    # attention holds heads / 2 (TP) of which the context group's all-to-all splits again (heads / 4 per rank).
+    model = tiny_llama(0)
+    mesh = build_mesh(_axes(cp=2, tp=2), init_distributed("cpu"))
+    layout = mesh.layout
+    assert (layout.dp_size, layout.cp_rank, mesh.coordinate("tp")) == (1, rank // 2, rank % 2)
+    apply_context_parallel(model, layout.cp_group)
+    engine, _ = _engine(_axes(cp=2, tp=2), model=model)
+    got["cp_tp"] = [optimizer_step(engine, [slice_sequences(mb, layout.cp_rank, 2) for mb in
+                                            rank_micro_batches(s, 0, 1)], grad_clip=GRAD_CLIP) for s in range(STEPS)]
+    got["cp_tp"] = [(r.loss, r.grad_norm, r.label_tokens, r.applied) for r in got["cp_tp"]]
+    got["cp_tp_export"] = snapshot(engine.export_state_dict())
     # A whole run at FSDP 2 x TP 2 (checkpoints at steps 2 and 4); its step 2 resumed as FSDP 4 (GA 1: the same 16
     # rows a step).
     common = ("--train.threads=1", "--checkpoint.every=2", "--train.max_steps=4")
     run_training(load_config(None, args(shards, out / "fsdp_tp", *common, "--distributed.tensor_parallel=2")[1:]))
     run_training(load_config(None, args(shards, out / "fsdp4", *common, "--train.grad_accum_steps=1",
                                         f"--checkpoint.resume={out / 'fsdp_tp' / 'checkpoints' / 'step_2'}")[1:]))
+    # A whole run at CP 2 x TP 2 (one data rank: GA 4, the same 16 rows a step), 2 steps.
+    run_training(load_config(None, args(shards, out / "cp_tp", "--train.threads=1", "--train.max_steps=2",
+                                        "--train.grad_accum_steps=4", "--distributed.tensor_parallel=2",
+                                        "--distributed.context_parallel=2")[1:]))
     return got
 
 
@@ -297,7 +324,7 @@ def test_fsdp2_x_tp2_and_hsdp_match_one_process_and_resume_as_fsdp4(shards, tmp_
     want_export = snapshot(engine.model.state_dict())
     for rank, res in enumerate(results):
         _assert_steps(res["hsdp_cp"], want, f"hsdp x cp rank {rank}")
-    for kind in ("fsdp_tp", "hsdp"):
+    for kind in ("fsdp_tp", "hsdp", "cp_tp"):
         for rank, res in enumerate(results):
             _assert_steps(res[kind], want, f"{kind} rank {rank}")
         assert max_abs_diff(results[0][f"{kind}_export"], want_export) <= WEIGHT_ATOL
@@ -306,3 +333,4 @@ def test_fsdp2_x_tp2_and_hsdp_match_one_process_and_resume_as_fsdp4(shards, tmp_
     _assert_records(out / "fsdp_tp", one, [1, 2, 3, 4])
     assert records(out / "fsdp_tp", "tokens") == records(one, "tokens")
     _assert_records(out / "fsdp4", one, [3, 4], keys=("loss", "grad_norm"))
+    _assert_records(out / "cp_tp", one, [1, 2], keys=("loss", "grad_norm"))

@@ -391,7 +391,8 @@ class DistributedConfig(Section):
     tensor_parallel: int = Field(1, ge=1, description="ranks every matmul weight is split over (column / row-wise, "
                                  "sequence parallel between them, vocabulary-parallel loss); fsdp2 engine; 1 = off")
     pipeline_parallel: int = Field(1, ge=1, description="pipeline stages: the decoder layers are split over this many ranks "
-                                   "(embedding on the first, norm, head and loss on the last); 1 = off")
+                                   "(embedding on the first, norm, head and loss on the last); the data ranks left run whole stages (engine "
+                                   "auto) or shard each stage with FSDP2 (engine fsdp2); 1 = off")
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
         "1f1b", description="pipeline_parallel > 1: how the step's micro-batches (train.grad_accum_steps) flow through "
         "the stages; interleaved_1f1b puts two stages on each rank")
@@ -504,11 +505,17 @@ class Config(Section):
                 raise ValueError(f"distributed.{key} = {n} runs on FSDP2's DTensors, not on the {d.engine} engine; "
                                  f"accepted: distributed.engine = auto or fsdp2, or {key} = 1")
             if n > 1 and d.pipeline_parallel > 1:
-                raise ValueError(f"distributed.{key} = {n} with pipeline_parallel = {d.pipeline_parallel}: FSDP2 and "
-                                 f"tensor parallelism inside pipeline stages are not built; accepted: one of them = 1")
-        if tp > 1 and d.context_parallel > 1:
-            raise ValueError(f"distributed.tensor_parallel = {tp} with context_parallel = {d.context_parallel} is not "
-                             "built (both split the attention heads); accepted: one of them = 1")
+                raise ValueError(f"distributed.{key} = {n} with pipeline_parallel = {d.pipeline_parallel}: HSDP and "
+                                 "tensor parallelism inside pipeline stages are not built (FSDP2 over "
+                                 "data_parallel_shard is: engine = fsdp2); accepted: one of them = 1")
+        cp = d.context_parallel
+        if tp > 1 and cp > 1 and self.draft.kind is not None:
+            raise ValueError(f"distributed.tensor_parallel = {tp} with context_parallel = {cp} in a draft run is not "
+                             "built (the target's split for a draft keeps whole sequences); accepted: one of them = 1")
+        if tp > 1 and cp > 1 and self.data.seq_len % (cp * tp):
+            raise ValueError(f"data.seq_len = {self.data.seq_len} cannot be split into distributed.context_parallel "
+                             f"x tensor_parallel = {cp * tp} equal parts (sequence parallelism splits each context "
+                             f"slice again); accepted: a multiple of {cp * tp}")
         if tp > 1 and self.model.loss_chunk_tokens not in ("auto", 0) and self.draft.kind is None:
             raise ValueError(f"model.loss_chunk_tokens = {self.model.loss_chunk_tokens} with distributed.tensor_parallel"
                              f" = {tp}: the LM head's weight is split over the vocabulary and the loss runs on the "

@@ -23,15 +23,16 @@ ENGINES = ("local", "ddp", "fsdp2", "deepspeed")
 
 
 def resolve_engine(name: str, info: DistInfo, pipeline_parallel: int = 1) -> str:
-    """``auto`` -> local for one process, fsdp2 under a launcher (pipeline with pipeline stages); refuse
-    combinations that cannot work."""
+    """``auto`` -> local for one process, fsdp2 under a launcher (pipeline with pipeline stages: ``auto`` or
+    ``fsdp2`` say how the stages' data ranks work, ``build_engine``); refuse combinations that cannot work."""
     if pipeline_parallel > 1:
         from treadle.engine.pipeline import check_layout
 
-        if name != "auto":
+        if name not in ("auto", "fsdp2"):
             raise UserError(f"distributed.engine = {name!r} with pipeline_parallel = {pipeline_parallel}: the stages "
-                            "are the engine (pipelines beside each other sum their gradients as DDP does; FSDP2 or "
-                            "DeepSpeed inside a stage is not built); accepted: distributed.engine = auto")
+                            "run on torch's pipeline schedules; accepted: distributed.engine = auto (each stage whole "
+                            "on its data-parallel ranks, gradients summed as DDP does) or fsdp2 (each stage sharded "
+                            "over them)")
         check_layout(pipeline_parallel, info.world_size)
         return "pipeline"
     if name == "auto":
@@ -115,9 +116,15 @@ def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device,
         from treadle.engine.pipeline import PipelineEngine
 
         bf16 = cfg.model.dtype == "bf16"
+        # engine = fsdp2: FSDP2 inside each stage. Its parameters stay fp32 (bf16 runs under the stages' autocast,
+        # as without FSDP); the reduction dtype, the reshard and the offload are FSDP2Engine's settings.
+        fsdp = (dict(reduce_dtype=torch.bfloat16 if d.reduce_dtype == "bf16" else torch.float32,
+                     reshard_after_forward=d.reshard_after_forward, cpu_offload=d.cpu_offload)
+                if d.engine == "fsdp2" else None)
         return PipelineEngine(model, lambda m: build_optimizer(m, cfg), device, pipeline_parallel=d.pipeline_parallel,
                               schedule=d.pipeline_schedule, micro_batches=cfg.train.grad_accum_steps,
-                              autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16))
+                              autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
+                              mesh=mesh, fsdp=fsdp)
     if name == "local" and cfg.model.dtype == "bf16-weights":
         from treadle.engine.bf16_weights import Bf16WeightsEngine
 

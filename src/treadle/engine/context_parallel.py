@@ -55,10 +55,11 @@ from treadle.errors import UserError
 ATTENTION_NAME = "treadle_context_parallel"
 
 
-def check_model(config, cp: int) -> None:
+def check_model(config, cp: int, tp: int = 1) -> None:
     """A one-line UserError when ``cp`` ranks cannot split this model's attention.
 
-    Ulysses gives each rank ``heads / cp`` query heads. Key/value heads need not divide: when they do not, they
+    Ulysses gives each rank ``heads / cp`` query heads; with tensor parallelism (``tp``) a rank's attention holds
+    ``heads / tp`` of them already, which the context group splits again: ``heads / tp / cp``. Key/value heads need not divide: when they do not, they
     are replicated to one per query head before the exchange (as DeepSpeed does), which costs traffic, not
     exactness. The wrapper runs sdpa itself, so the model must be an sdpa model (eager would be silently replaced,
     flex attention has no CPU backward, flash kernels would need their own mask handling).
@@ -68,6 +69,10 @@ def check_model(config, cp: int) -> None:
         raise UserError(f"distributed.context_parallel = {cp} needs sdpa attention, the model uses {attn!r}; "
                         "accepted: model.overrides attn_implementation = 'sdpa' (or unset)")
     heads = config.num_attention_heads
+    if tp > 1 and heads % (cp * tp):
+        raise UserError(f"distributed.context_parallel = {cp} x tensor_parallel = {tp} does not divide the model's "
+                        f"{heads} attention heads (num_attention_heads: each tensor-parallel rank's {heads} / {tp} are "
+                        f"split again over the context group); accepted: axes whose product divides {heads}")
     if heads % cp:
         raise UserError(f"distributed.context_parallel = {cp} does not divide the model's {heads} attention heads "
                         f"(num_attention_heads); accepted: a divisor of {heads}")

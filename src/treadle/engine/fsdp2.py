@@ -97,20 +97,12 @@ class FSDP2Engine(CollectiveEngine):
         elif tp_mesh is not None:  # first: FSDP2 shards the tensor-parallel DTensors again over the data dims
             apply_tensor_parallel(model, tp_mesh)
             self.tensor_parallel = True
-        shard_kwargs = dict(
-            mesh=mesh,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=reduce_dtype),
-            # Pinned memory needs an accelerator; on a CPU-only machine the offload is a plain copy.
-            offload_policy=CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy(),
-        )
+        shard_kwargs = shard_options(mesh, device, mp_param_dtype=mp_param_dtype, reduce_dtype=reduce_dtype,
+                                     reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
         for layer in decoder_layers(model):
             fully_shard(layer, **shard_kwargs)
         fully_shard(model, **shard_kwargs)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+        sum_gradients(model.modules())
         # Methods other than forward that evaluations call (a draft's target_forward): FSDP must
         # gather the root's parameters around them as it does around forward.
         for name in getattr(model, "fsdp_forward_methods", ()):
@@ -147,11 +139,7 @@ class FSDP2Engine(CollectiveEngine):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The pre-clip norm of the whole (sharded) gradient, as a plain tensor equal on every rank."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        total = get_total_norm(grads, norm_type=2.0, foreach=True)
-        if isinstance(total, DTensor):
-            # Per-shard norms are partial: full_tensor() reduces them to the global norm.
-            total = total.full_tensor()
+        total = grad_norm([p.grad for p in params])
         if max_norm > 0:
             clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
@@ -160,6 +148,36 @@ class FSDP2Engine(CollectiveEngine):
         """Full CPU weights on rank 0 ({} elsewhere); frozen ones included, as ``LocalEngine`` exports them."""
         with _quiet_gathers():
             return get_model_state_dict(self.model, options=_EXPORT)
+
+
+def shard_options(mesh: DeviceMesh, device: torch.device, *, mp_param_dtype: torch.dtype | None = None,
+                  reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True,
+                  cpu_offload: bool = False) -> dict:
+    """``fully_shard``'s keyword arguments, the same for every unit of a model (FSDP2Engine's, a pipeline stage's)."""
+    return dict(
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=mp_param_dtype, reduce_dtype=reduce_dtype),
+        # Pinned memory needs an accelerator; on a CPU-only machine the offload is a plain copy.
+        offload_policy=CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy(),
+    )
+
+
+def sum_gradients(modules) -> None:
+    """Every FSDP unit among ``modules`` sums its gradients over its ranks instead of averaging them: the step has
+    already divided each loss by the whole step's token count, so each rank's gradient is its share of the global
+    one. Plain sums (gloo has no PREMUL_SUM for a divide factor of 1)."""
+    for module in modules:
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` (plain tensors or DTensors) as a plain tensor: sharded gradients' per-shard norms are
+    partial, and ``full_tensor()`` reduces them over the shards' mesh."""
+    total = get_total_norm(grads, norm_type=2.0, foreach=True)
+    return total.full_tensor() if isinstance(total, DTensor) else total
 
 
 @contextlib.contextmanager

@@ -14,8 +14,9 @@ Each component asks the mesh for its part instead of computing ranks itself:
 * FSDP2: ``fsdp_mesh`` (dp_shard x cp flattened, with dp_replicate in front for HSDP); tensor parallel:
   ``tp_mesh``; context parallel: ``layout.cp_group``. Decisions (the finite check, a stop) stay over the world.
 
-The DeviceMesh is torch's (``init_device_mesh``); treadle adds no collectives. A pipeline run keeps the groups its
-engine builds (engine/pipeline.py, the same row-major layout) and takes only its data ranks from here.
+The DeviceMesh is torch's (``init_device_mesh``); treadle adds no collectives. A pipeline run takes its stages'
+group from ``pp_group``, the sums over its data-parallel ranks from ``dp_group`` and, with FSDP2 inside the stages,
+the shard dimension from ``fsdp_mesh`` (engine/pipeline.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Mesh:
     rank: int
     world_size: int
     sizes: dict  # axis -> size, every axis of AXES
-    device_mesh: DeviceMesh | None = None  # None: one process, or a pipeline run (its engine builds its groups)
+    device_mesh: DeviceMesh | None = None  # None: one process
     # Flattened dimensions by the dimensions they join, kept here: torch deprecates slicing them back out of the root.
     flattened: dict = field(default_factory=dict)
 
@@ -92,6 +93,17 @@ class Mesh:
         return shard
 
     @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's pipeline: one per stage rank, the same data-parallel coordinate."""
+        return self.device_mesh["pp"].get_group()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The data-parallel ranks at this rank's pipeline coordinate (replicas x shards): they read different rows,
+        so token counts and loss sums, and unsharded gradients, are summed over them."""
+        return self.view("dp_replicate", "dp_shard", "cp").get_group()
+
+    @property
     def loss_group(self) -> dist.ProcessGroup | None:
         """The group the step's token counts and loss sums are summed over (None: the world, the same ranks)."""
         if self.device_mesh is None or self.tp == 1:
@@ -138,7 +150,7 @@ def build_mesh(d, info: DistInfo) -> Mesh:
     it at the same point.
     """
     sizes = _sizes(d, info.world_size)
-    if not info.distributed or sizes["pp"] > 1:
+    if not info.distributed:
         return Mesh(info.rank, info.world_size, sizes)
     # Only the dimensions larger than 1 become process groups (a plain FSDP run: one, over the world), and dp_shard
     # always: FSDP2 shards over it, at size 1 too, where tensor parallelism takes every rank (its DTensors and

@@ -21,12 +21,22 @@ The same interface as ``LocalEngine``; what differs is hidden here:
   every stage saw the same micro-batches), ``all_agree`` / ``any_rank`` over every rank; the gradient
   norm is the global norm over all stages; the step's loss sums, computed on the last stage, are
   broadcast so every rank of the pipeline reports the same loss.
-* Data parallelism beside the stages: a launch of ``pipeline_parallel x R`` ranks runs R pipelines
-  (replicas), each on its own micro-batches. Rank ``stage_rank * R + replica`` (the ranks holding one stage
-  are neighbours, as torchtitan lays its mesh out: on GPUs their gradient all-reduce is the heavy traffic,
-  the pipeline's activations are light). After the schedule's backward each stage's gradients are SUMMED over
-  its R copies in one flat all-reduce (the loss is already divided by the step's global token count, as for
-  every engine): DDP's result, without overlapping the reduction with the backward.
+* Data parallelism beside the stages: a launch of ``pipeline_parallel x R`` ranks runs R pipelines, each on its
+  own micro-batches. Rank ``stage_rank * R + data rank`` (the device mesh's row-major layout, engine/mesh.py: the
+  ranks holding one stage are neighbours, as torchtitan lays its mesh out: on GPUs their gradient traffic is the
+  heavy one, the pipeline's activations are light). Two ways, the loss already divided by the step's global token
+  count as for every engine, so gradients are SUMMED over the R ranks, never averaged:
+
+  - replicas (``distributed.engine = auto``): each stage whole on its R ranks; after the schedule's backward its
+    gradients are summed over them in one flat all-reduce (DDP's result, without overlapping the backward);
+  - FSDP2 inside each stage (``distributed.engine = fsdp2``): every decoder layer of the stage, then the stage
+    itself (what is left: embedding, final norm, head), ``fully_shard``ed over the mesh's dp_shard dimension of
+    this pipeline coordinate. The stage handed to torch's ``PipelineStage`` is the FSDP module, and torch's
+    schedules then skip the reduce-scatter on all but the last backward of the step
+    (``set_requires_gradient_sync(False)``, ``set_is_last_backward``) and reduce every unit once at its end
+    (``PipelineStage.perform_reduce_grad``): one reduce-scatter per unit per step, as FSDP2Engine's ``no_sync``.
+    Gradients, parameters and optimizer state are DTensor shards; the norm is DTensor's over the shards, then
+    summed over the stages.
 """
 
 from __future__ import annotations
@@ -41,9 +51,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleLoopedBFS)
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import clip_grads_with_norm_
 
+from treadle.distributed import DistInfo
+from treadle.engine.fsdp2 import grad_norm, shard_options, sum_gradients
 from treadle.engine.local import _SAVE, CollectiveEngine
+from treadle.engine.mesh import Mesh, build_mesh
 from treadle.errors import UserError
 from treadle.models.hf import decoder_layers
 from treadle.models.sharded_load import is_empty, materialize
@@ -59,15 +74,25 @@ def check_layout(pipeline_parallel: int, world_size: int) -> None:
                         f"(the multiple = data-parallel pipelines)")
 
 
-def _groups(pp: int, dp: int, tied: int | None) -> tuple:
-    """(this rank's pipeline group, its replica group or None, its tied-weight group or None): collective, every
-    rank creates every group in the same order. Rank = stage rank x dp + replica. ``tied``: the stage rank of
-    the last stage when the first and last stage share a weight."""
-    pipeline, _ = dist.new_subgroups_by_enumeration([[s * dp + d for s in range(pp)] for d in range(dp)])
-    replicas = dist.new_subgroups_by_enumeration([[s * dp + d for d in range(dp)] for s in range(pp)])[0] if dp > 1 else None
-    # The embedding's rank and the head's rank of each pipeline (None on the ranks of neither).
-    pair = dist.new_subgroups_by_enumeration([[d, tied * dp + d] for d in range(dp)])[0] if tied is not None else None
-    return pipeline, replicas, pair
+def _tied_group(mesh: Mesh) -> dist.ProcessGroup | None:
+    """The group of the first and the last stage rank of this rank's pipeline (a tied embedding and head), None on
+    the ranks of neither. Two stage ranks: the pipeline itself. More: one pair per data coordinate, created on every
+    rank in the same order (collective); rank = stage rank x data ranks + data rank (the mesh's row-major layout)."""
+    pp = mesh.sizes["pp"]
+    if pp == 2:
+        return mesh.pp_group
+    dp = mesh.world_size // pp
+    return dist.new_subgroups_by_enumeration([[d, (pp - 1) * dp + d] for d in range(dp)])[0]
+
+
+def _pipeline_mesh(pipeline_parallel: int, device: torch.device) -> Mesh:
+    """The mesh of a pipeline engine built without one (as tests build it): stages x the data ranks left."""
+    from types import SimpleNamespace
+
+    axes = SimpleNamespace(pipeline_parallel=pipeline_parallel, data_parallel_replicate=1, data_parallel_shard=-1,
+                           context_parallel=1, tensor_parallel=1)
+    rank = dist.get_rank()
+    return build_mesh(axes, DistInfo(rank, dist.get_world_size(), rank, device, dist.get_backend()))
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -212,19 +237,24 @@ class PipelineEngine(CollectiveEngine):
 
     def __init__(self, model: nn.Module, optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
                  device: torch.device, *, pipeline_parallel: int, schedule: str, micro_batches: int,
-                 autocast: Callable):
+                 autocast: Callable, mesh: Mesh | None = None, fsdp: dict | None = None):
         """Split ``model`` (fp32, on ``device``, identical on every rank) into this rank's stages.
 
         ``model`` may be empty (on the meta device, read from ``model.path``): each rank then allocates and reads
-        only what its stages keep (``sharded_load.materialize`` after the split), never the whole model."""
+        only what its stages keep (``sharded_load.materialize`` after the split, and after sharding), never the
+        whole model. ``mesh``: the launch's (engine/mesh.py; None: stages x the data ranks left). ``fsdp``: None
+        for whole stages summed over the data ranks, else ``shard_options``' keywords (not ``mesh``) for FSDP2
+        inside each stage over the mesh's shard dimension."""
         if not dist.is_initialized():
             raise RuntimeError("PipelineEngine needs a process group: call treadle.distributed.init_distributed() first")
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         check_layout(pipeline_parallel, self.world_size)
+        self.mesh = mesh = mesh if mesh is not None else _pipeline_mesh(pipeline_parallel, device)
         pp, dp = pipeline_parallel, self.world_size // pipeline_parallel
-        self.stage_rank, self.replica, self.replicas = *divmod(self.rank, dp), dp
+        self.stage_rank, self.replica, self.replicas = mesh.coordinate("pp"), mesh.dp_rank, dp
+        self.sharded = fsdp is not None
         parts, layout = plan_stages(model, pp, schedule)
         self.num_stages = len(layout)
         n_layers = len(parts.layers)
@@ -237,9 +267,11 @@ class PipelineEngine(CollectiveEngine):
 
         # Stage s runs on stage rank s % pp (the looped placement interleaved schedules expect).
         self.stage_ids = [s for s in range(self.num_stages) if s % pp == self.stage_rank]
-        last_stage_rank = (self.num_stages - 1) % pp
+        last_stage_rank = (self.num_stages - 1) % pp  # pp - 1: the last stage rank, also when interleaved
         self.last_rank = last_stage_rank * dp + self.replica  # global: the loss sums come from there
-        self._pipeline, self._replicas, self._tied_group = _groups(pp, dp, last_stage_rank if parts.tied else None)
+        self._pipeline = mesh.pp_group
+        self._replicas = mesh.dp_group if dp > 1 else None
+        self._tied_group = _tied_group(mesh) if parts.tied else None
         owned = {i for s in self.stage_ids for i in layout[s]}
         has_first, has_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         for i in range(n_layers):
@@ -252,15 +284,21 @@ class PipelineEngine(CollectiveEngine):
         if not has_last:
             parts.base.norm = PassThrough()
             setattr(model, parts.head_name, PassThrough())
-        materialize(model, device)  # an empty model: this rank's tensors only, read from its files (re-tied)
-        model.to(device)
+        # Views share the model's modules (and so its parameters, also those sharding or materializing replace).
+        self._stages = [_Stage(_view(model, parts, layout[s], s == 0, s == self.num_stages - 1), s == 0, autocast)
+                        for s in self.stage_ids]
+        if self.sharded:
+            self._shard(model, parts, sorted(owned), shard_options(mesh.fsdp_mesh, device, **fsdp))
+        # An empty model: this rank's tensors (shards) only, read from its files (re-tied); offloaded shards live on
+        # the CPU, as FSDP2Engine keeps them.
+        materialize(model, torch.device("cpu") if fsdp and fsdp.get("cpu_offload") else device)
+        if not self.sharded:  # FSDP placed the shards on the mesh's device
+            model.to(device)
         self.tied_weight = model.get_input_embeddings().weight if parts.tied and (has_first or has_last) else None
 
         self.model = self.module = model
         self.optimizer = optimizer_factory(model)
         self.autocast = autocast
-        self._stages = [_Stage(_view(model, parts, layout[s], s == 0, s == self.num_stages - 1), s == 0, autocast)
-                        for s in self.stage_ids]
         self.has_first, self.has_last = has_first, has_last
         self.n_microbatches = micro_batches
         self._loss: Callable | None = None  # the step's loss on the last stage, set per step
@@ -268,6 +306,21 @@ class PipelineEngine(CollectiveEngine):
                 for st, s in zip(self._stages, self.stage_ids)]
         cls = SCHEDULES[schedule]
         self.schedule = cls(pipe if len(pipe) > 1 else pipe[0], micro_batches, loss_fn=self._schedule_loss, scale_grads=False)
+
+    def _shard(self, model: nn.Module, parts: _Parts, owned: list[int], options: dict) -> None:
+        """FSDP2 inside the stages: each owned decoder layer a unit, then each stage (the module torch's schedule
+        calls, so its hooks run: gathers before the stage's forward, the no-sync switch and the last reduce) takes
+        what is left of it. Sums, not averages, as FSDP2Engine."""
+        for i in owned:
+            fully_shard(parts.layers[i], **options)
+        for stage in self._stages:
+            fully_shard(stage, **options)
+        sum_gradients(m for stage in self._stages for m in stage.modules())
+        head = model.get_output_embeddings()
+        if parts.tied and not isinstance(head, PassThrough):
+            # The last rank keeps the embedding module for the tied weight's name; its stage (not the first) passes
+            # the embedding through, so FSDP replaced the head's weight only: the two are made one Parameter again.
+            model.get_input_embeddings().weight = head.weight
 
     # Every stage of one pipeline reads the same micro-batches; the pipelines are the data-parallel replicas.
     @property
@@ -313,10 +366,16 @@ class PipelineEngine(CollectiveEngine):
         total = self._run(self.schedule.step, micro_batches, fn)
         if self._tied_group is not None and self.tied_weight is not None:
             # The embedding's and the head's shares of the tied weight's gradient, on two ranks: both need the sum.
+            # Sharded, both hold the same shard of it (one dp_shard coordinate, the same sizes): their local parts
+            # line up.
             grad = self.tied_weight.grad if self.tied_weight.grad is not None else torch.zeros_like(self.tied_weight)
-            dist.all_reduce(grad, group=self._tied_group)
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            flat = local.contiguous()
+            dist.all_reduce(flat, group=self._tied_group)
+            if flat is not local:
+                local.copy_(flat)
             self.tied_weight.grad = grad
-        if self._replicas is not None:
+        if self._replicas is not None and not self.sharded:  # FSDP2 has reduce-scattered them over the shards
             self._sum_over_replicas([p.grad for p in self.model.parameters() if p.grad is not None])
         return total
 
@@ -365,9 +424,12 @@ class PipelineEngine(CollectiveEngine):
         """The global norm over every stage's gradients (a tied weight counted once), clipped on every rank."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         counted = [p.grad for p in params if not (p is self.tied_weight and not self.has_first)]
-        local = get_total_norm(counted, norm_type=2.0, foreach=True) if counted else torch.zeros((), device=self.device)
+        # This rank's stages' norm: over their shards (DTensor's reduction over dp_shard), or whole.
+        local = grad_norm(counted) if counted else torch.zeros((), device=self.device)
         squares = local.double().pow(2).reshape(1)
-        dist.all_reduce(squares, group=self._pipeline)  # the replicas hold the same (summed) gradients
+        # Summed over the stages; the data ranks already agree (replicas hold the same summed gradients, shards
+        # the same full-tensor norm).
+        dist.all_reduce(squares, group=self._pipeline)
         total = squares.sqrt().to(torch.float32)[0]
         if max_norm > 0 and params and math.isfinite(total.item()):
             clip_grads_with_norm_(params, max_norm, total, foreach=True)
@@ -381,10 +443,15 @@ class PipelineEngine(CollectiveEngine):
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's weights on rank 0 ({} elsewhere): every stage of the first pipeline sends its tensors
-        (the other pipelines hold the same)."""
+        (the other pipelines hold the same). Sharded stages are first gathered tensor by tensor over their shards
+        (every rank of a stage takes part, data rank 0 keeps them)."""
+        mine = {}
+        for k, v in self.model.state_dict().items():
+            full = v.full_tensor() if isinstance(v, DTensor) else v
+            if not self.replica:
+                mine[k] = full.detach().cpu()
         if self.replica:
             return {}
-        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         gathered = [None] * dist.get_world_size(self._pipeline) if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=self._pipeline)
         if self.rank:

@@ -373,7 +373,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     elif mesh.tp > 1:
         check_tensor_parallel(setup.model, mesh.tp, seq_len)
     if layout.cp_size > 1:  # before anything is written: a model it cannot split is refused
-        check_model(split_model_config(setup.model), layout.cp_size)
+        check_model(split_model_config(setup.model), layout.cp_size, mesh.tp)
         refuse_sliced_load_balancing(setup.loss_fn, layout.cp_size)
     resume = distributed.on_main(check_resume, cfg, out, resume_from, checkpoints, meta)
     if cfg.checkpoint.export_hf:  # a user's files in <output_dir>/hf are refused now, not after the training
@@ -449,7 +449,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if resume is not None and resume.describe(kept):
         trainer.console.print(resume.describe(kept))
     where = f"{device}" if info.world_size == 1 else f"{info.world_size} ranks ({engine_name}, {device.type})"
-    if layout.cp_size > 1:
+    if layout.cp_size > 1 and mesh.tp == 1:
         where += f", {layout.dp_size} data-parallel x {layout.cp_size} context-parallel"
     elif mesh.tp > 1 or mesh.sizes["dp_replicate"] > 1:
         where += f", {mesh.describe()}"
