@@ -27,8 +27,8 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.helpers import args, records
-from tests.test_engines_dist import (CPU, GA, GRAD_CLIP, ROWS, STEPS, WEIGHT_ATOL, global_batch, local_run,
-                                     make_optimizer, max_abs_diff, rank_micro_batches, snapshot, tiny_llama)
+from tests.test_engines_dist import (CPU, GA, GRAD_CLIP, ROWS, STEPS, WEIGHT_ATOL, assert_steps_match, global_batch,
+                                     local_run, make_optimizer, max_abs_diff, rank_micro_batches, snapshot, tiny_llama)
 from treadle.cli import main
 from treadle.config import load_config
 from treadle.distributed import DistInfo
@@ -206,11 +206,7 @@ def tp2(shards, target_dir, tmp_path_factory):
 
 
 def _assert_steps(got, want, what):
-    assert len(got) == len(want)
-    for i, ((loss, norm, tokens, applied), (rloss, rnorm, rtokens, rapplied)) in enumerate(zip(got, want)):
-        assert tokens == rtokens and applied and rapplied, f"{what} step {i}"
-        assert loss == pytest.approx(rloss, rel=RTOL), f"{what} step {i} loss"
-        assert norm == pytest.approx(rnorm, rel=RTOL), f"{what} step {i} grad norm"
+    assert_steps_match(got, want, what, loss_rtol=RTOL, norm_rtol=RTOL)
 
 
 def test_tensor_parallel_2_matches_one_process(tp2):
