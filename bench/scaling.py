@@ -223,9 +223,10 @@ def comm_volume(model: dict, layout: ParallelLayout, *, seq_len: int, micro_batc
     * TP with sequence parallel: per layer per micro-batch, the [B, T, H] activations are all-gathered into
       attention and the MLP and reduce-scattered out of them (2 + 2) in forward, and backward does the converse
       (2 + 2); the embedding's output is reduce-scattered (all-gathered in backward), the head's input
-      all-gathered (reduce-scattered in backward). The norms' replicated weights have their gradients all-reduced
-      over TP every micro-batch, and the vocabulary-parallel loss all-reduces three [B, T] vectors (max,
-      sum of exp, the target's logit).
+      all-gathered (reduce-scattered in backward). The norms' replicated weights have their gradients (partial
+      sums over each rank's tokens) all-reduced over TP once a step, when FSDP2 reduces the accumulated
+      gradients; the vocabulary-parallel loss all-reduces three [B, T] vectors (max, sum of exp, the target's
+      logit) every micro-batch.
     * PP: every micro-batch sends the stage boundary's [B, T, H] activations forward and their gradient back: an
       end stage sends one of each per micro-batch, a middle stage two.
     """
@@ -259,7 +260,7 @@ def comm_volume(model: dict, layout: ParallelLayout, *, seq_len: int, micro_batc
     if tp > 1:
         ends = 1 if pp > 1 else 2  # the embedding's and the head's exchanges: a pipeline's end stage has one
         moves = grad_accum * (4 * layers + ends) * act
-        reduced = grad_accum * ((2 * layers + 1) * h + 3 * micro_batch * seq_len)
+        reduced = (2 * layers + 1) * h + grad_accum * 3 * micro_batch * seq_len
         size["all_gather"] += moves
         size["reduce_scatter"] += moves
         size["all_reduce"] += reduced
@@ -275,7 +276,10 @@ class CommCounter:
     output, a reduce-scatter's input, an all-reduce's tensor), over groups of more than one rank.
 
     torch's ``CommDebugMode`` counts the same ops (FSDP2's c10d calls and DTensor's functional collectives) but
-    not their bytes; this reuses its op sets and adds the sizes."""
+    not their bytes; this reuses its op sets and adds the sizes. Like it, it sees a collective issued from Python
+    (FSDP2's hooks, DTensor's redistributes between modules), not one a DTensor op handler issues while it is
+    itself being dispatched (a dispatch mode is switched off inside its own handler): loss_parallel's three
+    all-reduces per micro-batch are such ones."""
 
     def __init__(self):
         from torch.distributed.tensor.debug import _comm_mode as cm
@@ -468,10 +472,19 @@ def run_layouts(args, names: list[str]) -> None:
         for name in names:
             rows[name] = launch_layout(name, args, Path(results))
             print(f"  {name}: {rows[name].get('seconds', 0):.0f}s {rows[name].get('error', 'ok')}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(), "preset": args.preset, "steps": args.steps,
+                                               "rows": rows}, indent=1))
+    print_layouts(rows, args.preset, args.steps, machine())
+
+
+def print_layouts(rows: dict, preset: str, steps: int, machine_line: str) -> None:
+    """The two markdown tables (memory; collectives) of ``--layouts``, from its rows (also as ``--json`` wrote
+    them: ``--render out.json`` prints them again, e.g. after a change to ``comm_volume``)."""
     model = next((r["model"] for r in rows.values() if "model" in r), None)
     mib = lambda b: "" if b is None else f"{b / MIB:,.0f}"  # noqa: E731
-    print(f"# layouts: preset {args.preset}, fp32, micro-batch {LAYOUT_MB} x {LAYOUT_SEQ} tokens per rank, "
-          f"grad accumulation {LAYOUT_GA}, {args.steps} steps, 1 thread per rank, gloo; {machine()}")
+    print(f"# layouts: preset {preset}, fp32, micro-batch {LAYOUT_MB} x {LAYOUT_SEQ} tokens per rank, "
+          f"grad accumulation {LAYOUT_GA}, {steps} steps, 1 thread per rank, gloo; {machine_line}")
     print("\n| layout | ranks | losses (steps 1..) | params / grads / optim MiB per rank | state MiB per rank | "
           "peak RSS MiB per rank, training steps | peak RSS MiB per rank, whole launch |")
     print("|---|---|---|---|---|---|---|")
@@ -500,9 +513,6 @@ def run_layouts(args, names: list[str]) -> None:
               f" | {measured} |")
     if unknown := sorted({u for r in rows.values() for u in r.get("unknown", ())}):
         print(f"- collectives dispatched but not sized: {', '.join(unknown)}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(), "preset": args.preset, "steps": args.steps,
-                                               "rows": rows}, indent=1))
 
 
 def main() -> None:
@@ -515,10 +525,14 @@ def main() -> None:
     p.add_argument("--layouts", nargs="?", const="all", help=f"parallel layouts instead of engines: all, or "
                    f"comma-separated of {','.join(LAYOUTS)}")
     p.add_argument("--preset", default="medium", help="the model of --layouts (src/treadle/presets)")
+    p.add_argument("--render", help="print the --layouts tables again from the JSON a --layouts --json run wrote")
     p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--layout-worker", choices=tuple(LAYOUTS), help=argparse.SUPPRESS)
     p.add_argument("--results", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        return print_layouts(saved["rows"], saved["preset"], saved["steps"], saved["machine"])
     if args.layouts is not None or args.layout_worker:
         args.steps = args.steps or 3
         if args.steps < 2:
