@@ -455,7 +455,7 @@ def launch_layout(name: str, args, results: Path) -> dict:
             print("\n".join(lines[-15:]), file=sys.stderr)  # no rank said why: the launcher's own words
         # A UserError is the code refusing the layout (its one line), anything else a failure.
         refused = errors[0].startswith("UserError")
-        return {"error": errors[0].split(": ", 1)[-1][:200] if refused else errors[0][:200], "refused": refused}
+        return {"error": errors[0].split(": ", 1)[-1][:400] if refused else errors[0][:400], "refused": refused}
     peak = lambda key: max((r[key] for r in ranks if r.get(key) is not None), default=None)  # noqa: E731
     mem = {k: max(r["memory"].get(k, 0) for r in ranks) for k in ("params", "grads", "optim")}
     mem["state"] = max(sum(r["memory"].get(k, 0) for k in ("params", "grads", "optim")) for r in ranks)
