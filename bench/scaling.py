@@ -512,7 +512,7 @@ def print_layouts(rows: dict, preset: str, steps: int, machine_line: str) -> Non
         print(f"| {lay.title} | " + " | ".join(f"{v[k] / MIB:,.2f}" for k in (*COLLECTIVES, "sent")) +
               f" | {measured} |")
     if unknown := sorted({u for r in rows.values() for u in r.get("unknown", ())}):
-        print(f"- collectives dispatched but not sized: {', '.join(unknown)}")
+        print(f"\n- collectives dispatched but not sized: {', '.join(unknown)}")
 
 
 def main() -> None:
