@@ -195,7 +195,8 @@ def _eval_loss(engine, cp_rank) -> float:
 
 
 def _cp_ranks(rank, world_size, shards, out):
-    from treadle.distributed import context_layout, init_distributed
+    from treadle.distributed import init_distributed
+    from treadle.engine.mesh import context_layout
     from treadle.train.run import run_training
 
     layout = context_layout(init_distributed("cpu"), CP)

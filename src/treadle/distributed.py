@@ -167,18 +167,6 @@ class Layout:
     cp_group: object = None  # the context group's ProcessGroup (None when cp_size == 1)
 
 
-def context_layout(info: DistInfo, cp: int) -> Layout:
-    """The layout of this launch for ``cp`` ranks per sequence (every other rank data-parallel); a one-line UserError
-    when it cannot be laid out. The device mesh (engine/mesh.py) decides it: this is its data x context view."""
-    from types import SimpleNamespace
-
-    from treadle.engine.mesh import build_mesh
-
-    axes = SimpleNamespace(pipeline_parallel=1, data_parallel_replicate=1, data_parallel_shard=-1, context_parallel=cp,
-                           tensor_parallel=1)
-    return build_mesh(axes, info).layout
-
-
 @contextlib.contextmanager
 def quiet_single_process_dcp() -> Iterator[None]:
     """Around treadle's own DCP save/load: without a process group DCP warns on every call that it assumes one

@@ -22,6 +22,7 @@ the shard dimension from ``fsdp_mesh`` (engine/pipeline.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -170,3 +171,11 @@ def build_mesh(d, info: DistInfo) -> Mesh:
         if len(present) > 1 and present not in flat:
             flat[present] = mesh[present]._flatten("_".join(present))
     return Mesh(info.rank, info.world_size, sizes, mesh, flat)
+
+
+def context_layout(info: DistInfo, cp: int) -> Layout:
+    """The layout of this launch for ``cp`` ranks per sequence (every other rank data-parallel); a one-line UserError
+    when it cannot be laid out: the mesh's data x context view, for code that needs no other axis."""
+    axes = SimpleNamespace(pipeline_parallel=1, data_parallel_replicate=1, data_parallel_shard=-1, context_parallel=cp,
+                           tensor_parallel=1)
+    return build_mesh(axes, info).layout
