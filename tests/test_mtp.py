@@ -155,7 +155,7 @@ def test_mtp_run_trains_resumes_exports_and_runs_in_transformers_generate(shards
     new = 24
     for i, prompt in enumerate(prompts):
         rounds.clear()
-        kw = dict(max_new_tokens=new, do_sample=False, attention_mask=torch.ones(1, 8, dtype=torch.long))
+        kw = dict(max_new_tokens=new, do_sample=False, use_cache=True, attention_mask=torch.ones(1, 8, dtype=torch.long))
         plain = main_model.generate(prompt[None], **kw)
         spec = main_model.generate(prompt[None], use_mtp=True, **kw)
         assert torch.equal(spec, plain), i
@@ -189,13 +189,10 @@ def test_mtp_run_trains_resumes_exports_and_runs_in_transformers_generate(shards
 
 def test_a_renamed_weight_is_refused_at_export_and_nothing_is_written(ds_target, tmp_path):
     from treadle.checkpoint.export import export_draft
-    from treadle.config import load_config
-
     target = tiny_target()
     model = MtpModel(target, MtpDraft(target))
     state = {"draft_model." + k: v for k, v in model.draft_model.state_dict().items()}
     state["draft_model.eh_proj.weigth"] = state.pop("draft_model.eh_proj.weight")
-    cfg = load_config(None, [f"--draft.kind=mtp", f"--draft.target={ds_target}"]) if False else None
     ident = {"path": str(ds_target), "config_fingerprint": "x", "tokenizer_fingerprint": None}
     out = tmp_path / "export"
     with pytest.raises(UserError, match="eh_proj.weigth"):

@@ -213,7 +213,8 @@ def alone_config(target_config: dict, extra: dict) -> dict:
     arch = (target_config.get("architectures") or ["DeepseekV3ForCausalLM"])[0]
     config = {**target_config, "num_hidden_layers": 1, "architectures": [arch + "NextN"],
               **count_keys(target_config)}
-    clash = sorted(config.keys() & extra.keys())
+    clash = sorted(config.keys() & extra.keys() - {"dtype", "torch_dtype"})  # the export's dtype is the weights'
+
     if clash:
         raise UserError(f"mtp export: treadle's metadata keys {clash} would overwrite the layout's")
     return {**config, **extra}
