@@ -28,11 +28,18 @@ RUN = ("--draft.kind=mtp", "--draft.ttt_steps=2", "--draft.gamma=2", "--draft.lo
        "--train.micro_batch_size=2")
 
 
-def tiny_target(seed=0):
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+# GLM-4-MoE (GQA, partial rotary, its own MoE): the same module code, 2 layers (no transformers contract run here).
+GLM = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+           n_group=1, topk_group=1, first_k_dense_replace=2, max_position_embeddings=512, use_cache=False)
+
+
+def tiny_target(seed=0, family="deepseek_v3"):
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(DeepseekV3Config(**TINY)).eval()
+    config = DeepseekV3Config(**TINY) if family == "deepseek_v3" else Glm4MoeConfig(**GLM)
+    return AutoModelForCausalLM.from_config(config).eval()
 
 
 @pytest.fixture(scope="module")
@@ -54,30 +61,33 @@ def tensors_of(model_dir):
     return out
 
 
-def test_names_round_trip_and_refuse_a_renamed_weight():
-    target = tiny_target()
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_names_round_trip_and_refuse_a_renamed_weight(family):
+    target = tiny_target(family=family)
     draft = MtpDraft(target)
     weights = draft.state_dict()
     ckpt = layout.to_checkpoint(weights)
     # The checkpoint's names: per-expert MLPs, shared_head.norm, the block flat under the layer (vLLM adds mtp_block.)
-    assert "mlp.experts.3.up_proj.weight" in ckpt and "shared_head.norm.weight" in ckpt and "self_attn.kv_b_proj.weight" in ckpt
+    attention = "self_attn.kv_b_proj.weight" if family == "deepseek_v3" else "self_attn.k_proj.weight"
+    assert "mlp.experts.3.up_proj.weight" in ckpt and "shared_head.norm.weight" in ckpt and attention in ckpt
     assert not [k for k in ckpt if k.startswith("mtp_block.") or "gate_up_proj" in k]
     back = layout.from_checkpoint(ckpt)
     assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
     renamed = dict(weights)
-    renamed["mtp_block.self_attn.q_b_proj.weigth"] = renamed.pop("mtp_block.self_attn.q_b_proj.weight")
+    renamed["mtp_block.mlp.gate.weigth"] = renamed.pop("mtp_block.mlp.gate.weight")
     with pytest.raises(UserError, match="unknown"):
         layout.check_names(renamed, weights, "mtp export")
 
 
-def test_the_unroll_is_what_the_drafter_proposes():
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_the_unroll_is_what_the_drafter_proposes(family):
     """Step k of the training unroll (teacher-forced on a text) gives, at every start, the guess the decode-time
     drafter's chain makes from that start: the same module replayed, the same attention."""
     from treadle.drafts.mtp.drafter import MtpDrafter
     from treadle.speculative.decode import TargetState
     from treadle.speculative.sampling import Sampler
 
-    target = tiny_target(1)
+    target = tiny_target(1, family)
     model = MtpModel(target, MtpDraft(target)).eval()
     for p in model.draft_model.parameters():  # sharp logits: a wrong position or mask changes argmaxes
         if p.dim() >= 2:
@@ -175,6 +185,11 @@ def test_mtp_run_trains_resumes_exports_and_runs_in_transformers_generate(shards
         assert abs(sum(rounds[1:]) - sum(walk)) <= 1
     treadle_model.draft_model.zero_first_embedding = True
 
+    # treadle export rebuilds both exports from the last checkpoint.
+    assert main(["export", str(a), str(tmp_path / "again")]) == 0
+    again = tensors_of(tmp_path / "again")
+    assert again.keys() == alone.keys() and all(torch.equal(again[k], alone[k]) for k in alone)
+    assert tensors_of(tmp_path / "again" / "stitched").keys() == ours.keys()
     # draft.init takes either export: the run starts from the trained layer.
     for init in (a / "draft", stitched):
         got = draft_from_dir(init, main_model, "draft.init")
@@ -192,10 +207,11 @@ def test_a_renamed_weight_is_refused_at_export_and_nothing_is_written(ds_target,
     target = tiny_target()
     model = MtpModel(target, MtpDraft(target))
     state = {"draft_model." + k: v for k, v in model.draft_model.state_dict().items()}
-    state["draft_model.eh_proj.weigth"] = state.pop("draft_model.eh_proj.weight")
+    # a name inside the decoder block: the per-name conversion passes it through, the name check must catch it
+    state["draft_model.mtp_block.mlp.gate.weigth"] = state.pop("draft_model.mtp_block.mlp.gate.weight")
     ident = {"path": str(ds_target), "config_fingerprint": "x", "tokenizer_fingerprint": None}
     out = tmp_path / "export"
-    with pytest.raises(UserError, match="eh_proj.weigth"):
+    with pytest.raises(UserError, match="mlp.gate.weigth"):
         export_draft(model, state, out, ds_target, ident, _Cfg())
     assert not out.exists()
 
