@@ -25,7 +25,7 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermedia
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=512,
             num_nextn_predict_layers=1, use_cache=False)
 RUN = ("--draft.kind=mtp", "--draft.ttt_steps=2", "--draft.gamma=2", "--draft.loss=mix", "--optim.lr=1e-2",
-       "--train.micro_batch_size=2")
+       "--train.micro_batch_size=2", "--train.eval_at_start=false", "--train.eval_batches=1")
 
 
 # GLM-4-MoE (GQA, partial rotary, its own MoE): the same module code, 2 layers (no transformers contract run here).
@@ -183,6 +183,8 @@ def test_mtp_run_trains_resumes_exports_and_runs_in_transformers_generate(shards
         # transformers recounts an accepted draft whose bonus token falls past the end as 0).
         assert rounds[1:-1] == walk[: len(rounds) - 2], (i, rounds, walk)
         assert abs(sum(rounds[1:]) - sum(walk)) <= 1
+        print(f"prompt {i}: transformers accepted {sum(rounds[1:])} of {len(rounds) - 1} drafts, treadle's walk "
+              f"{sum(walk)} of {len(walk)}")
     treadle_model.draft_model.zero_first_embedding = True
 
     # treadle export rebuilds both exports from the last checkpoint.
