@@ -204,7 +204,12 @@ def draft_from_dir(model_dir, target, where: str, config=None) -> MtpDraft:
         raise UserError(f"{where} {model_dir} holds no MTP layer ({prefix}*); accepted: an mtp export (draft/ or "
                         "draft/stitched/ of a run) or a checkpoint that ships its MTP layer")
     weights = layout.from_checkpoint(tensors)
-    layout.check_names(weights, draft.state_dict(), f"{where} {model_dir}")
+    mine = draft.state_dict()
+    layout.check_names(weights, mine, f"{where} {model_dir}")
+    wrong = [k for k in mine if weights[k].shape != mine[k].shape]
+    if wrong:
+        raise UserError(f"{where} {model_dir}: MTP layer tensor {wrong[0]} is {tuple(weights[wrong[0]].shape)}, the "
+                        f"target's module needs {tuple(mine[wrong[0]].shape)}; accepted: an MTP layer of this target")
     draft.load_state_dict(weights)
     return draft
 
