@@ -343,10 +343,14 @@ class DraftConfig(Section):
                              "from this GLIDE draft (a treadle export or run directory, a LongSpec draft directory or "
                              "its draft_model_weights.pth) of the run's layout; dflash: from this DFlash draft (z-lab's "
                              "DFlashDraftModel layout, treadle's export or one trained elsewhere for this target, or "
-                             "a treadle run directory); unset = a new draft")
-    ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3, glide: training-time-test unroll steps (the "
-                                  "draft fed its own outputs); unset = 7 (eagle3), 1 (glide: no unroll)")
-    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3, glide: weight of unroll step k's loss is ttt_decay**k")
+                             "a treadle run directory); mtp: from this MTP layer (an mtp export, stand-alone or stitched into a "
+                             "target checkpoint, SGLang's NextN export, or a checkpoint that ships one); unset = a new "
+                             "draft (mtp: the layer the target checkpoint ships, else a new one)")
+    ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3, glide, mtp: training-time-test unroll steps (the "
+                                  "draft fed its own outputs; mtp: the module replayed as the engines serve it); "
+                                  "unset = 7 (eagle3), 1 (glide: no unroll), 3 (mtp)")
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3, glide, mtp: weight of unroll step k's loss is "
+                           "ttt_decay**k (k = 0 for the first step)")
     features: str | None = Field(None, description="train from this feature store (`treadle features CONFIG --out "
                                  "DIR` with this run's config): the target's reads come from disk and its decoder "
                                  "layers are never built; unset = the live target runs every step")

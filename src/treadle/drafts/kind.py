@@ -50,5 +50,6 @@ class DraftKind:
         own names and config."""
         return weights, {**draft.export_config(), "dtype": dtype, **meta}
 
-    def write_extra(self, directory: Path, weights: dict) -> None:
-        """Files beside model.safetensors and config.json that a consumer of this kind reads (none by default)."""
+    def write_extra(self, directory: Path, weights: dict, config: dict | None = None) -> None:
+        """Files beside model.safetensors and config.json that a consumer of this kind reads (none by default);
+        ``weights`` and ``config`` are what ``export`` returned."""

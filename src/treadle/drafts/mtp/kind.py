@@ -1,0 +1,51 @@
+"""MTP heads as a draft kind (drafts/kind.py): model, objective, drafter and the two exports behind one object."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from treadle.drafts.kind import DraftKind
+from treadle.drafts.mtp import layout, settings
+from treadle.drafts.mtp.model import build_mtp, load_mtp
+from treadle.drafts.mtp.objective import mtp_setup
+
+STITCHED = "stitched"  # the export's subdirectory holding the target checkpoint with the layer put back
+
+
+class Mtp(DraftKind):
+    settings = settings
+
+    def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
+        return build_mtp(cfg, data_vocab, data_tokenizer_fingerprint, empty)
+
+    def load(self, draft_dir, target):
+        return load_mtp(draft_dir, target)
+
+    def setup(self, cfg, model, datasets):
+        return mtp_setup(cfg, model)
+
+    def drafter(self, model):
+        from treadle.drafts.mtp.drafter import MtpDrafter
+
+        return MtpDrafter(model)
+
+    def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
+        """The layer alone in SGLang's NextN layout (``model.layers.0.*``, no embedding or head); every name checked
+        against the module before anything is written."""
+        layout.check_names(weights, draft.state_dict(), "mtp export")
+        tensors = {"model.layers.0." + k: v for k, v in layout.to_checkpoint(weights).items()}
+        return tensors, layout.alone_config(target_config.to_dict(), {**draft.export_config(), "dtype": dtype, **meta})
+
+    def write_extra(self, directory: Path, weights: dict, config: dict | None = None) -> None:
+        """``stitched/``: a copy of the target checkpoint with the layer as ``model.layers.{N}.*`` and the target's
+        embedding and head copied beside it (vLLM's DeepSeekMTP loads them from there)."""
+        target_dir = Path(config["target"]["path"])
+        n = config["target_config"]["num_hidden_layers"]
+        layer = {k[len("model.layers.0."):]: v for k, v in weights.items()}
+        layer["embed_tokens.weight"] = layout.read_target_tensor(target_dir, ("model.embed_tokens.weight",))
+        layer["shared_head.head.weight"] = layout.read_target_tensor(
+            target_dir, ("lm_head.weight", "model.embed_tokens.weight"))  # a tied head is the embedding
+        layout.stitch(target_dir, Path(directory) / STITCHED, layer, n)
+
+
+MTP = Mtp()

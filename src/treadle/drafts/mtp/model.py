@@ -1,0 +1,241 @@
+"""An MTP head as the serving engines run it, trained against its frozen target.
+
+One module, the target family's own (DeepSeek-V3, GLM-4-MoE: ``num_nextn_predict_layers``), as vLLM's
+``DeepSeekMultiTokenPredictorLayer`` and transformers' ``MtpLayer`` compute it:
+
+    e   = enorm(embed(token t + 1))       the target's frozen embedding; zero where t is a document's position 0
+                                          (vLLM's DeepSeek/GLM MTP layers zero it there; transformers does not)
+    x   = eh_proj(cat[e, hnorm(h_t)])     h_t: the target's final (normed) hidden state of token t
+    x   = block(x)                        one decoder layer of the target's class, built from its MTP config
+                                          (MLA attention; MoE, as ``get_mtp_config`` makes every MTP layer)
+    logits = target.lm_head(post_norm(x)) the checkpoint's ``shared_head.norm`` and the target's frozen head
+
+Row t guesses token t + 2. Recursive steps (``draft.ttt_steps`` = K): the engines replay the one module K times,
+step k feeding the previous step's block output ``x`` (before the norm: vLLM's proposer hands the returned hidden
+state back; transformers' ``MtpModel`` feeds the normed one, but it only chains distinct modules) and the token
+k further on, at the next position, attending to step 1's rows of the accepted context and its own chain
+(``ttt_mask``): exactly what a decode computes, where step 1's K/V cache depends on accepted tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from treadle.drafts.glide.model import causal_document_mask, document_ids, ttt_mask
+from treadle.drafts.kind import init_dir
+from treadle.drafts.mtp import layout
+from treadle.drafts.run_model import DraftRunModel
+from treadle.drafts.targets import checked_target
+from treadle.errors import UserError
+from treadle.model_dirs import resolve_model_dir
+
+KIND = "mtp"
+
+
+def mtp_config(target, where) -> object:
+    """The target's MTP config (transformers' ``get_mtp_config``: layer index 0, every MLP a MoE), or a one-line
+    refusal for a family without an MTP layout."""
+    c = target.config
+    if getattr(c, "num_mtp_layers", None) is None or not hasattr(c, "get_mtp_config"):
+        raise UserError(f"{where} is a {c.model_type!r} model without an MTP layout (config num_nextn_predict_layers: "
+                        "deepseek_v3, glm4_moe ...); accepted: such a target, or draft.kind = 'eagle3' for this one")
+    if c.num_mtp_layers > 1:
+        raise UserError(f"{where} stores {c.num_mtp_layers} MTP modules; treadle fine-tunes one module, replayed "
+                        "ttt_steps times as vLLM and SGLang serve it; accepted: num_nextn_predict_layers = 1")
+    config = c.get_mtp_config()
+    config.num_mtp_layers = 1
+    return config
+
+
+class MtpDraft(nn.Module):
+    """The trainable MTP module, under transformers' ``MtpLayer`` names (drafts/mtp/layout.py converts them)."""
+
+    # vLLM zeroes the next token's embedding at position 0; the transformers contract test turns it off to compare
+    # with transformers' MtpModel, which does not.
+    zero_first_embedding = True
+
+    def __init__(self, target, config=None):
+        super().__init__()
+        config = config if config is not None else mtp_config(target, "draft.target")
+        self.config = config
+        self.mtp_index = target.config.num_hidden_layers  # the checkpoint's model.layers.{N}
+        self.hidden_first = bool(getattr(config, "mtp_hidden_states_first", False))  # MiMo/Inkling order
+        norm_cls, d = type(target.model.norm), config.hidden_size
+        self.enorm = norm_cls(d, eps=config.rms_norm_eps)
+        self.hnorm = norm_cls(d, eps=config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.mtp_block = type(target.model.layers[-1])(config, 0)
+        self.post_norm = norm_cls(d, eps=config.rms_norm_eps)
+        for m in self.modules():  # the family's own initialisation (its experts are torch.empty until then)
+            if m is not self:
+                target._init_weights(m)
+
+    def forward(self, embeds, hidden, rope, mask, position_ids, cache):
+        """The block output [B, T, d] (before ``post_norm``: what the next step reads) of one step."""
+        e, h = self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))
+        x = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
+        return self.mtp_block(x, attention_mask=mask, position_embeddings=rope, position_ids=position_ids,
+                              cache=cache)
+
+    def export_config(self) -> dict:
+        return {"treadle_draft_kind": KIND}
+
+
+def init_new(draft: MtpDraft, target) -> str:
+    """A new MTP module for a target that ships none: the decoder block from the target's last layer where it has
+    the same structure (attention and norms always; the MLP when it is a MoE too), ``post_norm`` from the target's
+    final norm (the head was trained on its output), ``eh_proj`` = [small random | identity]: at the start the
+    module is one more target layer over the hidden state, with the next token mixed in a little. Returns what
+    was copied, for the run's log."""
+    if target.model.norm.weight.is_meta:
+        return "random (the target is not materialised yet)"
+    with torch.no_grad():
+        last = target.model.layers[-1].state_dict()
+        mine = draft.mtp_block.state_dict()
+        same = {k: v for k, v in last.items() if k in mine and mine[k].shape == v.shape}
+        draft.mtp_block.load_state_dict(same, strict=False)
+        draft.post_norm.weight.copy_(target.model.norm.weight)
+        d = draft.config.hidden_size
+        std = getattr(target.config, "initializer_range", 0.02)
+        w = torch.zeros(d, 2 * d)
+        w[:, :d].normal_(0.0, std)
+        w[:, d:] = torch.eye(d)
+        if draft.hidden_first:
+            w = torch.cat((w[:, d:], w[:, :d]), dim=1)
+        draft.eh_proj.weight.copy_(w)
+    return f"new: {len(same)} of {len(mine)} block tensors from the target's last layer"
+
+
+def as_mask(mask: torch.Tensor, config, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: may attend) as the target's attention wants it: boolean for sdpa, additive otherwise."""
+    if config._attn_implementation == "sdpa":
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+@dataclass
+class MtpOutput:
+    logits: list[torch.Tensor]  # per step k = 1..K, the draft's [B, T, V]: row t guesses token t + k + 1
+    target_logits: torch.Tensor  # the frozen target's [B, T, V]
+    target_hidden: torch.Tensor  # its final hidden states [B, T, d]
+
+
+class MtpModel(DraftRunModel):
+    """What an mtp draft run trains: the frozen target and its MTP module."""
+
+    fsdp_forward_methods = ("chain_guesses", "continue_greedily")
+
+    def target_reads(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"hidden": self._target_forward(input_ids, position_ids)}
+
+    def _target_forward(self, input_ids, position_ids, reads: dict | None = None) -> torch.Tensor:
+        """The target's final hidden states (after its norm: what its head and the MTP module read), no grad."""
+        if reads is not None:
+            return reads["hidden"]
+        self.check_live()
+        mask = causal_document_mask(position_ids, self.target)
+        with torch.no_grad():
+            return self.target.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                     attention_mask=mask).last_hidden_state
+
+    def draft_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.teacher_logits(self.draft_model.post_norm(x))
+
+    def _unroll(self, input_ids, position_ids, target_hidden, steps: int, doc_position_ids=None) -> list:
+        """The block outputs of steps 1..``steps``, each [B, T, d] (module docstring)."""
+        from transformers import DynamicCache
+
+        draft = self.draft_model
+        B, T = input_ids.shape
+        doc_pos = position_ids if doc_position_ids is None else doc_position_ids
+        doc = document_ids(doc_pos)
+        embed = self.target.get_input_embeddings()
+        # Step k's row t reads token t + k; rows past the end read a filler token and are never scored.
+        padded = torch.cat((input_ids, input_ids[:, -1:].expand(B, steps)), dim=1)
+        cache = DynamicCache(config=draft.config)  # step 1's keys, then each step's: the unroll's key blocks
+        hidden, out = target_hidden, []
+        for k in range(steps):
+            embeds = embed(padded[:, 1 + k: 1 + k + T])
+            if k == 0 and draft.zero_first_embedding:
+                embeds = embeds.masked_fill((doc_pos == 0)[..., None], 0.0)
+            pos = position_ids + k
+            mask = as_mask(ttt_mask(doc, k), self.target.config, embeds.dtype)
+            hidden = draft(embeds, hidden, self.rotary(embeds, pos), mask, pos, cache)
+            out.append(hidden)
+        return out
+
+    def forward(self, input_ids, position_ids, steps: int = 1, doc_position_ids=None, reads: dict | None = None):
+        target_hidden = self._target_forward(input_ids, position_ids, reads)
+        hidden = self._unroll(input_ids, position_ids, target_hidden, steps, doc_position_ids)
+        return MtpOutput([self.draft_logits(x) for x in hidden], self.teacher_logits(target_hidden), target_hidden)
+
+    @torch.no_grad()
+    def chain_guesses(self, texts: torch.Tensor, gamma: int) -> list[torch.Tensor]:
+        """Per chain step k = 1..gamma, [N, L] target ids: entry i is the draft's guess for token i + 1 when a
+        decode's chain that started after token i - k + 1 reaches step k with every earlier step accepted."""
+        positions = torch.arange(texts.shape[1], device=texts.device).expand_as(texts)
+        hidden = self._unroll(texts, positions, self._target_forward(texts, positions, self.eval_reads(texts)), gamma)
+        guesses = []
+        for k, x in enumerate(hidden, start=1):  # step k's row t guesses token t + k + 1: move it to index t + k
+            ids = self.draft_logits(x).argmax(-1)
+            guesses.append(torch.cat((ids.new_full((ids.shape[0], k), -1), ids[:, : ids.shape[1] - k]), dim=1))
+        return guesses
+
+
+# ----------------------------------------------------------------------------- building and loading
+
+
+def draft_from_dir(model_dir, target, where: str, config=None) -> MtpDraft:
+    """The MTP module a directory holds: a stand-alone export (treadle's or SGLang's NextN layout,
+    ``model.layers.0.*``) or a checkpoint carrying its layer (``model.layers.{num_hidden_layers}.*``: a stitched
+    export, or a target that ships one); every name checked against the module the target's family builds."""
+    draft = MtpDraft(target, config)
+    prefix, found = layout.layer_prefix(model_dir)
+    if found.get("treadle_draft_kind") == KIND and "target" in found:
+        from treadle.drafts.glide.model import checked_export
+
+        checked_export(model_dir, target, KIND, "an mtp")
+    tensors = {k: v for k, v in layout.read_layer(Path(model_dir), prefix).items() if k not in layout.SHARED}
+    if not tensors:
+        raise UserError(f"{where} {model_dir} holds no MTP layer ({prefix}*); accepted: an mtp export (draft/ or "
+                        "draft/stitched/ of a run) or a checkpoint that ships its MTP layer")
+    weights = layout.from_checkpoint(tensors)
+    mine = draft.state_dict()
+    layout.check_names(weights, mine, f"{where} {model_dir}")
+    wrong = [k for k in mine if weights[k].shape != mine[k].shape]
+    if wrong:
+        raise UserError(f"{where} {model_dir}: MTP layer tensor {wrong[0]} is {tuple(weights[wrong[0]].shape)}, the "
+                        f"target's module needs {tuple(mine[wrong[0]].shape)}; accepted: an MTP layer of this target")
+    draft.load_state_dict(weights)
+    return draft
+
+
+def shipped_layer(target_dir: Path, target) -> dict:
+    """The MTP tensors the target checkpoint itself carries at ``model.layers.{N}.*`` (empty: none)."""
+    prefix = f"model.layers.{target.config.num_hidden_layers}."
+    return {k: v for k, v in layout.read_layer(target_dir, prefix).items() if k not in layout.SHARED}
+
+
+def build_mtp(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
+    """(MtpModel, target dir, target identity): the module from ``draft.init``, else the one the target ships, else a
+    new one (``init_new``)."""
+    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
+    target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
+    config = mtp_config(target, f"draft.target {target_dir}")
+    if cfg.init is not None:
+        draft = draft_from_dir(init_dir(cfg.init), target, "draft.init", config)
+    elif shipped_layer(target_dir, target):
+        draft = draft_from_dir(target_dir, target, "draft.target", config)
+    else:
+        draft = MtpDraft(target, config)
+        init_new(draft, target)
+    return MtpModel(target, draft), target_dir, ident
+
+
+def load_mtp(draft_dir, target) -> MtpModel:
+    """An MTP export (either way) attached to ``target``."""
+    return MtpModel(target, draft_from_dir(draft_dir, target, "draft")).eval()

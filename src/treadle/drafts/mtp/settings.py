@@ -1,0 +1,24 @@
+"""MTP heads' [draft] keys and refusals (drafts/settings.py says what a kind's settings provide)."""
+
+from __future__ import annotations
+
+NAME = "mtp"
+KEYS = ("init", "ttt_steps")
+# FastMTP's and speculators' recursive depth: the engines replay the one module num_speculative_tokens times, and
+# training the replay up to 3 deep is what both report gains for (../shared/research/frontier-2026-11.md §1.3).
+TTT_STEPS = 3
+LAYOUTS = ("treadle",)  # draft.layout unset: the export is always the target family's own checkpoint layout
+
+
+def check(draft) -> None:
+    if draft.layout != "treadle":
+        raise ValueError(f"draft.layout = {draft.layout!r} with draft.kind = 'mtp' (its layout is the target "
+                         "checkpoint's own model.layers.{N}.* one); accepted: draft.layout unset")
+    if draft.window:
+        raise ValueError(f"draft.window = {draft.window} with draft.kind = 'mtp' (its decoder block is the "
+                         "target's, full causal attention); accepted: draft.window = 0")
+
+
+def check_context_parallel(draft, cp: int, loss_chunk_tokens: str | int) -> None:
+    raise ValueError(f"distributed.context_parallel = {cp} with draft.kind = 'mtp': its unroll is not built for "
+                     "sliced sequences yet; accepted: context_parallel = 1")
