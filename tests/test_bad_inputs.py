@@ -179,8 +179,8 @@ _BAD_FLAGS = [
     (["--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=interleaved_1f1b",
       "--train.grad_accum_steps=5"], "not a multiple of 2 rounds"),
     (["--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=gpipe"], "does not divide this launch's 1 processes"),
-    (["--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=gpipe", "--distributed.engine=fsdp2"],
-     "accepted: distributed.engine = auto"),
+    (["--distributed.pipeline_parallel=2", "--distributed.pipeline_schedule=gpipe", "--distributed.engine=ddp"],
+     "accepted: distributed.engine = auto (each stage whole"),
 ]
 
 
