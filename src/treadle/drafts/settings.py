@@ -7,6 +7,7 @@ and import nothing else of treadle. What a kind does at run time (build, objecti
 
 A kind's ``settings.py`` provides: ``NAME`` (draft.kind), ``KEYS`` (the optional [draft] keys of OPTIONAL_KEYS it
 reads), ``TTT_STEPS`` (draft.ttt_steps when unset), ``LAYOUTS`` (draft.layout values it trains and exports),
+``LAYOUT_NOTE`` / ``WINDOW_NOTE`` (only a kind that refuses another layout / a draft.window: why, in the refusal),
 ``check(draft)`` (its own refusals of a DraftConfig) and ``check_context_parallel(draft, cp, loss_chunk_tokens)`` (its
 refusals when distributed.context_parallel = cp > 1, model.loss_chunk_tokens as set: "auto" or an int), each refusal a
 one-line ValueError.
@@ -41,6 +42,13 @@ def check(draft) -> None:
             raise ValueError(f"draft.layout = {draft.layout!r} is set but draft.kind = {draft.kind!r}; accepted: "
                              f"draft.kind = {_kinds_with(lambda k: draft.layout in k.LAYOUTS)}, or leave it unset")
     else:
+        # A kind with one layout (LAYOUT_NOTE: why) or without windowed attention (WINDOW_NOTE: why) refuses the key.
+        if draft.layout not in own.LAYOUTS:
+            raise ValueError(f"draft.layout = {draft.layout!r} with draft.kind = {own.NAME!r} ({own.LAYOUT_NOTE}); "
+                             "accepted: draft.layout unset")
+        if draft.window and getattr(own, "WINDOW_NOTE", None):
+            raise ValueError(f"draft.window = {draft.window} with draft.kind = {own.NAME!r} ({own.WINDOW_NOTE}); "
+                             "accepted: draft.window = 0")
         own.check(draft)
 
 

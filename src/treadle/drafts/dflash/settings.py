@@ -7,6 +7,9 @@ KEYS = ("feature_layers", "init", "block_size", "num_layers", "anchors", "slot_g
         "mask_token_id")
 TTT_STEPS = 1  # no unroll: one forward drafts the whole block
 LAYOUTS = ("treadle",)  # draft.layout unset: its export is always z-lab's DFlashDraftModel layout vLLM and SGLang load
+# Why draft.layout / draft.window are refused (drafts/settings.py words the one-line refusals).
+LAYOUT_NOTE = "its layout is z-lab's DFlashDraftModel one vLLM and SGLang load"
+WINDOW_NOTE = "its block attends to the whole context"
 
 BLOCK_SIZE = 16  # z-lab's "-b16" drafts, speculators' default
 NUM_LAYERS = 5  # z-lab's, SpecForge's and speculators' released drafts
@@ -26,12 +29,6 @@ def slot_gamma(draft) -> float:
 
 
 def check(draft) -> None:
-    if draft.layout != "treadle":
-        raise ValueError(f"draft.layout = {draft.layout!r} with draft.kind = 'dflash' (its layout is z-lab's "
-                         "DFlashDraftModel one vLLM and SGLang load); accepted: draft.layout unset")
-    if draft.window:
-        raise ValueError(f"draft.window = {draft.window} with draft.kind = 'dflash' (its block attends to the "
-                         "whole context); accepted: draft.window = 0")
     layers = draft.feature_layers
     if layers is not None and (not layers or layers[0] < 1 or any(a >= b for a, b in zip(layers, layers[1:]))):
         raise ValueError(f"draft.feature_layers = {layers}: accepted: one or more strictly increasing "
