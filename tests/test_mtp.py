@@ -139,7 +139,7 @@ def test_mtp_run_trains_resumes_exports_and_runs_in_transformers_generate(shards
         assert ours[k].dtype == t.dtype and ours[k].shape == t.shape
         assert ours[k].contiguous().view(torch.uint8).equal(t.contiguous().view(torch.uint8)), k
     assert {f"model.layers.{N_LAYERS}." + k[len("model.layers.0."):] for k in alone} | {
-        f"model.layers.{N_LAYERS}.{s}" for s in layout.SHARED} == mtp
+        f"model.layers.{N_LAYERS}.{s}" for s in layout.shared_names(layout.DEEPSEEK)} == mtp
     assert torch.equal(ours[f"model.layers.{N_LAYERS}.shared_head.head.weight"], theirs["lm_head.weight"])
     assert json.loads((stitched / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
@@ -238,7 +238,7 @@ def test_a_shipped_layer_is_where_the_run_starts(ds_target, tmp_path):
     layer["embed_tokens.weight"] = target.model.embed_tokens.weight.detach()
     layer["shared_head.head.weight"] = target.lm_head.weight.detach()
     with_mtp = tmp_path / "with-mtp"
-    layout.stitch(ds_target, with_mtp, layer, N_LAYERS)
+    layout.stitch(ds_target, with_mtp, layer, f"model.layers.{N_LAYERS}.")
     assert not [k for k in AutoModelForCausalLM.from_pretrained(with_mtp).state_dict() if f"layers.{N_LAYERS}." in k]
 
     class Cfg:
