@@ -161,6 +161,10 @@ def test_qwen3_next_run_exports_the_documented_layout_and_decodes_losslessly(sha
     mtp = {k: tuple(v.shape) for k, v in ours.items() if k.startswith("mtp.")}
     assert mtp == want and not [k for k in ours if k.startswith("mtp.model.") or ".mtp." in k]
     assert ours.keys() - mtp.keys() == theirs.keys()
+    # cross-check of the hand-written set: the block is stored as the target stores its own full-attention layer
+    layer = {"mtp.layers.0." + k[len("model.layers.1."):]: tuple(t.shape) for k, t in theirs.items()
+             if k.startswith("model.layers.1.")}
+    assert layer == {k: s for k, s in want.items() if k.startswith("mtp.layers.0.")}
     for k, t in theirs.items():
         assert ours[k].dtype == t.dtype and ours[k].shape == t.shape
         assert ours[k].contiguous().view(torch.uint8).equal(t.contiguous().view(torch.uint8)), k
@@ -168,8 +172,9 @@ def test_qwen3_next_run_exports_the_documented_layout_and_decodes_losslessly(sha
     assert json.loads((stitched / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
     # draft.init from either export restores the trained module exactly (the stand-alone one is the run's weights).
-    target = qwen3_next(FULL)
-    target.load_state_dict(tensors_of(target_dir))
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     trained = load_mtp(a / "draft", target).draft_model.state_dict()
     for init in (a / "draft", stitched):
         got = draft_from_dir(init, target, "draft.init").state_dict()
