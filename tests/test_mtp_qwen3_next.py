@@ -187,3 +187,27 @@ def test_qwen3_next_run_exports_the_documented_layout_and_decodes_losslessly(sha
                  "--gamma", "2", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "mtp" and 1.0 <= got["tau"] <= 3.0
+
+
+def test_qwen3_5_text_targets_take_the_same_layout_with_their_count_key():
+    """Qwen3.5 text models (dense here) use the Qwen layout under ``mtp_num_hidden_layers``: a dense checkpoint's
+    15 ``mtp.*`` keys (the research note's count for Qwen3.5-4B), and a target storing two modules is refused."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    from treadle.drafts.mtp import layout
+    from treadle.drafts.mtp.model import MtpDraft, mtp_config
+    from treadle.errors import UserError
+
+    dense = {k: v for k, v in QN.items() if "expert" not in k}
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**dense, mtp_num_hidden_layers=1)).eval()
+    draft = MtpDraft(target)
+    names = {"mtp." + k for k in layout.to_checkpoint(draft.state_dict(), draft.family)}
+    want = {k for k in expected_mtp() if "expert" not in k and ".mlp.gate." not in k} | {
+        f"mtp.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    assert names == want and len(names) == 15
+    assert layout.count_keys(target.config.to_dict()) == {"mtp_num_hidden_layers": 1}
+    target.config.mtp_num_hidden_layers = 2
+    with pytest.raises(UserError, match="mtp_num_hidden_layers = 1"):
+        mtp_config(target, "draft.target x")
