@@ -1,4 +1,5 @@
-"""MTP heads (DeepSeek-V3 / GLM-4-MoE and Qwen3-Next / Qwen3.5 layouts) as a draft kind (drafts/kind.py): model, objective, drafter and the two exports behind one object."""
+"""MTP heads (the DeepSeek-V3 / GLM-4-MoE and Qwen3-Next / Qwen3.5 layouts) as a draft kind (drafts/kind.py): model,
+objective, drafter and the two exports behind one object."""
 
 from __future__ import annotations
 
@@ -49,5 +50,6 @@ class Mtp(DraftKind):
         layer = layout.stitched_layer(target_dir, {k[len(alone):]: v for k, v in weights.items()}, family)
         layout.stitch(target_dir, Path(directory) / STITCHED, layer,
                       family.prefix(target_config["num_hidden_layers"], alone=False))
+
 
 MTP = Mtp()

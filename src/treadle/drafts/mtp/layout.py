@@ -14,7 +14,7 @@ transformers ``generate(use_mtp=True)`` load):
     model.layers.{N}.shared_head.head, .embed_tokens    copies of the target's lm_head / embed_tokens: vLLM's
                                                         DeepSeekMTP loads both from here (not from the target)
 
-Qwen3-Next and Qwen3.5 text models (``QWEN``; vLLM ``qwen3_next_mtp.py``, speculators' converter):
+Qwen3-Next and Qwen3.5 text models (``QWEN3_NEXT``, ``QWEN3_5``; vLLM ``qwen3_next_mtp.py``, speculators' converter):
 
     mtp.pre_fc_norm_embedding / pre_fc_norm_hidden / fc   fc(cat[pre_fc_norm_embedding(emb), pre_fc_norm_hidden(h)])
     mtp.layers.0.<decoder block of the family>            forced to full attention; experts stored one by one
@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -103,7 +103,7 @@ QWEN3_NEXT = Family(
          "eh_proj.weight": "fc.weight", "post_norm.weight": "norm.weight"},
     block="layers.0.", stitched="mtp.", alone="mtp.", nextn_alone=False,
     count_keys=("num_nextn_predict_layers",), zero_first=False, chain_normed=True, layer_type="full_attention")
-QWEN3_5 = Family(**{**QWEN3_NEXT.__dict__, "count_keys": ("mtp_num_hidden_layers",)})
+QWEN3_5 = replace(QWEN3_NEXT, count_keys=("mtp_num_hidden_layers",))
 
 FAMILIES = {"qwen3_next": QWEN3_NEXT, "qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5}
 
