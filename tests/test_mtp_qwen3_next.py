@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from tests.helpers import draft_args, records
 from treadle.cli import main
 from treadle.drafts.mtp.model import MtpModel, build_mtp, draft_from_dir, load_mtp
+from treadle.errors import UserError
 
 QN = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
           shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -140,6 +141,11 @@ def test_a_shipped_mtp_layer_is_read_and_computed_as_documented(shards, tmp_path
     for k in ("self_attn.q_proj.weight", "mlp.shared_expert_gate.weight", "input_layernorm.weight"):
         assert torch.equal(block[k], shipped["mtp.layers.0." + k])
     torch.testing.assert_close(out.logits[0][:, :-1], want[:, :-1], rtol=1e-4, atol=1e-4)
+    # Trap 4 on the reading side: a layer nested as mtp.model.layers.0.* is refused in one line, not half loaded.
+    nested = {k.replace("mtp.layers.", "mtp.model.layers."): v for k, v in shipped.items()}
+    write_shipped(target_dir, tmp_path / "nested", nested)
+    with pytest.raises(UserError, match=r"unknown \['model\.layers\.0\."):
+        draft_from_dir(tmp_path / "nested", target, "draft.init")
 
 
 @pytest.mark.parametrize("layer_types", [FULL, HYBRID], ids=["full", "hybrid"])
@@ -200,7 +206,6 @@ def test_qwen3_5_text_targets_take_the_same_layout_with_their_count_key():
 
     from treadle.drafts.mtp import layout
     from treadle.drafts.mtp.model import MtpDraft, mtp_config
-    from treadle.errors import UserError
 
     dense = {k: v for k, v in QN.items() if "expert" not in k}
     torch.manual_seed(0)
