@@ -4,7 +4,8 @@ both exports, import), and the stitched export run by transformers' own ``genera
 The target is a random DeepSeek-V3 64 wide but with the released model's 61 layers: transformers finds a family's MTP
 weights only at the released layer index (``DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected`` =
 ``model\\.layers\\.61.*``, which ``MtpModel.get_mtp_weights_regex`` reads), so a shallower test target would have its
-MTP layer silently not found."""
+MTP layer silently not found. The Qwen3-Next (``mtp.*``) layout's own tests are in tests/test_mtp_qwen3_next.py;
+the unroll test below runs on it too (a hybrid target, the normed output carried between steps)."""
 
 import json
 
@@ -37,6 +38,10 @@ GLM = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediat
 def tiny_target(seed=0, family="deepseek_v3"):
     from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
 
+    if family == "qwen3_next":  # mtp.* layout, a Gated-DeltaNet layer beside the full-attention one
+        from tests.test_mtp_qwen3_next import HYBRID, qwen3_next
+
+        return qwen3_next(HYBRID, seed)
     torch.manual_seed(seed)
     config = DeepseekV3Config(**TINY) if family == "deepseek_v3" else Glm4MoeConfig(**GLM)
     return AutoModelForCausalLM.from_config(config).eval()
@@ -79,7 +84,7 @@ def test_names_round_trip_and_refuse_a_renamed_weight(family):
         layout.check_names(renamed, weights, "mtp export")
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "qwen3_next"])
 def test_the_unroll_is_what_the_drafter_proposes(family):
     """Step k of the training unroll (teacher-forced on a text) gives, at every start, the guess the decode-time
     drafter's chain makes from that start: the same module replayed, the same attention."""
@@ -139,7 +144,7 @@ def test_mtp_run_trains_resumes_exports_and_runs_in_transformers_generate(shards
         assert ours[k].dtype == t.dtype and ours[k].shape == t.shape
         assert ours[k].contiguous().view(torch.uint8).equal(t.contiguous().view(torch.uint8)), k
     assert {f"model.layers.{N_LAYERS}." + k[len("model.layers.0."):] for k in alone} | {
-        f"model.layers.{N_LAYERS}.{s}" for s in layout.SHARED} == mtp
+        f"model.layers.{N_LAYERS}.{s}" for s in layout.shared_names(layout.DEEPSEEK)} == mtp
     assert torch.equal(ours[f"model.layers.{N_LAYERS}.shared_head.head.weight"], theirs["lm_head.weight"])
     assert json.loads((stitched / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
@@ -238,7 +243,7 @@ def test_a_shipped_layer_is_where_the_run_starts(ds_target, tmp_path):
     layer["embed_tokens.weight"] = target.model.embed_tokens.weight.detach()
     layer["shared_head.head.weight"] = target.lm_head.weight.detach()
     with_mtp = tmp_path / "with-mtp"
-    layout.stitch(ds_target, with_mtp, layer, N_LAYERS)
+    layout.stitch(ds_target, with_mtp, layer, f"model.layers.{N_LAYERS}.")
     assert not [k for k in AutoModelForCausalLM.from_pretrained(with_mtp).state_dict() if f"layers.{N_LAYERS}." in k]
 
     class Cfg:

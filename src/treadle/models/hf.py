@@ -185,11 +185,20 @@ def _cache_keyword(cls: type) -> str:
 
 
 @torch.no_grad()
+def empty_cache(model: nn.Module) -> DynamicCache:
+    """A cache for a decode that is never cropped. A hybrid model's linear-attention (Gated-DeltaNet) layers keep
+    their conv and recurrent state in layers a bare ``DynamicCache`` does not have, so they get the config's; other
+    models keep the bare one they always had (full, croppable layers)."""
+    if "linear_attention" in (getattr(model.config, "layer_types", None) or ()):
+        return DynamicCache(config=model.config)
+    return DynamicCache()
+
+
 def greedy_continuations(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """[N, P] prompts of one length -> [N, P + new_tokens], continued greedily by the target."""
     was_training = target.training
     target.eval()
-    cache = DynamicCache()
+    cache = empty_cache(target)
     out = target(input_ids=prompts, use_cache=True, **cache_kwargs(target, cache))
     tokens = [prompts]
     for _ in range(new_tokens):

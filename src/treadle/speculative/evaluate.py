@@ -279,6 +279,17 @@ def _check_args(gamma: int, num_prompts: int, prompt_len: int, max_new_tokens: i
         claim_output(json_path, "--json", "spec-eval", ours=is_spec_eval_json, file=True)
 
 
+def _check_croppable(target, target_dir: Path) -> None:
+    """The decode loop cuts the target's cache back to the accepted prefix after each verification; a linear-attention
+    (Gated-DeltaNet) layer's recurrent state has no per-position history to cut, so such a target is refused here
+    rather than failing inside transformers' cache."""
+    types = getattr(target.config, "layer_types", None) or ()
+    if "linear_attention" in types:
+        raise UserError(f"--target {target_dir}: {types.count('linear_attention')} of its layers are linear attention "
+                        "(layer_types), whose recurrent state spec-eval's decode loop cannot cut back after a "
+                        "rejection; accepted: a target whose layers all keep a KV cache")
+
+
 def is_spec_eval_json(path: Path) -> bool:
     """Whether ``path`` holds an earlier spec-eval result (which --json may replace)."""
     try:
@@ -376,6 +387,7 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
     else:
         prompt_ids = heldout_prompts(tokenizer, num_prompts, prompt_len)
     target_model = load_causal_lm(target_dir, "--target")
+    _check_croppable(target_model, target_dir)
     drafter = load_drafter(str(draft), target_model, tokenizer)
     target_model.to(where)
     if isinstance(getattr(drafter, "model", None), torch.nn.Module):  # a draft model (it may hold the target too)

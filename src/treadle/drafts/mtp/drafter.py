@@ -2,10 +2,10 @@
 
 The module keeps the K/V of its step-1 rows: row j holds the target's final hidden state of token j and the
 embedding of token j + 1, for every j the target has processed; they depend on accepted tokens only and are never
-cut. A proposal runs the new step-1 rows, then replays the module along the chain (each link reads the previous
-link's block output and its own guess, at the next position, attending to the step-1 rows and the links before it),
-as vLLM's proposer does; the links' K/V are dropped afterwards. The training unroll (drafts/mtp/model.py), row by
-row. A tree falls back to a chain of its depth.
+cut. A proposal runs the new step-1 rows, then replays the module along the chain (each link reads what the previous
+link hands on, ``MtpDraft.carry``, and its own guess, at the next position, attending to the step-1 rows and the links
+before it), as vLLM's proposer does; the links' K/V are dropped afterwards. The training unroll (drafts/mtp/model.py),
+row by row. A tree falls back to a chain of its depth.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class MtpDrafter:
         tokens, qs = [], []
         for link in range(gamma):
             if link:
-                x = self._rows(context_ids.new_tensor([[tokens[-1]]]), x, last + link)
+                x = self._rows(context_ids.new_tensor([[tokens[-1]]]), self.model.draft_model.carry(x), last + link)
             token, q = sampler.draw(self.model.draft_logits(x)[0, -1].float())
             tokens.append(int(token))
             qs.append(q)

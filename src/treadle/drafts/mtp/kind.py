@@ -1,4 +1,5 @@
-"""MTP heads as a draft kind (drafts/kind.py): model, objective, drafter and the two exports behind one object."""
+"""MTP heads (the DeepSeek-V3 / GLM-4-MoE and Qwen3-Next / Qwen3.5 layouts) as a draft kind (drafts/kind.py): model,
+objective, drafter and the two exports behind one object."""
 
 from __future__ import annotations
 
@@ -30,22 +31,25 @@ class Mtp(DraftKind):
         return MtpDrafter(model)
 
     def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
-        """The layer alone in SGLang's NextN layout (``model.layers.0.*``, no embedding or head); every name checked
-        against the module before anything is written."""
+        """The layer alone under its family's stand-alone prefix (DeepSeek: SGLang's NextN layout
+        ``model.layers.0.*``; Qwen: ``mtp.*``), no embedding or head; every name checked against the module before
+        anything is written."""
         layout.check_names(weights, draft.state_dict(), "mtp export")
-        tensors = {"model.layers.0." + k: v for k, v in layout.to_checkpoint(weights).items()}
+        prefix = draft.family.prefix(target_config.num_hidden_layers, alone=True)
+        tensors = {prefix + k: v for k, v in layout.to_checkpoint(weights, draft.family).items()}
         return tensors, layout.alone_config(target_config.to_dict(), {**draft.export_config(), "dtype": dtype, **meta})
 
     def write_extra(self, directory: Path, weights: dict, config: dict | None = None) -> None:
-        """``stitched/``: a copy of the target checkpoint with the layer as ``model.layers.{N}.*`` and the target's
-        embedding and head copied beside it (vLLM's DeepSeekMTP loads them from there)."""
+        """``stitched/``: a copy of the target checkpoint with the layer put back at its family's place (DeepSeek:
+        ``model.layers.{N}.*`` with the target's embedding and head copied beside it, which vLLM's DeepSeekMTP loads
+        from there; Qwen: ``mtp.*``)."""
         target_dir = Path(config["target"]["path"])
-        n = config["target_config"]["num_hidden_layers"]
-        layer = {k[len("model.layers.0."):]: v for k, v in weights.items()}
-        layer["embed_tokens.weight"] = layout.read_target_tensor(target_dir, ("model.embed_tokens.weight",))
-        layer["shared_head.head.weight"] = layout.read_target_tensor(
-            target_dir, ("lm_head.weight", "model.embed_tokens.weight"))  # a tied head is the embedding
-        layout.stitch(target_dir, Path(directory) / STITCHED, layer, n)
+        target_config = config["target_config"]
+        family = layout.family_of_config(target_config)
+        alone = family.prefix(target_config["num_hidden_layers"], alone=True)
+        layer = layout.stitched_layer(target_dir, {k[len(alone):]: v for k, v in weights.items()}, family)
+        layout.stitch(target_dir, Path(directory) / STITCHED, layer,
+                      family.prefix(target_config["num_hidden_layers"], alone=False))
 
 
 MTP = Mtp()

@@ -1,24 +1,31 @@
 """An MTP head as the serving engines run it, trained against its frozen target.
 
-One module, the target family's own (DeepSeek-V3, GLM-4-MoE: ``num_nextn_predict_layers``), as vLLM's
-``DeepSeekMultiTokenPredictorLayer`` and transformers' ``MtpLayer`` compute it:
+One module, the target family's own, as vLLM's MTP layers and transformers' ``MtpLayer`` compute it, for every
+family with a layout in drafts/mtp/layout.py (DeepSeek-V3, GLM-4-MoE: ``model.layers.{N}.*``; Qwen3-Next, Qwen3.5:
+``mtp.*``); the families differ in names and in the few switches of their ``layout.Family``, not in code:
 
-    e   = enorm(embed(token t + 1))       the target's frozen embedding; zero where t is a document's position 0
-                                          (vLLM's DeepSeek/GLM MTP layers zero it there; transformers does not)
-    x   = eh_proj(cat[e, hnorm(h_t)])     h_t: the target's final (normed) hidden state of token t
-    x   = block(x)                        one decoder layer of the target's class, built from its MTP config
-                                          (MLA attention; MoE, as ``get_mtp_config`` makes every MTP layer)
-    logits = target.lm_head(post_norm(x)) the checkpoint's ``shared_head.norm`` and the target's frozen head
+    e   = enorm(embed(token t + 1))       the target's frozen embedding; zero where t is a document's position 0 if
+                                          the family's engine does that (``zero_first``: vLLM's DeepSeek/GLM layers)
+    x   = eh_proj(cat[e, hnorm(h_t)])     h_t: the target's final (normed) hidden state of token t; cat[h, e] where
+                                          the family puts the hidden state first (``hidden_first``)
+    x   = block(x)                        one decoder layer of the target's class: DeepSeek/GLM from transformers'
+                                          MTP config (MLA attention; MoE, as ``get_mtp_config`` makes every MTP
+                                          layer), Qwen from the target's config with the layer forced to full
+                                          attention (hybrid Gated-DeltaNet models), its MLP a MoE where the target's
+                                          layer 0 rule says so (vLLM's ``Qwen3NextDecoderLayer`` at index 0)
+    logits = target.lm_head(post_norm(x)) ``shared_head.norm`` / ``mtp.norm``, then the target's frozen head
 
 Row t guesses token t + 2. Recursive steps (``draft.ttt_steps`` = K): the engines replay the one module K times,
-step k feeding the previous step's block output ``x`` (before the norm: vLLM's proposer hands the returned hidden
-state back; transformers' ``MtpModel`` feeds the normed one, but it only chains distinct modules) and the token
-k further on, at the next position, attending to step 1's rows of the accepted context and its own chain
-(``ttt_mask``): exactly what a decode computes, where step 1's K/V cache depends on accepted tokens only.
+step k feeding the previous step's output back (``MtpDraft.carry``: DeepSeek/GLM the block output before the norm,
+as vLLM's proposer hands back what the layer returns; Qwen3-Next the normed one, which its layer returns; transformers'
+``MtpModel`` feeds the normed one, but it only chains distinct modules) and the token k further on, at the next
+position, attending to step 1's rows of the accepted context and its own chain (``ttt_mask``): exactly what a decode
+computes, where step 1's K/V cache depends on accepted tokens only.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,33 +44,40 @@ KIND = "mtp"
 
 
 def mtp_config(target, where) -> object:
-    """The target's MTP config (transformers' ``get_mtp_config``: layer index 0, every MLP a MoE), or a one-line
-    refusal for a family without an MTP layout."""
+    """The config the MTP block is built from (one layer, index 0), or a one-line refusal for a family without an
+    MTP layout or with more than one stored module."""
     c = target.config
-    if getattr(c, "num_mtp_layers", None) is None or not hasattr(c, "get_mtp_config"):
+    family = layout.family_of(c.model_type)
+    if family.layer_type is not None:  # the target's own config, the one layer of the forced type
+        stored = max(getattr(c, k, None) or 0 for k in family.count_keys)
+        config = copy.deepcopy(c)
+        config.layer_types, config.num_hidden_layers = [family.layer_type], 1
+    elif getattr(c, "num_mtp_layers", None) is None or not hasattr(c, "get_mtp_config"):
         raise UserError(f"{where} is a {c.model_type!r} model without an MTP layout (config num_nextn_predict_layers: "
-                        "deepseek_v3, glm4_moe ...); accepted: such a target, or draft.kind = 'eagle3' for this one")
-    if c.num_mtp_layers > 1:
-        raise UserError(f"{where} stores {c.num_mtp_layers} MTP modules; treadle fine-tunes one module, replayed "
-                        "ttt_steps times as vLLM and SGLang serve it; accepted: num_nextn_predict_layers = 1")
-    config = c.get_mtp_config()
-    config.num_mtp_layers = 1
+                        "deepseek_v3, glm4_moe, qwen3_next ...; mtp_num_hidden_layers: qwen3_5_text ...); accepted: "
+                        "such a target, or draft.kind = 'eagle3' for this one")
+    else:  # transformers' MTP config: layer index 0, every MLP a MoE
+        stored, config = c.num_mtp_layers, c.get_mtp_config()
+        config.num_mtp_layers = 1
+    if stored > 1:
+        raise UserError(f"{where} stores {stored} MTP modules; treadle fine-tunes one module, replayed ttt_steps times "
+                        f"as vLLM and SGLang serve it; accepted: {family.count_keys[0]} = 1")
     return config
 
 
 class MtpDraft(nn.Module):
-    """The trainable MTP module, under transformers' ``MtpLayer`` names (drafts/mtp/layout.py converts them)."""
-
-    # vLLM zeroes the next token's embedding at position 0; the transformers contract test turns it off to compare
-    # with transformers' MtpModel, which does not.
-    zero_first_embedding = True
+    """The trainable MTP module, under transformers' ``MtpLayer`` names for every family (drafts/mtp/layout.py
+    converts them to the family's)."""
 
     def __init__(self, target, config=None):
         super().__init__()
         config = config if config is not None else mtp_config(target, "draft.target")
         self.config = config
-        self.mtp_index = target.config.num_hidden_layers  # the checkpoint's model.layers.{N}
-        self.hidden_first = bool(getattr(config, "mtp_hidden_states_first", False))  # MiMo/Inkling order
+        self.family = family = layout.family_of(target.config.model_type)
+        self.hidden_first = family.hidden_first or bool(getattr(config, "mtp_hidden_states_first", False))
+        # Per family (layout.Family.zero_first); the transformers contract test turns it off to compare with
+        # transformers' MtpModel, which does not zero.
+        self.zero_first_embedding = family.zero_first
         norm_cls, d = type(target.model.norm), config.hidden_size
         self.enorm = norm_cls(d, eps=config.rms_norm_eps)
         self.hnorm = norm_cls(d, eps=config.rms_norm_eps)
@@ -80,6 +94,10 @@ class MtpDraft(nn.Module):
         x = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
         return self.mtp_block(x, attention_mask=mask, position_embeddings=rope, position_ids=position_ids,
                               cache=cache)
+
+    def carry(self, x: torch.Tensor) -> torch.Tensor:
+        """What the next replayed step reads of this step's block output ``x`` (layout.Family.chain_normed)."""
+        return self.post_norm(x) if self.family.chain_normed else x
 
     def export_config(self) -> dict:
         return {"treadle_draft_kind": KIND}
@@ -164,8 +182,9 @@ class MtpModel(DraftRunModel):
                 embeds = embeds.masked_fill((doc_pos == 0)[..., None], 0.0)
             pos = position_ids + k
             mask = as_mask(ttt_mask(doc, k), self.target.config, embeds.dtype)
-            hidden = draft(embeds, hidden, self.rotary(embeds, pos), mask, pos, cache)
-            out.append(hidden)
+            x = draft(embeds, hidden, self.rotary(embeds, pos), mask, pos, cache)
+            out.append(x)
+            hidden = draft.carry(x)
         return out
 
     def forward(self, input_ids, position_ids, steps: int = 1, doc_position_ids=None, reads: dict | None = None):
@@ -190,20 +209,21 @@ class MtpModel(DraftRunModel):
 
 
 def draft_from_dir(model_dir, target, where: str, config=None) -> MtpDraft:
-    """The MTP module a directory holds: a stand-alone export (treadle's or SGLang's NextN layout,
-    ``model.layers.0.*``) or a checkpoint carrying its layer (``model.layers.{num_hidden_layers}.*``: a stitched
-    export, or a target that ships one); every name checked against the module the target's family builds."""
+    """The MTP module a directory holds: a stand-alone export (treadle's, or SGLang's NextN layout
+    ``model.layers.0.*``) or a checkpoint carrying its layer (``model.layers.{num_hidden_layers}.*`` / ``mtp.*``: a
+    stitched export, or a target that ships one), read from its safetensors (transformers drops MTP keys when it
+    loads a target); every name checked against the module the target's family builds."""
     draft = MtpDraft(target, config)
     prefix, found = layout.layer_prefix(model_dir)
     if found.get("treadle_draft_kind") == KIND and "target" in found:
         from treadle.drafts.glide.model import checked_export
 
         checked_export(model_dir, target, KIND, "an mtp")
-    tensors = {k: v for k, v in layout.read_layer(Path(model_dir), prefix).items() if k not in layout.SHARED}
+    tensors = layer_tensors(model_dir, prefix, draft.family)
     if not tensors:
         raise UserError(f"{where} {model_dir} holds no MTP layer ({prefix}*); accepted: an mtp export (draft/ or "
                         "draft/stitched/ of a run) or a checkpoint that ships its MTP layer")
-    weights = layout.from_checkpoint(tensors)
+    weights = layout.from_checkpoint(tensors, draft.family)
     mine = draft.state_dict()
     layout.check_names(weights, mine, f"{where} {model_dir}")
     wrong = [k for k in mine if weights[k].shape != mine[k].shape]
@@ -214,10 +234,16 @@ def draft_from_dir(model_dir, target, where: str, config=None) -> MtpDraft:
     return draft
 
 
+def layer_tensors(model_dir, prefix: str, family) -> dict:
+    """The MTP layer's own tensors under ``prefix`` (names after it), without the copies of the target's."""
+    shared = layout.shared_names(family)
+    return {k: v for k, v in layout.read_layer(Path(model_dir), prefix).items() if k not in shared}
+
+
 def shipped_layer(target_dir: Path, target) -> dict:
-    """The MTP tensors the target checkpoint itself carries at ``model.layers.{N}.*`` (empty: none)."""
-    prefix = f"model.layers.{target.config.num_hidden_layers}."
-    return {k: v for k, v in layout.read_layer(target_dir, prefix).items() if k not in layout.SHARED}
+    """The MTP tensors the target checkpoint itself carries (``model.layers.{N}.*`` / ``mtp.*``; empty: none)."""
+    family = layout.family_of(target.config.model_type)
+    return layer_tensors(target_dir, family.prefix(target.config.num_hidden_layers, alone=False), family)
 
 
 def build_mtp(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):

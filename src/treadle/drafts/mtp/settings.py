@@ -9,7 +9,7 @@ KEYS = ("init", "ttt_steps")
 TTT_STEPS = 3
 LAYOUTS = ("treadle",)  # draft.layout unset: the export is always the target family's own checkpoint layout
 # Why draft.layout / draft.window are refused (drafts/settings.py words the one-line refusals).
-LAYOUT_NOTE = "its layout is the target checkpoint's own model.layers.{N}.* one"
+LAYOUT_NOTE = "its layout is the target checkpoint's own (model.layers.{N}.* or mtp.*)"
 WINDOW_NOTE = "its decoder block is the target's, full causal attention"
 
 
