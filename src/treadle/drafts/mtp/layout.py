@@ -95,9 +95,8 @@ DEEPSEEK = Family(
 
 # Qwen3-Next: vLLM's Qwen3NextMultiTokenPredictor.forward ends in ``mtp.norm`` and returns the normed state, which its
 # proposer feeds back (compute_logits is the bare lm_head): a replayed step reads the normed output. It has no
-# position-0 masking line (the research note lists DeepSeek, GLM and MiMo as masking; it is silent on Qwen3-Next, and
-# this reading of qwen3_next_mtp.py could not be re-checked here): zero_first off. One row per document is affected
-# either way; flip ``zero_first`` here if a consumer is found to mask.
+# position-0 masking line, unlike vLLM's DeepSeek/GLM/MiMo layers: zero_first off (both read in vLLM's
+# qwen3_next_mtp.py @ 055e47c).
 QWEN3_NEXT = Family(
     top={"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
          "eh_proj.weight": "fc.weight", "post_norm.weight": "norm.weight"},
