@@ -126,7 +126,7 @@ def _accepted_by_treadle(model, prompt, gamma, new):
     from treadle.drafts.frozen_kv.drafter import FrozenKvDrafter
     from treadle.speculative.decode import speculative_generate
 
-    return speculative_generate(model.target, FrozenKvDrafter(model), prompt[None], new, gamma=gamma)
+    return speculative_generate(model.target, FrozenKvDrafter(model), prompt[None], gamma, new)
 
 
 def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(shards, gemma_target, tmp_path,
@@ -172,7 +172,7 @@ def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(
     new, hf_total, ours_total, same_first = 24, 0, 0, 0
     for i, prompt in enumerate(prompts):
         rounds.clear()
-        kw = dict(max_new_tokens=new, do_sample=False, attention_mask=torch.ones(1, 8, dtype=torch.long))
+        kw = dict(max_new_tokens=new, do_sample=False, use_cache=True, attention_mask=torch.ones(1, 8, dtype=torch.long))
         plain = main_model.generate(prompt[None], **kw)
         spec = main_model.generate(prompt[None], assistant_model=assistant, **kw)
         assert torch.equal(spec, plain), i  # lossless in transformers' own loop
@@ -180,9 +180,9 @@ def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(
         assert ours.tokens == plain[0, 8:].tolist(), i  # and in treadle's
         hf = rounds[1:]  # the first is the prefill: nothing drafted
         # The first drafted round reads the same K/V in both loops (no rejection yet): the same count.
-        same_first += hf[0] == ours.accepted[0]
-        hf_total, ours_total = hf_total + sum(hf), ours_total + sum(ours.accepted)
-        print(f"prompt {i}: transformers accepted {hf} ({sum(hf)}), treadle {ours.accepted} ({sum(ours.accepted)})")
+        same_first += hf[0] == ours.accepted_per_call[0]
+        hf_total, ours_total = hf_total + sum(hf), ours_total + sum(ours.accepted_per_call)
+        print(f"prompt {i}: transformers accepted {hf} ({sum(hf)}), treadle {ours.accepted_per_call} ({sum(ours.accepted_per_call)})")
     assert same_first == len(prompts)
     # Later rounds may differ after a rejection (transformers' assistant also reads the rejected candidate's K/V at
     # the bonus position) and in the last round (max_new_tokens cut): within 2 tokens per prompt in all.

@@ -29,11 +29,13 @@ class FrozenKv(DraftKind):
 
     def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
         """``Gemma4AssistantForCausalLM``'s own checkpoint (frozen_kv/layout.py), every name checked first."""
-        return layout.export(draft.assistant.config, weights, dtype, {**draft.export_config(), **meta})
+        # config.json's dtype as transformers names it ("float32", "bfloat16"), not treadle's "fp32" / "bf16"
+        name = str(torch_dtype).removeprefix("torch.")
+        return layout.export(draft.assistant.config, weights, name, {**draft.export_config(), **meta})
 
     def write_extra(self, directory: Path, weights: dict, config: dict | None = None) -> None:
         """``generation_config.json`` with ``num_assistant_tokens`` = the trained unroll depth."""
-        steps = (config or {}).get("training", {}).get("draft", {}).get("ttt_steps") or settings.TTT_STEPS
+        steps = (config or {}).get("training", {}).get("ttt_steps") or settings.TTT_STEPS  # the [draft] dump
         layout.write_generation_config(Path(directory), steps)
 
 
