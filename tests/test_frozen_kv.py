@@ -122,17 +122,74 @@ class _Cfg:
         return {}
 
 
-def _accepted_by_treadle(model, prompt, gamma, new):
+def _both_loops(target, assistant, model, monkeypatch, gamma, n_prompts=3, new=24):
+    """Per prompt, (accepted drafts per round in transformers' assisted generate, in treadle's spec-eval loop), both
+    lossless. The rounds are the same until one follows a rejection, or the last: after a rejection transformers'
+    assistant also reads the target's K/V row of the rejected candidate at the bonus position (its shared_kv_states
+    are cut to the sequence's length, not the accepted tokens'; treadle's, as training, read tokens <= t only), and
+    its last round counts drafts past max_new_tokens as not accepted."""
+    from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator as Generator
+
     from treadle.drafts.frozen_kv.drafter import FrozenKvDrafter
     from treadle.speculative.decode import speculative_generate
 
-    return speculative_generate(model.target, FrozenKvDrafter(model), prompt[None], gamma, new)
+    rounds: list[int] = []
+    original = Generator.update_candidate_strategy
+
+    def record(self, input_ids, scores, num_matches):  # observe the accepted count of each verification
+        rounds.append(int(num_matches))
+        return original(self, input_ids, scores, num_matches)
+
+    monkeypatch.setattr(Generator, "update_candidate_strategy", record)
+    assistant.generation_config.num_assistant_tokens = gamma  # generate's K (an export's generation_config.json)
+    prompts = torch.randint(3, 512, (n_prompts, 8), generator=torch.Generator().manual_seed(5))
+    out = []
+    for i, prompt in enumerate(prompts):
+        rounds.clear()
+        kw = dict(max_new_tokens=new, do_sample=False, use_cache=True, attention_mask=torch.ones(1, 8, dtype=torch.long))
+        plain = target.generate(prompt[None], **kw)
+        assert torch.equal(target.generate(prompt[None], assistant_model=assistant, **kw), plain), i
+        ours = speculative_generate(target, FrozenKvDrafter(model), prompt[None], gamma, plain.shape[1] - 8)
+        assert ours.tokens == plain[0, 8:].tolist(), i
+        hf, mine = rounds[1:], ours.accepted_per_call  # transformers' first round is the prefill: nothing drafted
+        differ = [r for r in range(min(len(hf), len(mine))) if hf[r] != mine[r]]
+        if differ:
+            r = differ[0]
+            assert r == min(len(hf), len(mine)) - 1 or hf[r - 1] < gamma, (i, hf, mine)
+        out.append((hf, mine))
+    return out
+
+
+def test_acceptance_in_transformers_generate_is_treadles_until_a_rejection(monkeypatch):
+    """A pair with real acceptance: a target whose sublayers barely touch the residual stream (post-norm scales
+    0.02: its next token is mostly a function of the current one, context a little) and an assistant that is that
+    function (its layers copied, pre_projection reading the embedding). Both loops accept the same per round until
+    a round follows a rejection (``_both_loops``)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(0)
+    target = Gemma4ForCausalLM(Gemma4TextConfig(**TINY, tie_word_embeddings=False, sliding_window=64)).eval()
+    quiet = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight", "post_per_layer_input_norm.weight")
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if name.endswith(quiet):
+                p.mul_(0.02)
+        assistant = new_assistant(target, 2)
+        d = target.config.hidden_size
+        assistant.pre_projection.weight.zero_()
+        assistant.pre_projection.weight[:, :d] = torch.eye(d)
+        assistant.model.norm.weight.copy_(target.model.norm.weight)
+    model = FrozenKvModel(target, FrozenKvDraft(assistant)).eval()
+    both = _both_loops(target, assistant, model, monkeypatch, 3, n_prompts=4)
+    hf, mine = sum(sum(h) for h, _ in both), sum(sum(m) for _, m in both)
+    rounds = sum(len(m) for _, m in both)
+    print(f"accepted drafts: transformers {hf}, treadle {mine} over {rounds} rounds of 3")
+    assert mine >= rounds // 2  # not a trivial comparison: about one draft in three or more accepted
 
 
 def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(shards, gemma_target, tmp_path,
                                                                                 monkeypatch):
     from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
-    from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
 
     from treadle.drafts.frozen_kv.model import build_frozen_kv, load_frozen_kv
 
@@ -160,33 +217,9 @@ def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(
     mine = treadle_model.draft_model.assistant.state_dict()
     assert all(torch.equal(assistant.state_dict()[k], mine[k]) for k in mine)
 
-    rounds: list[int] = []
-    original = SinglePositionMultiTokenCandidateGenerator.update_candidate_strategy
-
-    def record(self, input_ids, scores, num_matches):  # observe the accepted count of each verification
-        rounds.append(int(num_matches))
-        return original(self, input_ids, scores, num_matches)
-
-    monkeypatch.setattr(SinglePositionMultiTokenCandidateGenerator, "update_candidate_strategy", record)
-    prompts = torch.randint(3, 512, (3, 8), generator=torch.Generator().manual_seed(5))
-    new, hf_total, ours_total, same_first = 24, 0, 0, 0
-    for i, prompt in enumerate(prompts):
-        rounds.clear()
-        kw = dict(max_new_tokens=new, do_sample=False, use_cache=True, attention_mask=torch.ones(1, 8, dtype=torch.long))
-        plain = main_model.generate(prompt[None], **kw)
-        spec = main_model.generate(prompt[None], assistant_model=assistant, **kw)
-        assert torch.equal(spec, plain), i  # lossless in transformers' own loop
-        ours = _accepted_by_treadle(treadle_model, prompt, 2, plain.shape[1] - 8)
-        assert ours.tokens == plain[0, 8:].tolist(), i  # and in treadle's
-        hf = rounds[1:]  # the first is the prefill: nothing drafted
-        # The first drafted round reads the same K/V in both loops (no rejection yet): the same count.
-        same_first += hf[0] == ours.accepted_per_call[0]
-        hf_total, ours_total = hf_total + sum(hf), ours_total + sum(ours.accepted_per_call)
-        print(f"prompt {i}: transformers accepted {hf} ({sum(hf)}), treadle {ours.accepted_per_call} ({sum(ours.accepted_per_call)})")
-    assert same_first == len(prompts)
-    # Later rounds may differ after a rejection (transformers' assistant also reads the rejected candidate's K/V at
-    # the bonus position) and in the last round (max_new_tokens cut): within 2 tokens per prompt in all.
-    assert abs(hf_total - ours_total) <= 2 * len(prompts), (hf_total, ours_total)
+    for i, (hf, ours) in enumerate(_both_loops(main_model, assistant, treadle_model, monkeypatch,
+                                                   assistant.generation_config.num_assistant_tokens)):
+        print(f"trained export, prompt {i}: transformers accepted {hf}, treadle {ours}")
 
     # draft.init from the export: the run starts from its weights.
     class Cfg:
@@ -208,7 +241,7 @@ def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(
         build_frozen_kv(Cfg, 512, None)
     # spec-eval decodes losslessly with the export.
     out = tmp_path / "spec.json"
-    assert main(["spec-eval", "--target", str(gemma_target), "--draft", str(export), "--num-prompts", "2",
-                 "--gamma", "2", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
+    assert main(["spec-eval", "--target", str(gemma_target), "--draft", str(export), "--num-prompts", "1",
+                 "--gamma", "2", "--prompt-len", "8", "--max-new-tokens", "8", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "frozen_kv" and 1.0 <= got["tau"] <= 3.0
