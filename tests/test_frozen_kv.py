@@ -117,6 +117,34 @@ def test_a_renamed_weight_is_refused_at_export_and_nothing_is_written(gemma_targ
     assert not out.exists()
 
 
+def test_the_centroid_head_stays_as_shipped(gemma_target, tmp_path):
+    """A shipped-style assistant with the centroid-masked head: loaded strictly, its centroids frozen, and the export
+    writes them and token_ordering exactly as they were."""
+    from transformers import Gemma4AssistantForCausalLM
+
+    from treadle.checkpoint.export import export_draft
+    from treadle.drafts.frozen_kv.model import load_frozen_kv, new_config
+
+    target = tiny_target()
+    config = new_config(target.config, 2)
+    config.use_ordered_embeddings, config.num_centroids, config.centroid_intermediate_top_k = True, 16, 4
+    torch.manual_seed(1)
+    shipped = Gemma4AssistantForCausalLM(config)
+    with torch.no_grad():
+        shipped.masked_embedding.token_ordering.copy_(torch.randperm(512))
+    shipped.save_pretrained(tmp_path / "shipped")
+    model = load_frozen_kv(tmp_path / "shipped", target)
+    masked = model.draft_model.assistant.masked_embedding
+    assert not masked.centroids.weight.requires_grad
+    state = {"draft_model." + k: v for k, v in model.draft_model.state_dict().items()}
+    ident = {"path": str(gemma_target), "config_fingerprint": "x", "tokenizer_fingerprint": None}
+    export_draft(model, state, tmp_path / "export", gemma_target, ident, _Cfg())
+    back = Gemma4AssistantForCausalLM.from_pretrained(tmp_path / "export")
+    assert back.config.use_ordered_embeddings and back.config.num_centroids == 16
+    assert torch.equal(back.masked_embedding.centroids.weight, shipped.masked_embedding.centroids.weight)
+    assert torch.equal(back.masked_embedding.token_ordering, shipped.masked_embedding.token_ordering)
+
+
 class _Cfg:
     def model_dump(self, mode="json"):
         return {}
