@@ -249,6 +249,14 @@ def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(
                                                    assistant.generation_config.num_assistant_tokens, n_prompts=1)):
         print(f"trained export, prompt {i}: transformers accepted {hf}, treadle {ours}")
 
+    # treadle export rebuilds the same export from the last checkpoint (the draft's tensors only).
+    assert main(["export", str(a), str(tmp_path / "again")]) == 0
+    from safetensors.torch import load_file
+
+    again, first = load_file(tmp_path / "again" / "model.safetensors"), load_file(export / "model.safetensors")
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+    assert (tmp_path / "again" / "generation_config.json").is_file()
+
     # draft.init from the export: the run starts from its weights.
     class Cfg:
         target, init, num_layers = str(gemma_target), str(export), None

@@ -127,11 +127,10 @@ class FrozenKvModel(DraftRunModel):
         tests/test_frozen_kv.py)."""
         doc = document_ids(doc_position_ids)
         idx = torch.arange(doc.shape[1], device=doc.device).expand_as(doc)
-        window = self.draft_model.assistant.config.get_text_config().sliding_window
         config = self.draft_model.assistant.config.get_text_config()
-        return {"full_attention": as_mask(attention_mask(idx, idx, q_doc=doc, k_doc=doc), config, dtype),
-                "sliding_attention": as_mask(attention_mask(idx, idx, window=window + 1, q_doc=doc, k_doc=doc),
-                                             config, dtype)}
+        windows = {"full_attention": 0, "sliding_attention": config.sliding_window + 1}
+        return {t: as_mask(attention_mask(idx, idx, window=w, q_doc=doc, k_doc=doc), config, dtype)
+                for t, w in windows.items()}
 
     def draft_logits(self, y: torch.Tensor) -> torch.Tensor:
         """The dense logits (what training scores; serving's masked head, if any, keeps their argmax or not)."""
