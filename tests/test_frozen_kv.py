@@ -117,13 +117,15 @@ def test_a_renamed_weight_is_refused_at_export_and_nothing_is_written(gemma_targ
     assert not out.exists()
 
 
-def test_the_centroid_head_stays_as_shipped(gemma_target, tmp_path):
-    """A shipped-style assistant with the centroid-masked head: loaded strictly, its centroids frozen, and the export
-    writes them and token_ordering exactly as they were."""
+def test_the_centroid_head_is_trained_and_exported_with_its_ordering(gemma_target, tmp_path):
+    """A shipped-style assistant with the centroid-masked head, loaded strictly: the unroll's auxiliary loss (each
+    step's centroid logits against the guessed token's centroid, from token_ordering) reaches the centroids, and the
+    export writes them and token_ordering exactly as the model holds them."""
     from transformers import Gemma4AssistantForCausalLM
 
     from treadle.checkpoint.export import export_draft
-    from treadle.drafts.frozen_kv.model import load_frozen_kv, new_config
+    from treadle.drafts.frozen_kv.model import centroid_of, load_frozen_kv, new_config
+    from treadle.drafts.recurrent import aux_loss
 
     target = tiny_target()
     config = new_config(target.config, 2)
@@ -133,15 +135,26 @@ def test_the_centroid_head_stays_as_shipped(gemma_target, tmp_path):
     with torch.no_grad():
         shipped.masked_embedding.token_ordering.copy_(torch.randperm(512))
     shipped.save_pretrained(tmp_path / "shipped")
-    model = load_frozen_kv(tmp_path / "shipped", target)
+    model = load_frozen_kv(tmp_path / "shipped", target).train()
     masked = model.draft_model.assistant.masked_embedding
-    assert not masked.centroids.weight.requires_grad
+    ordering = masked.token_ordering
+    # centroid 3's tokens: token_ordering's fourth block of V / C = 32 (what the masked head gathers for it)
+    assert torch.equal((centroid_of(masked) == 3).nonzero().flatten(), ordering[3 * 32: 4 * 32].sort().values)
+    ids = torch.randint(0, 512, (1, 12))
+    pos = torch.cat((torch.arange(5), torch.arange(7)))[None]  # two documents
+    out = model(ids, pos, steps=2)
+    labels = torch.cat((ids[:, 1:], ids.new_full((1, 1), -100)), 1)
+    from treadle.config import DraftConfig
+
+    loss = aux_loss(DraftConfig(kind="frozen_kv", target="t"), out, pos, labels).sum()
+    loss.backward()
+    assert loss > 0 and masked.centroids.weight.grad.abs().sum() > 0
     state = {"draft_model." + k: v for k, v in model.draft_model.state_dict().items()}
     ident = {"path": str(gemma_target), "config_fingerprint": "x", "tokenizer_fingerprint": None}
     export_draft(model, state, tmp_path / "export", gemma_target, ident, _Cfg())
     back = Gemma4AssistantForCausalLM.from_pretrained(tmp_path / "export")
     assert back.config.use_ordered_embeddings and back.config.num_centroids == 16
-    assert torch.equal(back.masked_embedding.centroids.weight, shipped.masked_embedding.centroids.weight)
+    assert torch.equal(back.masked_embedding.centroids.weight, masked.centroids.weight)
     assert torch.equal(back.masked_embedding.token_ordering, shipped.masked_embedding.token_ordering)
 
 

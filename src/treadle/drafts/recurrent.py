@@ -38,6 +38,23 @@ class UnrollOutput:
     logits: list[torch.Tensor]  # per step k = 1..K, the draft's [B, T, V]: row t guesses token t + k + 1
     target_logits: torch.Tensor  # the frozen target's [B, T, V]
     target_hidden: torch.Tensor  # its final hidden states [B, T, d]
+    # A kind's auxiliary per-step classification of the guessed token (frozen_kv: the centroid-masked head's centroid
+    # logits [B, T, C]), scored like the steps against ``aux_classes`` [V] (the class of each token id); None: none
+    aux_logits: list[torch.Tensor] | None = None
+    aux_classes: torch.Tensor | None = None
+
+
+def aux_loss(cfg, out: UnrollOutput, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-row [B] summed CE of ``out.aux_logits`` against the class of the token each step guesses, over the rows
+    that step scores, weighted as the steps are (``ttt_decay**(k - 1)``)."""
+    loss = labels.new_zeros(labels.shape[0], dtype=torch.float32)
+    for k, logits in enumerate(out.aux_logits or ()):
+        n = labels.shape[1] - 1 - k
+        rows = scored_rows(positions, labels, k)
+        target = out.aux_classes[labels[:, 1 + k:1 + k + n].clamp_min(0)]
+        ce = F.cross_entropy(at_least_fp32(logits[:, :n]).flatten(0, 1), target.flatten(), reduction="none")
+        loss = loss + cfg.ttt_decay ** k * (ce.view_as(target) * rows).sum(-1)
+    return loss
 
 
 def guesses_by_step(argmaxes: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -81,6 +98,9 @@ class RecurrentObjective(GlideObjective):
         target_ce = F.nll_loss(target_log.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         scores = dense_unroll_scores(out.logits, out.target_logits, labels, None, None, lead=1)
         loss, side = unroll_loss(self.cfg, scores, positions, labels)
+        if out.aux_logits:
+            aux = aux_loss(self.cfg, out, positions, labels)
+            loss, side["aux_ce"] = loss + aux.to(loss.dtype), aux.detach().sum()
         if not train:
             return side["draft_ce"], {"target_loss": target_ce}
         return loss, {"target_loss": target_ce, **side, **chain_prefix(scores, positions, labels)}

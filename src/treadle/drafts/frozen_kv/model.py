@@ -27,9 +27,11 @@ at each token's own position; the assistant has no K/V of its own, Q-only layers
 the last full target layer, one constant position per round and a recurrent hidden input. A GLIDE draft for a Gemma 4
 target therefore cannot be exported in this layout (nor the reverse): there is no weight mapping between the two.
 
-The centroid-masked head (``use_ordered_embeddings``, the shipped assistants): training scores the dense logits
-(``lm_head``) and keeps ``masked_embedding.centroids`` frozen (not trained, exported as loaded, with
-``token_ordering``); serving's masked head keeps the dense argmax whenever its cluster is among the top-k centroids.
+The centroid-masked head (``use_ordered_embeddings``, the shipped assistants): serving scores only the tokens of the
+top-k centroids (``masked_embedding.centroids`` over the decoder output; ``token_ordering`` lists each centroid's
+tokens). Training scores the dense logits (``lm_head``) and adds, per step, the CE of the centroid logits against
+the guessed token's centroid (``aux_logits``), so the centroids keep pointing at the tokens the trained head now
+prefers; ``token_ordering`` is a buffer, exported exactly as loaded.
 """
 
 from __future__ import annotations
@@ -70,6 +72,14 @@ def store_layers(target_config) -> dict[str, int]:
 # ----------------------------------------------------------------------------- the module
 
 
+def centroid_of(masked) -> torch.Tensor:
+    """[V]: the centroid of each token id (``token_ordering`` lists centroid c's tokens at c * V / C ..)."""
+    ordering = masked.token_ordering.long()
+    out = torch.empty_like(ordering)
+    out[ordering] = torch.arange(ordering.numel(), device=ordering.device) // masked.vocab_size_per_centroid
+    return out
+
+
 class FrozenKvDraft(nn.Module):
     """The trainable assistant (``assistant``: a ``Gemma4AssistantForCausalLM``; its names are the export's after
     ``assistant.``)."""
@@ -77,8 +87,6 @@ class FrozenKvDraft(nn.Module):
     def __init__(self, assistant):
         super().__init__()
         self.assistant = assistant
-        if assistant.masked_embedding is not None:  # the centroids stay as shipped (module docstring)
-            assistant.masked_embedding.requires_grad_(False)
 
     def export_config(self) -> dict:
         return {"treadle_draft_kind": KIND}
@@ -153,7 +161,11 @@ class FrozenKvModel(DraftRunModel):
     def forward(self, input_ids, position_ids, steps: int = 1, doc_position_ids=None, reads: dict | None = None):
         target_hidden, kv = self._target_forward(input_ids, position_ids, reads)
         ys = self._unroll(input_ids, position_ids, target_hidden, kv, steps, doc_position_ids)
-        return UnrollOutput([self.draft_logits(y) for y in ys], self.teacher_logits(target_hidden), target_hidden)
+        out = UnrollOutput([self.draft_logits(y) for y in ys], self.teacher_logits(target_hidden), target_hidden)
+        masked = self.draft_model.assistant.masked_embedding
+        if masked is not None:  # the centroid head's own loss (module docstring)
+            out.aux_logits, out.aux_classes = [masked.centroids(y) for y in ys], centroid_of(masked)
+        return out
 
     @torch.no_grad()
     def chain_guesses(self, texts: torch.Tensor, gamma: int) -> list[torch.Tensor]:
