@@ -582,6 +582,17 @@ def test_token_ids_beyond_the_vocab_are_refused_before_the_run_starts(world, ref
     assert str(world.shards / "train") in line
 
 
+def test_a_frozen_kv_run_refuses_a_target_that_is_not_gemma_4(world, refused, target_dir):
+    """Gemma 4's assistant reads a Gemma 4 target's stored K/V: another family is refused from its config.json, before
+    a weight is read."""
+    from tests.helpers import draft_args
+
+    out = world.root / "runs" / "new"
+    line = refused(draft_args(world.shards, target_dir, out, "--draft.kind=frozen_kv"), "trains Gemma 4's assistant",
+                   out)
+    assert str(target_dir) in line and "'llama'" in line and "accepted: a text-only Gemma 4" in line
+
+
 def test_a_misspelt_model_override_is_refused_not_kept(world, refused):
     """A Hugging Face config keeps an unknown keyword as an attribute no model reads: ``hiden_size=64`` built the
     preset's 256-wide model and said nothing. A key close to a field of the config class is refused, naming it."""

@@ -24,7 +24,7 @@ def test_a_kind_key_is_refused_without_its_kind():
     from treadle.errors import UserError
 
     with pytest.raises(UserError, match=r"draft.init is set but draft.kind = None; accepted: draft.kind = 'dflash' or "
-                                        r"'eagle3' or 'glide' or 'mtp', or leave it unset"):
+                                        r"'eagle3' or 'frozen_kv' or 'glide' or 'mtp', or leave it unset"):
         load_config(None, ["--data.train=x", "--draft.init=x"])
     with pytest.raises(UserError, match=r"draft.layout = 'longspec' with draft.kind = 'eagle3'"):
         load_config(None, ["--data.train=x", "--draft.kind=eagle3", "--draft.target=t", "--draft.layout=longspec"])

@@ -344,20 +344,24 @@ class DraftConfig(Section):
                              "its draft_model_weights.pth) of the run's layout; dflash: from this DFlash draft (z-lab's "
                              "DFlashDraftModel layout, treadle's export or one trained elsewhere for this target, or "
                              "a treadle run directory); mtp: from this MTP layer (an mtp export, stand-alone or stitched into a "
-                             "target checkpoint, SGLang's NextN export, or a checkpoint that ships one); unset = a new "
+                             "target checkpoint, SGLang's NextN export, or a checkpoint that ships one); frozen_kv: from "
+                             "this Gemma 4 assistant (a directory Gemma4AssistantForCausalLM loads: a frozen_kv export "
+                             "or a shipped *-it-assistant, for this target's hidden size and vocabulary); unset = a new "
                              "draft (mtp: the layer the target checkpoint ships, else a new one)")
-    ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3, glide, mtp: training-time-test unroll steps (the "
-                                  "draft fed its own outputs; mtp: the module replayed as the engines serve it); "
-                                  "unset = 7 (eagle3), 1 (glide: no unroll), 3 (mtp)")
-    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3, glide, mtp: weight of unroll step k's loss is "
-                           "ttt_decay**k (k = 0 for the first step)")
+    ttt_steps: int | None = Field(None, ge=1, le=16, description="eagle3, glide, mtp, frozen_kv: training-time-test "
+                                  "unroll steps (the draft fed its own outputs; mtp: the module replayed as the "
+                                  "engines serve it; frozen_kv: the assistant's steps per round, the export's "
+                                  "num_assistant_tokens); unset = 7 (eagle3), 1 (glide: no unroll), 3 (mtp, frozen_kv)")
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3, glide, mtp, frozen_kv: weight of unroll step "
+                           "k's loss is ttt_decay**k (k = 0 for the first step)")
     features: str | None = Field(None, description="train from this feature store (`treadle features CONFIG --out "
                                  "DIR` with this run's config): the target's reads come from disk and its decoder "
                                  "layers are never built; unset = the live target runs every step")
     block_size: int | None = Field(None, ge=2, le=64, description="dflash: positions of a drafted block, the anchor "
                                    "(the last accepted token) then mask tokens: block_size - 1 drafts per forward; "
                                    "unset = 16")
-    num_layers: int | None = Field(None, ge=1, le=64, description="dflash: draft decoder layers; unset = 5")
+    num_layers: int | None = Field(None, ge=1, le=64, description="dflash: draft decoder layers; unset = 5; frozen_kv: "
+                                   "a new assistant's layers (sliding ones, then one full); unset = 2")
     anchors: int | None = Field(None, ge=1, description="dflash: blocks trained per packed row, anchored at random "
                                 "supervised positions (fewer where the row has fewer); unset = data.seq_len / "
                                 "block_size, every position covered once on average")

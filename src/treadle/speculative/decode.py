@@ -49,10 +49,14 @@ class TargetState:
       they cover every position exactly once. A layer index indexes HF's
       ``output_hidden_states`` tuple: 0 is the embedding output, i the output of
       decoder layer i (1..num_hidden_layers).
+    - ``layer_kv``: only for a drafter whose ``kv_layers`` is non-empty, else None. Decoder
+      layer index -> that layer's keys and values for positions 0..L-2, as ``kv`` (Gemma 4's
+      assistant reads the last full and the last sliding layer's).
     """
 
     kv: tuple[torch.Tensor, torch.Tensor]
     hidden: torch.Tensor | None = None
+    layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def start(self) -> int:
@@ -89,6 +93,9 @@ class Drafter(Protocol):
     target layers whose hidden states the drafter reads; the decode loop then runs
     the target with ``output_hidden_states=True`` and fills ``TargetState.hidden``.
 
+    Optional attribute ``kv_layers: tuple[int, ...]`` (absent or empty: none): decoder
+    layers whose K/V the drafter reads besides the last one (``TargetState.layer_kv``).
+
     Optional method ``propose_tree(context_ids, state, branching, sampler) -> Proposal``:
     a tree (``Proposal.parents`` set) of the shape ``branching`` (``tree.py``: static or a
     ``DynamicTree``, sampled children drawn without replacement). Under ``tree=...`` a
@@ -116,6 +123,10 @@ class Drafter(Protocol):
 
 def feature_layers(drafter: Drafter) -> tuple[int, ...]:
     return tuple(getattr(drafter, "feature_layers", ()) or ())
+
+
+def kv_layers(drafter: Drafter) -> tuple[int, ...]:
+    return tuple(getattr(drafter, "kv_layers", ()) or ())
 
 
 @dataclass
@@ -195,11 +206,18 @@ def _target_forward(
     return out.logits[0], torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 
 
-def _last_layer_kv(cache: DynamicCache, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    layer = cache.layers[-1]
+def _layer_kv(cache: DynamicCache, length: int, index: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``index``'s cached K/V (a bare DynamicCache's layer i is decoder layer i: a kv-shared layer, which
+    writes none, comes after every layer that does)."""
+    layer = cache.layers[index]
     if layer.keys.shape[-2] != length:
         raise RuntimeError(f"target cache holds {layer.keys.shape[-2]} positions, expected {length}")
     return layer.keys, layer.values
+
+
+def _target_state(cache: DynamicCache, length: int, hidden, kv_layers: tuple[int, ...]) -> TargetState:
+    layer_kv = {i: _layer_kv(cache, length, i) for i in kv_layers} or None
+    return TargetState(_layer_kv(cache, length), hidden, layer_kv)
 
 
 def _check_args(prompt_ids: torch.Tensor, max_new_tokens: int, gamma: int = 1) -> None:
@@ -327,7 +345,7 @@ def speculative_generate(
         tokens = [sampler.draw(logits[-1])[0]]
         while not _finished(tokens, max_new_tokens, eos_id):
             context = prompt + tokens
-            state = TargetState(_last_layer_kv(cache, len(context) - 1), hidden)
+            state = _target_state(cache, len(context) - 1, hidden, kv_layers(drafter))
             if grow is not None:
                 proposal = grow(torch.tensor([context]), state, tree, sampler)
                 path, bonus, hidden = _verify_tree(target, cache, tokens[-1], proposal, layers, sampler)

@@ -26,7 +26,6 @@ computes, where step 1's K/V cache depends on accepted tokens only.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from torch import nn
 from treadle.drafts.glide.model import causal_document_mask, document_ids, ttt_mask
 from treadle.drafts.kind import init_dir
 from treadle.drafts.mtp import layout
+from treadle.drafts.recurrent import UnrollOutput, guesses_by_step
 from treadle.drafts.run_model import DraftRunModel
 from treadle.drafts.targets import checked_target
 from treadle.errors import UserError
@@ -135,13 +135,6 @@ def as_mask(mask: torch.Tensor, config, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
-@dataclass
-class MtpOutput:
-    logits: list[torch.Tensor]  # per step k = 1..K, the draft's [B, T, V]: row t guesses token t + k + 1
-    target_logits: torch.Tensor  # the frozen target's [B, T, V]
-    target_hidden: torch.Tensor  # its final hidden states [B, T, d]
-
-
 class MtpModel(DraftRunModel):
     """What an mtp draft run trains: the frozen target and its MTP module."""
 
@@ -190,7 +183,7 @@ class MtpModel(DraftRunModel):
     def forward(self, input_ids, position_ids, steps: int = 1, doc_position_ids=None, reads: dict | None = None):
         target_hidden = self._target_forward(input_ids, position_ids, reads)
         hidden = self._unroll(input_ids, position_ids, target_hidden, steps, doc_position_ids)
-        return MtpOutput([self.draft_logits(x) for x in hidden], self.teacher_logits(target_hidden), target_hidden)
+        return UnrollOutput([self.draft_logits(x) for x in hidden], self.teacher_logits(target_hidden), target_hidden)
 
     @torch.no_grad()
     def chain_guesses(self, texts: torch.Tensor, gamma: int) -> list[torch.Tensor]:
@@ -198,11 +191,7 @@ class MtpModel(DraftRunModel):
         decode's chain that started after token i - k + 1 reaches step k with every earlier step accepted."""
         positions = torch.arange(texts.shape[1], device=texts.device).expand_as(texts)
         hidden = self._unroll(texts, positions, self._target_forward(texts, positions, self.eval_reads(texts)), gamma)
-        guesses = []
-        for k, x in enumerate(hidden, start=1):  # step k's row t guesses token t + k + 1: move it to index t + k
-            ids = self.draft_logits(x).argmax(-1)
-            guesses.append(torch.cat((ids.new_full((ids.shape[0], k), -1), ids[:, : ids.shape[1] - k]), dim=1))
-        return guesses
+        return guesses_by_step([self.draft_logits(x).argmax(-1) for x in hidden])
 
 
 # ----------------------------------------------------------------------------- building and loading
