@@ -240,6 +240,12 @@ def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(
     for key in ("acc_1", "acc_2", "eal", "draft_kl", "draft_ce", "target_loss", "eval_loss", "tau_sim"):
         assert records(a, key), key
     assert 0.0 <= records(a, "eal")[4] <= 2.0 and not records(a, "acc_3")
+    # Checkpoints hold the draft and its optimizer state, never a target tensor: not the head Gemma ties to its
+    # embedding (torch's ignore_frozen_params keeps that alias), nor the target's buffers.
+    from treadle.checkpoint.safety import read_metadata
+
+    keys = list(read_metadata(a / "checkpoints" / "step_2" / "state").state_dict_metadata)
+    assert any("draft_model." in k for k in keys) and not [k for k in keys if "target" in k]
     # Exact resume from step 2.
     assert main(draft_args(shards, gemma_target, b, "--train.max_steps=4", *RUN,
                            f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 0

@@ -106,7 +106,7 @@ class LocalEngine:
 
         Frozen parameters (a draft run's target) are left out: they are an input, not a result.
         """
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SAVE)
+        model_sd, optim_sd = trainable_state(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict) -> None:
@@ -131,6 +131,36 @@ class LocalEngine:
 
 
 _SAVE = StateDictOptions(ignore_frozen_params=True)
+
+
+def frozen_names(model: nn.Module) -> list[str]:
+    """The state-dict names of what training never changes: every name of a frozen parameter (a tied one has two),
+    and every tensor of a subtree whose parameters are all frozen (a draft run's target: its buffers too)."""
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad]
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        params = list(module.parameters())
+        if params and not any(p.requires_grad for p in params):
+            names.extend(prefix + n for n, _ in module.named_buffers(remove_duplicate=False))
+            return
+        for name, child in module.named_children():
+            walk(f"{prefix}{name}.", child)
+
+    walk("", model)
+    return names
+
+
+def trainable_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
+    """DCP's model and optimizer state dicts without what ``frozen_names`` lists. torch's ``ignore_frozen_params``
+    drops a frozen parameter under one name only: a tied target head (Gemma's 262k-row embedding, also read as
+    ``lm_head.weight``) stayed in every draft checkpoint under its alias, with the target's persistent buffers."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns  # how DCP names a parameter behind its wrappers
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_SAVE)
+    for name in frozen_names(model):
+        for fqn in _get_fqns(model, name):
+            model_sd.pop(fqn, None)
+    return model_sd, optim_sd
 # Not strict: the frozen keys are absent by design. The checkpoint manager has already
 # checked that every trainable tensor is present with the right shape (_check_fit).
 _LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)

@@ -48,7 +48,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleLoopedBFS)
 from torch.distributed.fsdp import fully_shard
@@ -57,7 +56,7 @@ from torch.nn.utils import clip_grads_with_norm_
 
 from treadle.distributed import DistInfo
 from treadle.engine.fsdp2 import grad_norm, shard_options, sum_gradients
-from treadle.engine.local import _SAVE, CollectiveEngine
+from treadle.engine.local import CollectiveEngine, trainable_state
 from treadle.engine.mesh import Mesh, build_mesh
 from treadle.errors import UserError
 from treadle.models.hf import decoder_layers
@@ -436,7 +435,7 @@ class PipelineEngine(CollectiveEngine):
         return total
 
     def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SAVE)
+        model_sd, optim_sd = trainable_state(self.model, self.optimizer)
         for group, names in zip(optim_sd["param_groups"], self._group_names):
             group["params"] = list(names)
         return {"model": model_sd, "optim": optim_sd}
