@@ -23,7 +23,7 @@ with c = draft step / target step, a chain of gamma costs 1 + gamma c target ste
 1 + c (one draft forward, counted: the draft forwards per round replace gamma);
 projected speedup = tau / that.
 
-    python bench/spec.py [--train-seconds 150 | --steps N] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1,dynamic-t1] [--reuse-trained]
+    python bench/spec.py [--suite spec|mtp] [--train-seconds 150 | --steps N] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1,dynamic-t1] [--reuse-trained]
 
 ``glide-kl-longspec`` (not in the default list) is glide-kl in LongSpec's layout (``draft.layout = "longspec"``),
 the row to set beside glide-kl to choose the default layout: ``--only glide-kl,glide-kl-longspec``.
@@ -31,7 +31,17 @@ the row to set beside glide-kl to choose the default layout: ``--only glide-kl,g
 (``--only eagle3,eagle3-imported``): the row proves the import path, its tau must be eagle3's.
 ``glide-kl-regen`` (not in the default list) trains GLIDE-kl on *regenerated* data: prompts cut from the
 built-in corpus' train split, answered greedily by the target itself (``treadle generate``), trained as SFT.
-Results go to stdout as a table and to ``runs/bench-spec/results.json``; rows of earlier invocations with the same
+``--suite mtp`` benches MTP heads (``draft.kind = "mtp"``), which need a target family with an MTP layout: the
+target is configs/bench-target-mtp.toml's GLM-4-MoE of the Llama's size (trained once into runs/bench-target-mtp),
+the recipes ``mtp`` (a new module, kl), ``glide-kl`` (the same recipe as above, on this target), ``mtp-shipped`` and
+``mtp-shipped-ft``, decoded as chains (``chain``, ``t1``), results in runs/bench-spec-mtp. ``mtp-shipped`` is a proxy
+for a target that ships its MTP head: after the trunk is trained, one module is trained as pretraining trains it
+(one step, hard-label CE on the corpus), stitched into the target checkpoint (its export's draft/stitched/) and
+decoded from there ("before"); ``mtp-shipped-ft`` starts from that checkpoint's head (draft.target = it) and
+fine-tunes it on regenerated data with kl and the recursive unroll ("after"; its budget is the same again, sized
+with ``mtp``'s probe: the same step).
+
+Results go to stdout as a table and to ``runs/bench-spec/results.json`` (``--suite mtp``: runs/bench-spec-mtp/); rows of earlier invocations with the same
 settings stay in it (the table can be built over several ``--only`` runs), and ``--reuse-trained`` decodes with the
 drafters an earlier invocation trained.
 """
