@@ -41,9 +41,9 @@ decoded from there ("before"); ``mtp-shipped-ft`` starts from that checkpoint's 
 fine-tunes it on regenerated data with kl and the recursive unroll ("after"; its budget is the same again, sized
 with ``mtp``'s probe: the same step).
 
-Results go to stdout as a table and to ``runs/bench-spec/results.json`` (``--suite mtp``: runs/bench-spec-mtp/); rows of earlier invocations with the same
-settings stay in it (the table can be built over several ``--only`` runs), and ``--reuse-trained`` decodes with the
-drafters an earlier invocation trained.
+Results go to stdout as a table and to ``runs/bench-spec/results.json`` (``--suite mtp``: runs/bench-spec-mtp/);
+rows of earlier invocations with the same settings stay in it (the table can be built over several ``--only`` runs),
+and ``--reuse-trained`` decodes with the drafters an earlier invocation trained.
 """
 
 from __future__ import annotations
@@ -254,15 +254,6 @@ RECIPES = [
            after="mtp-shipped", probe_as="mtp"),
 ]
 DEFAULT = "glide-kl,glide-ce,glide-kl-ttt,eagle3,dflash,lm,prompt-lookup"
-# --suite: the bench's target and recipes. spec: the Llama bench target and every drafter kind it takes (the
-# default); mtp: a GLM-4-MoE bench target (MTP heads need a family with an MTP layout) with MTP heads beside GLIDE.
-# An MTP drafter decodes chains only (a tree falls back to a chain of its depth), so that suite's modes are chains.
-SUITES = {
-    "spec": dict(target_config=BENCH_TARGET, target="runs/bench-target", out="runs/bench-spec", only=DEFAULT,
-                 modes="chain,tree,dynamic,t1,tree-t1,dynamic-t1"),
-    "mtp": dict(target_config=Path("configs/bench-target-mtp.toml"), target="runs/bench-target-mtp",
-                out="runs/bench-spec-mtp", only="mtp,glide-kl,mtp-shipped,mtp-shipped-ft", modes="chain,t1"),
-}
 MODES = {
     "chain": dict(),
     "tree": dict(tree=TREE),
@@ -270,6 +261,15 @@ MODES = {
     "t1": dict(temperature=1.0),
     "tree-t1": dict(tree=TREE, temperature=1.0),
     "dynamic-t1": dict(tree=DYNAMIC, temperature=1.0),
+}
+# --suite: the bench's target and recipes. spec: the Llama bench target and every drafter kind it takes (the
+# default); mtp: a GLM-4-MoE bench target (MTP heads need a family with an MTP layout) with MTP heads beside GLIDE.
+# An MTP drafter decodes chains only (a tree falls back to a chain of its depth), so that suite's modes are chains.
+SUITES = {
+    "spec": dict(target_config=BENCH_TARGET, target="runs/bench-target", out="runs/bench-spec", only=DEFAULT,
+                 modes=",".join(MODES)),
+    "mtp": dict(target_config=Path("configs/bench-target-mtp.toml"), target="runs/bench-target-mtp",
+                out="runs/bench-spec-mtp", only="mtp,glide-kl,mtp-shipped,mtp-shipped-ft", modes="chain,t1"),
 }
 
 
@@ -496,8 +496,10 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--only", help=f"recipes, of {', '.join(r.name for r in RECIPES)} (spec: {DEFAULT})")
     parser.add_argument("--modes", help=f"decoding modes, of {', '.join(MODES)} (spec: all)")
-    parser.add_argument("--regen-prompts", type=int, default=512, help="glide-kl-regen: prompts the target answers")
-    parser.add_argument("--regen-new-tokens", type=int, default=192, help="glide-kl-regen: tokens per answer")
+    parser.add_argument("--regen-prompts", type=int, default=512,
+                        help="glide-kl-regen, mtp-shipped-ft: prompts the target answers")
+    parser.add_argument("--regen-new-tokens", type=int, default=192,
+                        help="glide-kl-regen, mtp-shipped-ft: tokens per answer")
     parser.add_argument("--out", type=Path, help="results and trained drafters (spec: runs/bench-spec)")
     parser.add_argument("--loop-check", nargs="+", metavar="MODEL_DIR",
                         help="only print the loop check of these models (e.g. exported checkpoints of a target)")
