@@ -23,7 +23,7 @@ with c = draft step / target step, a chain of gamma costs 1 + gamma c target ste
 1 + c (one draft forward, counted: the draft forwards per round replace gamma);
 projected speedup = tau / that.
 
-    python bench/spec.py [--train-seconds 150 | --steps N] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1,dynamic-t1] [--reuse-trained]
+    python bench/spec.py [--suite spec|mtp] [--train-seconds 150 | --steps N] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1,dynamic-t1] [--reuse-trained]
 
 ``glide-kl-longspec`` (not in the default list) is glide-kl in LongSpec's layout (``draft.layout = "longspec"``),
 the row to set beside glide-kl to choose the default layout: ``--only glide-kl,glide-kl-longspec``.
@@ -31,9 +31,19 @@ the row to set beside glide-kl to choose the default layout: ``--only glide-kl,g
 (``--only eagle3,eagle3-imported``): the row proves the import path, its tau must be eagle3's.
 ``glide-kl-regen`` (not in the default list) trains GLIDE-kl on *regenerated* data: prompts cut from the
 built-in corpus' train split, answered greedily by the target itself (``treadle generate``), trained as SFT.
-Results go to stdout as a table and to ``runs/bench-spec/results.json``; rows of earlier invocations with the same
-settings stay in it (the table can be built over several ``--only`` runs), and ``--reuse-trained`` decodes with the
-drafters an earlier invocation trained.
+``--suite mtp`` benches MTP heads (``draft.kind = "mtp"``), which need a target family with an MTP layout: the
+target is configs/bench-target-mtp.toml's GLM-4-MoE of the Llama's size (trained once into runs/bench-target-mtp),
+the recipes ``mtp`` (a new module, kl), ``glide-kl`` (the same recipe as above, on this target), ``mtp-shipped`` and
+``mtp-shipped-ft``, decoded as chains (``chain``, ``t1``), results in runs/bench-spec-mtp. ``mtp-shipped`` is a proxy
+for a target that ships its MTP head: after the trunk is trained, one module is trained as pretraining trains it
+(one step, hard-label CE on the corpus), stitched into the target checkpoint (its export's draft/stitched/) and
+decoded from there ("before"); ``mtp-shipped-ft`` starts from that checkpoint's head (draft.target = it) and
+fine-tunes it on regenerated data with kl and the recursive unroll ("after"; its budget is the same again, sized
+with ``mtp``'s probe: the same step).
+
+Results go to stdout as a table and to ``runs/bench-spec/results.json`` (``--suite mtp``: runs/bench-spec-mtp/);
+rows of earlier invocations with the same settings stay in it (the table can be built over several ``--only`` runs),
+and ``--reuse-trained`` decodes with the drafters an earlier invocation trained.
 """
 
 from __future__ import annotations
@@ -59,6 +69,9 @@ from treadle.drafts.dflash.drafter import DFlashDrafter
 from treadle.drafts.dflash.model import load_dflash
 from treadle.drafts.eagle3.model import load_eagle3
 from treadle.drafts.glide.layout import load_glide
+from treadle.drafts.mtp.drafter import MtpDrafter
+from treadle.drafts.mtp.kind import STITCHED
+from treadle.drafts.mtp.model import load_mtp
 from treadle.model_dirs import resolve_model_dir
 from treadle.models.hf import load_causal_lm
 from treadle.speculative.acceptance import lookup_tau
@@ -98,6 +111,9 @@ COST_8B = {
     "dflash": 2 * _LAYER_8B + 5 * _D * _D + _D * _V,
     # An independent draft for an 8B target: a Llama-3.2-1B-like model (16 layers of d 2048, tied 128k head).
     "lm": 16 * (2048 * (2 * 2048 + 2 * 512) + 3 * 2048 * 8192) + 2048 * _V,
+    # An MTP module at 8B: eh_proj (2d -> d), one decoder layer of the target's (counted dense: a shipped MoE one
+    # reads only its active experts), the target's head (its shared_head.head is a copy).
+    "mtp": 2 * _D * _D + _LAYER_8B + _D * _V,
     "prompt-lookup": 0,
 }
 
@@ -115,6 +131,10 @@ class Recipe:
     family: str
     imports: str | None = None  # the recipe whose trained draft this one re-imports (nothing trained of its own)
     gamma: int | None = None  # the chain it is judged on (None: --gamma); trees keep the tree's depth
+    regen: bool = False  # trains on regenerated data (``regenerate``: the target's own greedy answers)
+    after: str | None = None  # the recipe whose trained run this one starts from (trained first, in this invocation
+    # or an earlier one with the same --out)
+    probe_as: str | None = None  # the recipe whose probed step time this one's budget is sized with (the same step)
 
 
 def _glide_args(loss: str, regen: bool = False, ttt_steps: int = 1, layout: str = "treadle"):
@@ -180,11 +200,37 @@ def _glide(run, target):
     return GlideDrafter(load_glide(run / "draft", target))
 
 
+def shipped_checkpoint(args) -> Path:
+    """The bench target with an MTP head stitched in (the mtp-shipped run's draft/stitched/): a target that ships
+    its head, as DeepSeek-V3 and GLM-4.5 checkpoints do."""
+    return args.out / "mtp-shipped" / "draft" / STITCHED
+
+
+def _mtp_args(loss: str, ttt_steps: int | None = None, regen: bool = False, shipped: bool = False):
+    """An mtp draft (draft.kind = "mtp") on the bench target: a new module (treadle's ``init_new``), or with
+    ``shipped`` the one the stitched checkpoint carries (draft.target = that checkpoint: treadle starts from the
+    layer a target ships). ``ttt_steps`` None: the chain it is judged on (--gamma), as eagle3's unroll."""
+    def args_for(args) -> list[str]:
+        target = shipped_checkpoint(args) if shipped else args.target
+        return [*_data_args(args, regen), "--draft.kind=mtp", f"--draft.target={target}", f"--draft.loss={loss}",
+                f"--draft.gamma={args.gamma}", f"--draft.ttt_steps={ttt_steps or args.gamma}"]
+    return args_for
+
+
+def _mtp(run, target):
+    return MtpDrafter(load_mtp(run / "draft", target))
+
+
+def _mtp_shipped(run, target):
+    # read from the stitched checkpoint (model.layers.{N}.*), as a serving engine reads a target's own head
+    return MtpDrafter(load_mtp(run / "draft" / STITCHED, target))
+
+
 RECIPES = [
     Recipe("glide-kl", _glide_args("kl"), _glide, "glide"),
     Recipe("glide-ce", _glide_args("ce"), _glide, "glide"),
     Recipe("glide-kl-ttt", _glide_args("kl", ttt_steps=3), _glide, "glide"),  # the training-time test, 3 steps
-    Recipe("glide-kl-regen", _glide_args("kl", regen=True), _glide, "glide"),
+    Recipe("glide-kl-regen", _glide_args("kl", regen=True), _glide, "glide", regen=True),
     # LongSpec's layer (draft.layout = "longspec": biased q/k/v, 512-token window, no final norm), vs glide-kl's.
     Recipe("glide-kl-longspec", _glide_args("kl", layout="longspec"), _glide, "glide"),
     Recipe("eagle3", _eagle3_args, lambda run, target: Eagle3Drafter(load_eagle3(run / "draft", target)), "eagle3"),
@@ -196,6 +242,16 @@ RECIPES = [
            gamma=DFLASH_BLOCK - 1),
     Recipe("lm", _lm_args, lambda run, target: ModelDrafter(load_causal_lm(run / "hf", "lm draft"), name="lm"), "lm"),
     Recipe("prompt-lookup", None, lambda run, target: PromptLookupDrafter(), "prompt-lookup"),
+    # MTP heads (a target with an MTP layout: --suite mtp). mtp: a new module trained against the frozen target,
+    # as glide-kl (kl, built-in corpus), its recursive unroll as deep as the chain it is judged on.
+    Recipe("mtp", _mtp_args("kl"), _mtp, "mtp"),
+    # The shipped head, a proxy: trained as pretraining trains an MTP module (one step, hard-label CE on the corpus,
+    # DeepSeek-V3's D = 1), but after the trunk and against it frozen; judged from the stitched checkpoint ("before").
+    Recipe("mtp-shipped", _mtp_args("ce", ttt_steps=1), _mtp_shipped, "mtp"),
+    # ... then fine-tuned by treadle from the checkpoint that ships it ("after"): the target's own greedy answers
+    # (regenerated data) and kl, the recursive unroll as mtp's (FastMTP's; research/frontier-2026-11.md §1.3-1.4).
+    Recipe("mtp-shipped-ft", _mtp_args("kl", regen=True, shipped=True), _mtp, "mtp", regen=True,
+           after="mtp-shipped", probe_as="mtp"),
 ]
 DEFAULT = "glide-kl,glide-ce,glide-kl-ttt,eagle3,dflash,lm,prompt-lookup"
 MODES = {
@@ -205,6 +261,15 @@ MODES = {
     "t1": dict(temperature=1.0),
     "tree-t1": dict(tree=TREE, temperature=1.0),
     "dynamic-t1": dict(tree=DYNAMIC, temperature=1.0),
+}
+# --suite: the bench's target and recipes. spec: the Llama bench target and every drafter kind it takes (the
+# default); mtp: a GLM-4-MoE bench target (MTP heads need a family with an MTP layout) with MTP heads beside GLIDE.
+# An MTP drafter decodes chains only (a tree falls back to a chain of its depth), so that suite's modes are chains.
+SUITES = {
+    "spec": dict(target_config=BENCH_TARGET, target="runs/bench-target", out="runs/bench-spec", only=DEFAULT,
+                 modes=",".join(MODES)),
+    "mtp": dict(target_config=Path("configs/bench-target-mtp.toml"), target="runs/bench-target-mtp",
+                out="runs/bench-spec-mtp", only="mtp,glide-kl,mtp-shipped,mtp-shipped-ft", modes="chain,t1"),
 }
 
 
@@ -236,10 +301,11 @@ def train_windows(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
 
 
 def bench_target(args) -> Path:
-    """configs/bench-target.toml's run, trained once (an interrupted run resumes from its checkpoint)."""
-    cfg = load_config(BENCH_TARGET, [f"--train.output_dir={args.target}"])
+    """The suite's target config's run (configs/bench-target.toml's by default), trained once (an interrupted run
+    resumes from its checkpoint)."""
+    cfg = load_config(args.target_config, [f"--train.output_dir={args.target}"])
     if not any((Path(args.target) / sub / "config.json").is_file() for sub in ("hf", ".")):  # a run, or an HF dir
-        print(f"training the bench target ({BENCH_TARGET}) into {args.target} ...", file=sys.stderr, flush=True)
+        print(f"training the bench target ({args.target_config}) into {args.target} ...", file=sys.stderr, flush=True)
         run_training(cfg, live=False)
     return Path(args.target)
 
@@ -310,6 +376,14 @@ def draft_step_params(recipe: Recipe, drafter, target) -> int:
         return sum(p.numel() for p in drafter.model.draft_model.parameters()) + target.get_output_embeddings().weight.numel()
     if recipe.family == "lm":
         return params_read(drafter.model)
+    if recipe.family == "mtp":  # the module (its active experts only) and the target's head
+        module = drafter.model.draft_model
+        experts = module.mtp_block.mlp.experts if hasattr(module.mtp_block.mlp, "experts") else None
+        idle = 0
+        if experts is not None:
+            c = module.config
+            idle = sum(p.numel() for p in experts.parameters()) * (1 - c.num_experts_per_tok / c.n_routed_experts)
+        return sum(p.numel() for p in module.parameters()) - int(idle) + target.get_output_embeddings().weight.numel()
     return 0
 
 
@@ -403,7 +477,11 @@ def projected(tau: float, forwards: float, c: float) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="runs/bench-target", help="where configs/bench-target.toml's run lives")
+    parser.add_argument("--suite", choices=list(SUITES), default="spec",
+                        help="spec: the Llama bench target and its drafters; mtp: MTP heads beside GLIDE on a GLM-4-MoE "
+                             "bench target (configs/bench-target-mtp.toml; --target, --out, --only, --modes default to "
+                             "the suite's)")
+    parser.add_argument("--target", help="where the suite's target config's run lives (spec: runs/bench-target)")
     parser.add_argument("--data", default="builtin", help="draft training data: shard dir or 'builtin'")
     parser.add_argument("--train-seconds", type=float, default=150.0, help="training time per drafter (--budget)")
     parser.add_argument("--budget", choices=["wall", "cpu"], default="wall",
@@ -416,34 +494,48 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--only", default=DEFAULT, help=f"recipes, of {', '.join(r.name for r in RECIPES)}")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"decoding modes, of {', '.join(MODES)}")
-    parser.add_argument("--regen-prompts", type=int, default=512, help="glide-kl-regen: prompts the target answers")
-    parser.add_argument("--regen-new-tokens", type=int, default=192, help="glide-kl-regen: tokens per answer")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench-spec"))
+    parser.add_argument("--only", help=f"recipes, of {', '.join(r.name for r in RECIPES)} (spec: {DEFAULT})")
+    parser.add_argument("--modes", help=f"decoding modes, of {', '.join(MODES)} (spec: all)")
+    parser.add_argument("--regen-prompts", type=int, default=512,
+                        help="glide-kl-regen, mtp-shipped-ft: prompts the target answers")
+    parser.add_argument("--regen-new-tokens", type=int, default=192,
+                        help="glide-kl-regen, mtp-shipped-ft: tokens per answer")
+    parser.add_argument("--out", type=Path, help="results and trained drafters (spec: runs/bench-spec)")
     parser.add_argument("--loop-check", nargs="+", metavar="MODEL_DIR",
                         help="only print the loop check of these models (e.g. exported checkpoints of a target)")
     parser.add_argument("--reuse-trained", action="store_true",
                         help="decode with drafters an earlier invocation trained (same --out) instead of retraining")
     args = parser.parse_args()
+    suite = SUITES[args.suite]
+    args.target_config = suite["target_config"]
+    for key in ("target", "out", "only", "modes"):
+        if getattr(args, key) is None:
+            setattr(args, key, Path(suite[key]) if key == "out" else suite[key])
     recipes = {r.name: r for r in RECIPES}
     names, modes = args.only.split(","), args.modes.split(",")
     for name in names:
         if name not in recipes:
             parser.error(f"--only {name}: not a recipe ({', '.join(recipes)})")
+        after = recipes[name].after
+        if after and after not in names[: names.index(name)] and not (args.out / f"{after}.train.json").is_file():
+            parser.error(f"--only {name}: starts from {after}'s trained run; name {after} before it (or run it first "
+                         "with the same --out)")
     torch.set_num_threads(2)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.loop_check:
         return loop_check(args, args.loop_check)
 
     bench_target(args)
-    args.regen = regenerate(args) if any(n.endswith("-regen") for n in names) else None
+    args.regen = regenerate(args) if any(recipes[n].regen for n in names) else None
     trained, retrained = {}, set()
     # Every recipe that trains is probed first, back to back: on a machine whose load changes, probes taken one
     # right after another compare the recipes' step times under the same load (the budget is shared fairly).
-    step_s = {name: probe(args, recipes[name]) for name in names
+    # A recipe whose step is another's (probe_as: the same module and objective, another start or data) is sized with
+    # that one's probe; it needs a run to start from that does not exist before training.
+    probed = [recipes[name].probe_as or name for name in names
               if recipes[name].train_args and not recipes[name].imports
-              and not (args.reuse_trained and (args.out / f"{name}.train.json").is_file())}
+              and not (args.reuse_trained and (args.out / f"{name}.train.json").is_file())]
+    step_s = {name: probe(args, recipes[name]) for name in dict.fromkeys(probed)}
     for name in names:
         recipe, record = recipes[name], args.out / f"{name}.train.json"
         if recipe.imports:
@@ -452,7 +544,7 @@ def main() -> int:
         elif args.reuse_trained and record.is_file():
             trained[name] = json.loads(record.read_text())  # decode again (e.g. in new modes) without retraining
         elif recipe.train_args:
-            trained[name] = train(args, recipe, step_s[name])
+            trained[name] = train(args, recipe, step_s[recipe.probe_as or name])
             retrained.add(name)
             record.write_text(json.dumps(trained[name]) + "\n")
         else:
