@@ -229,7 +229,7 @@ def test_acceptance_in_transformers_generate_is_treadles_until_a_rejection(monke
 
 
 def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(shards, gemma_target, tmp_path,
-                                                                                monkeypatch):
+                                                                                monkeypatch, capsys):
     from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
     from treadle.drafts.frozen_kv.model import build_frozen_kv, load_frozen_kv
@@ -237,6 +237,7 @@ def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(draft_args(shards, gemma_target, a, "--train.max_steps=4", "--checkpoint.every=2", *RUN)) == 0
     loss = records(a)
+    assert "assistant: new, 2 layers" in capsys.readouterr().out  # the start line says where the draft started
     for key in ("acc_1", "acc_2", "eal", "draft_kl", "draft_ce", "target_loss", "eval_loss", "tau_sim"):
         assert records(a, key), key
     assert 0.0 <= records(a, "eal")[4] <= 2.0 and not records(a, "acc_3")

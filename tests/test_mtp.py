@@ -252,6 +252,7 @@ def test_a_shipped_layer_is_where_the_run_starts(ds_target, tmp_path):
     model, _, _ = build_mtp(Cfg, 512, None)
     got, want = model.draft_model.state_dict(), shipped.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert model.origin == "MTP module: the layer the target ships"  # what the run's start line says
     # Another family's module (GLM-4-MoE: GQA attention, no MLA) does not take this layer: refused, not half loaded.
     with pytest.raises(UserError, match="do not match the MTP layer"):
         draft_from_dir(with_mtp, tiny_target(family="glm4_moe"), "draft.init")

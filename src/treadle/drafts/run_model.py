@@ -58,6 +58,7 @@ class DraftRunModel(nn.Module):
         self.loss_chunk_tokens = 0  # > 0: forward(labels=...) scores chunk by chunk (model.loss_chunk_tokens)
         self.stored: StoredEval | None = None  # a store-backed run's evaluation reads (set with ``live`` False)
         self.live = True  # False: the target's decoder layers are not built (the run reads a feature store)
+        self.origin: str | None = None  # where the draft's weights came from, for the run's start line (kinds that say)
 
     def train(self, mode: bool = True):
         super().train(mode)

@@ -181,7 +181,9 @@ class ModelSetup:
     def describe(self) -> str:
         trainable = trainable_parameters(self.model)
         frozen = count_parameters(self.model) - trainable
-        return f"{trainable / 1e6:.1f}M trainable parameters" + (f" ({frozen / 1e6:.1f}M frozen)" if frozen else "")
+        origin = getattr(self.model, "origin", None)  # a draft's starting weights, where its kind says
+        return (f"{trainable / 1e6:.1f}M trainable parameters" + (f" ({frozen / 1e6:.1f}M frozen)" if frozen else "")
+                + (f", {origin}" if origin else ""))
 
 
 def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSetup:

@@ -277,10 +277,12 @@ def build_frozen_kv(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None
 
     target, target_dir, ident = load_gemma4_target(cfg.target, data_vocab, data_tokenizer_fingerprint, empty)
     if cfg.init is not None:
-        assistant = assistant_from_dir(init_dir(cfg.init), target, "draft.init")
+        assistant, origin = assistant_from_dir(init_dir(cfg.init), target, "draft.init"), f"draft.init {cfg.init}"
     else:
-        assistant = new_assistant(target, num_layers(cfg))
-    return FrozenKvModel(target, FrozenKvDraft(assistant)), target_dir, ident
+        assistant, origin = new_assistant(target, num_layers(cfg)), f"new, {num_layers(cfg)} layers"
+    model = FrozenKvModel(target, FrozenKvDraft(assistant))
+    model.origin = f"assistant: {origin}"
+    return model, target_dir, ident
 
 
 def load_frozen_kv(draft_dir, target) -> FrozenKvModel:

@@ -242,13 +242,15 @@ def build_mtp(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empt
     target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
     config = mtp_config(target, f"draft.target {target_dir}")
     if cfg.init is not None:
-        draft = draft_from_dir(init_dir(cfg.init), target, "draft.init", config)
+        draft, origin = draft_from_dir(init_dir(cfg.init), target, "draft.init", config), f"draft.init {cfg.init}"
     elif shipped_layer(target_dir, target):
-        draft = draft_from_dir(target_dir, target, "draft.target", config)
+        draft, origin = draft_from_dir(target_dir, target, "draft.target", config), "the layer the target ships"
     else:
         draft = MtpDraft(target, config)
-        init_new(draft, target)
-    return MtpModel(target, draft), target_dir, ident
+        origin = init_new(draft, target)
+    model = MtpModel(target, draft)
+    model.origin = f"MTP module: {origin}"
+    return model, target_dir, ident
 
 
 def load_mtp(draft_dir, target) -> MtpModel:
