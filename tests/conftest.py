@@ -31,27 +31,23 @@ def shards(tmp_path_factory):
 @pytest.fixture(scope="session")
 def target_dir(shards, tmp_path_factory):
     """A small random Llama (TARGET) saved as a Hugging Face directory with the shards' tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tests.helpers import TARGET
+    from tests.helpers import TARGET, save_target
 
     torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("target")
-    AutoModelForCausalLM.from_config(LlamaConfig(**TARGET)).save_pretrained(d)
-    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(d)
-    return d
+    return save_target(AutoModelForCausalLM.from_config(LlamaConfig(**TARGET)), shards,
+                       tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="session")
 def eagle3_target_dir(shards, tmp_path_factory):
     """TARGET with 4 decoder layers: the shallowest target with three distinct features an engine can serve
     (output_hidden_states 1, 2, 3)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tests.helpers import TARGET
+    from tests.helpers import TARGET, save_target
 
     torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("eagle3-target")
-    AutoModelForCausalLM.from_config(LlamaConfig(**{**TARGET, "num_hidden_layers": 4})).save_pretrained(d)
-    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(d)
-    return d
+    return save_target(AutoModelForCausalLM.from_config(LlamaConfig(**{**TARGET, "num_hidden_layers": 4})), shards,
+                       tmp_path_factory.mktemp("eagle3-target"))

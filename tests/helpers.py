@@ -76,3 +76,13 @@ def write_pairs(path, n=60):
     path.write_text("".join(json.dumps({"prompt": f"# add {i} to x\n", "completion": f"x = x + {i}\n"}) + "\n"
                             for i in range(n)))
     return path
+
+
+def save_target(model, shards, d):
+    """``model`` saved as a Hugging Face directory ``d`` with the shards' tokenizer beside it: a target a draft run
+    (or spec-eval) loads, its data tokenized alike."""
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(d)
+    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(d)
+    return d

@@ -15,7 +15,7 @@ import math
 import pytest
 
 from tests.families import FAMILIES, GLIDE_REFUSED, build_family
-from tests.helpers import EXACT, KL_ATOL, records
+from tests.helpers import EXACT, KL_ATOL, records, save_target
 from treadle.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -114,13 +114,12 @@ def test_glide_decides_from_the_config_not_the_family_name():
 def test_a_target_no_draft_kind_can_read_is_refused_for_both(shards, tmp_path, capsys):
     """GPT-2 (learned positions, no rotary embedding, no model.layers): refused in one line for either kind."""
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     target = tmp_path / "gpt2"
     config = transformers.GPT2Config(vocab_size=512, n_embd=32, n_layer=4, n_head=4, n_positions=128,
                                      bos_token_id=0, eos_token_id=0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(target)
-    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(target)
+    save_target(AutoModelForCausalLM.from_config(config), shards, target)
     for kind in ("eagle3", "glide"):
         capsys.readouterr()
         assert main(draft_family_args(shards, target, tmp_path / kind, kind)) == 2

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import draft_args, records
+from tests.helpers import draft_args, records, save_target
 from treadle.cli import main
 from treadle.drafts.frozen_kv.model import FrozenKvDraft, FrozenKvModel, new_assistant, store_layers
 from treadle.errors import UserError
@@ -37,12 +37,7 @@ def tiny_target(seed=0, sliding_window=64):
 @pytest.fixture(scope="module")
 def gemma_target(shards, tmp_path_factory):
     """The tiny Gemma 4 target with the shards' tokenizer."""
-    from transformers import AutoTokenizer
-
-    d = tmp_path_factory.mktemp("gemma4-target")
-    tiny_target().save_pretrained(d)
-    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(d)
-    return d
+    return save_target(tiny_target(), shards, tmp_path_factory.mktemp("gemma4-target"))
 
 
 def sharp_model(target, dtype=torch.float64):

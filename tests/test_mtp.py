@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.helpers import draft_args, records
+from tests.helpers import draft_args, records, save_target
 from treadle.cli import main
 from treadle.drafts.mtp import layout
 from treadle.drafts.mtp.model import MtpDraft, MtpModel, draft_from_dir, load_mtp
@@ -50,12 +50,7 @@ def tiny_target(seed=0, family="deepseek_v3"):
 @pytest.fixture(scope="module")
 def ds_target(shards, tmp_path_factory):
     """The tiny DeepSeek-V3 target with the shards' tokenizer, no MTP layer in its checkpoint."""
-    from transformers import AutoTokenizer
-
-    d = tmp_path_factory.mktemp("ds-target")
-    tiny_target().save_pretrained(d)
-    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(d)
-    return d
+    return save_target(tiny_target(), shards, tmp_path_factory.mktemp("ds-target"))
 
 
 def tensors_of(model_dir):

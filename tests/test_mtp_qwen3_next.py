@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.helpers import draft_args, records
+from tests.helpers import draft_args, records, save_target
 from treadle.cli import main
 from treadle.drafts.mtp.model import MtpModel, build_mtp, draft_from_dir, load_mtp
 from treadle.errors import UserError
@@ -39,14 +39,6 @@ def qwen3_next(layer_types, seed=0):
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(Qwen3NextConfig(**QN, layer_types=layer_types)).eval()
-
-
-def save_target(model, shards, d):
-    from transformers import AutoTokenizer
-
-    model.save_pretrained(d)
-    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(d)
-    return d
 
 
 def expected_mtp(c=QN) -> dict:

@@ -61,9 +61,13 @@ def attention_dims(config) -> tuple[int, int, int]:
     """(L, H, Q) of an HF config; Q the mean over the layers where they differ (Gemma 4's per-layer head_dim: its
     config refuses a global read)."""
     heads, layers = config.num_attention_heads, config.num_hidden_layers
-    if getattr(config, "per_layer_config", None):
-        return layers, heads, round(sum(config.per_layer_config[i].head_dim for i in range(layers)) / layers)
-    return layers, heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+    def head_dim(c) -> int:
+        return getattr(c, "head_dim", None) or config.hidden_size // heads
+
+    if getattr(config, "per_layer_config", None):  # transformers 5.24 gives every config one (most say nothing)
+        return layers, heads, round(sum(head_dim(config.per_layer_config[i]) for i in range(layers)) / layers)
+    return layers, heads, head_dim(config)
 
 
 def train_flops_per_token(n: float, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
