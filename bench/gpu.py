@@ -20,6 +20,10 @@ the others go on:
   samples     small JSONL files (`treadle samples`): the data of the two store items
   features-1b `treadle features` of eagle3-1b's run on that data: the 1.1B target's reads stored once (bf16)
   eagle3-1b-stored  eagle3-1b's run trained from that store (draft.features): the target's layers never built
+  dsv3-1b     a 1.1B DeepSeek-V3-shaped model from a config (MLA, dense trunk, num_nextn_predict_layers 1)
+  mtp-1b-shipped    its MTP head trained as pretraining trains one (1 step, ce), stitched into a copy of it
+  mtp-1b-ft   that shipped head fine-tuned from the stitched checkpoint (kl, 3 replayed steps)
+  spec-mtp-1b-before / -after  spec-eval of the head before and after fine-tuning (chains of 3): issue 31's tau
 
 The table (tokens/s, MFU, peak memory per row) goes to stdout and to runs/gpu-check/gpu-check.md; each item's
 command and output are in runs/gpu-check/<item>.log, its run in runs/gpu-check/<item>/. tokens/s and MFU are
@@ -60,6 +64,19 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
                 num_key_value_heads=8, vocab_size=32768, max_position_embeddings=4096)
 LLAMA_TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=32768, max_position_embeddings=512)
+# A DeepSeek-V3-shaped model of about the same size (MLA attention, a dense trunk: first_k_dense_replace = every layer)
+# whose config says it carries one MTP module (num_nextn_predict_layers = 1): the MTP items' target. The MTP module
+# transformers builds from it is a MoE, as DeepSeek-V3's (8 routed experts of width 1024, 2 per token, one shared).
+DSV3_1B = dict(model_type="deepseek_v3", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128,
+               qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=16, n_routed_experts=8, num_experts_per_tok=2,
+               n_shared_experts=1, moe_intermediate_size=1024, n_group=1, topk_group=1, num_nextn_predict_layers=1,
+               vocab_size=32768, max_position_embeddings=4096)
+DSV3_TOY = dict(DSV3_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, first_k_dense_replace=2, n_routed_experts=4, moe_intermediate_size=32,
+                max_position_embeddings=512)
+MTP_GAMMA = 3  # the MTP items' replay depth: trained (ttt_steps) and decoded (spec-eval's chain)
 
 
 # The draft kinds checked, each from its demo config, and the chain spec-eval judges it on (DFlash: its whole block).
@@ -94,6 +111,7 @@ class Sizes:
     spec: list            # spec-eval's prompts
     timeout: dict         # seconds per item
     samples: int = 300    # rows per `treadle samples` file: the store items' data
+    mtp_big: dict = field(default_factory=lambda: DSV3_1B)  # the MTP items' target (a DeepSeek-V3 shape)
 
 
 GPU = Sizes(tiny_steps=200, tiny_seq=256, tiny_batch=8, big=LLAMA_1B, big_steps=100, big_seq=2048, big_batch=8,
@@ -103,7 +121,9 @@ GPU = Sizes(tiny_steps=200, tiny_seq=256, tiny_batch=8, big=LLAMA_1B, big_steps=
             timeout={"tiny": 420, "llama-1b": 600, "torchrun": 300, "glide": 300, "eagle3": 300,
                      "dflash": 300, "spec-glide": 240, "spec-eagle3": 240, "spec-dflash": 240,
                      "glide-1b": 300, "eagle3-1b": 300, "dflash-1b": 300,
-                     "spec-glide-1b": 300, "spec-eagle3-1b": 300, "spec-dflash-1b": 300, "samples": 120, "features-1b": 600, "eagle3-1b-stored": 300},
+                     "spec-glide-1b": 300, "spec-eagle3-1b": 300, "spec-dflash-1b": 300, "samples": 120, "features-1b": 600, "eagle3-1b-stored": 300,
+                     "dsv3-1b": 600, "mtp-1b-shipped": 300, "mtp-1b-ft": 300, "spec-mtp-1b-before": 300,
+                     "spec-mtp-1b-after": 300},
             samples=300)
 TOY = Sizes(tiny_steps=4, tiny_seq=64, tiny_batch=2, big=LLAMA_TOY, big_steps=4, big_seq=64, big_batch=2,
             dist_steps=2, draft_steps=2, draft_batch=2, log_every=2, eval_batches=1, chunk_tokens=32,
@@ -112,8 +132,10 @@ TOY = Sizes(tiny_steps=4, tiny_seq=64, tiny_batch=2, big=LLAMA_TOY, big_steps=4,
             timeout={"tiny": 300, "llama-1b": 300, "torchrun": 300, "glide": 300, "eagle3": 300,
                      "dflash": 300, "spec-glide": 300, "spec-eagle3": 300, "spec-dflash": 300,
                      "glide-1b": 300, "eagle3-1b": 300, "dflash-1b": 300,
-                     "spec-glide-1b": 300, "spec-eagle3-1b": 300, "spec-dflash-1b": 300, "samples": 120, "features-1b": 300, "eagle3-1b-stored": 300},
-            samples=20)
+                     "spec-glide-1b": 300, "spec-eagle3-1b": 300, "spec-dflash-1b": 300, "samples": 120, "features-1b": 300, "eagle3-1b-stored": 300,
+                     "dsv3-1b": 300, "mtp-1b-shipped": 300, "mtp-1b-ft": 300, "spec-mtp-1b-before": 300,
+                     "spec-mtp-1b-after": 300},
+            samples=20, mtp_big=DSV3_TOY)
 
 
 @dataclass
@@ -207,7 +229,46 @@ def plan(out: Path, device: str, s: Sizes, only: list[str] | None = None) -> lis
              ["train", *stored, f"--train.output_dir={out / 'eagle3-1b-stored'}",
               f"--draft.features={out / 'features-1b'}"], needs=out / "features-1b" / "manifest.json"),
     ]
+    items += mtp_items(out, device, s, common, short)
     return [i for i in items if only is None or i.name in only]
+
+
+def mtp_items(out: Path, device: str, s: Sizes, common: list[str], short) -> list[Item]:
+    """Issue 31's GPU item: a DeepSeek-V3-shaped target trained from a config, its MTP head trained as pretraining
+    trains one (one step, hard-label CE on data) and stitched into a copy of it (a target that ships its head), that
+    head's tau ("before"), the head fine-tuned from the stitched checkpoint (kl, MTP_GAMMA replayed steps), and its
+    tau ("after"). Each draft run is the same length; spec-eval decodes chains of MTP_GAMMA."""
+    cuda = device == "cuda"
+    target, shipped, tuned = out / "dsv3-1b", out / "mtp-1b-shipped", out / "mtp-1b-ft"
+    stitched = shipped / "draft" / "stitched"  # drafts/mtp/kind.py STITCHED: the target with the head put back
+    inline = ", ".join(f"{k} = {json.dumps(v)}" for k, v in s.mtp_big.items())
+    n = "1.1B" if s.mtp_big is DSV3_1B else "toy-size"
+    mtp = ["--draft.kind=mtp", f"--draft.gamma={MTP_GAMMA}", *common,
+           *short(s.draft_steps, s.big_seq, s.draft_batch, s.log_every), "--train.eval_every=0", *s.draft_eval]
+
+    def spec(name: str, tgt: Path, draft: Path) -> Item:
+        return Item(name, f"spec-eval, the {n} DeepSeek-V3 + its MTP head {name.rsplit('-', 1)[1]} fine-tuning, "
+                          f"gamma {MTP_GAMMA}, fp32, on {device}",
+                    ["spec-eval", "--target", str(tgt), "--draft", str(draft), "--gamma", str(MTP_GAMMA), *s.spec,
+                     "--json", str(out / f"{name}.json"), "--threads", "0" if cuda else "1", "--device", device],
+                    needs=draft / "draft")
+
+    return [
+        Item("dsv3-1b", f"{n} DeepSeek-V3 (MLA, one MTP module in its config) from a config, seq {s.big_seq} x "
+                        f"{s.big_batch}, bf16, {'compile' if cuda else 'no compile'}",
+             ["train", f"--train.output_dir={target}", "--model.preset=tiny", f"--model.overrides={{{inline}}}",
+              *common, *short(s.big_steps, s.big_seq, s.big_batch, s.log_every), "--optim.lr=3e-4",
+              "--schedule.warmup_proportion=0.1", "--data.val=[]"]),
+        Item("mtp-1b-shipped", "its MTP head as pretraining trains one (1 step, ce on data), stitched in",
+             ["train", f"--train.output_dir={shipped}", f"--draft.target={target}", "--draft.loss=ce",
+              "--draft.ttt_steps=1", *mtp], needs=target / "hf"),
+        spec("spec-mtp-1b-before", target, shipped),
+        Item("mtp-1b-ft", f"that shipped head fine-tuned (draft.target = the stitched checkpoint), kl, "
+                          f"{MTP_GAMMA} replayed steps",
+             ["train", f"--train.output_dir={tuned}", f"--draft.target={stitched}", "--draft.loss=kl",
+              f"--draft.ttt_steps={MTP_GAMMA}", *mtp], needs=stitched / "config.json"),
+        spec("spec-mtp-1b-after", stitched, tuned),
+    ]
 
 
 # --------------------------------------------------------------------------- running
@@ -383,11 +444,12 @@ def dry_run(items: list[Item]) -> int:
                 files = [w for w in words if not w.startswith("-")]
                 cfg = load_config(files[0] if files else None, [w for w in words if w.startswith("-")])
                 if cfg.model.overrides:  # HF configs keep an unknown field silently: a typo would change nothing
-                    from transformers import LlamaConfig
+                    from transformers import AutoConfig
 
-                    known = LlamaConfig().to_dict()
+                    family = cfg.model.overrides.get("model_type", "llama")  # the tiny preset's, unless overridden
+                    known = AutoConfig.for_model(family).to_dict()
                     if unknown := sorted(set(cfg.model.overrides) - set(known)):
-                        raise UserError(f"model.overrides: {unknown} are not LlamaConfig fields")
+                        raise UserError(f"model.overrides: {unknown} are not {family} config fields")
             else:
                 build_parser([item.treadle[0]]).parse_args(item.treadle)
             status = "ok"
