@@ -296,3 +296,22 @@ def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(
                  "--gamma", "2", "--prompt-len", "8", "--max-new-tokens", "8", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "frozen_kv" and 1.0 <= got["tau"] <= 3.0
+
+
+def test_a_new_assistant_copies_the_same_tensors_from_a_target_built_empty(gemma_target):
+    """Under FSDP2 / ZeRO-3 the target is built on the meta device and filled after the draft exists: a new assistant
+    then reads the target's head and storing layers from its files, and starts where it would from a live target."""
+    from treadle.drafts.frozen_kv.model import build_frozen_kv
+
+    class Cfg:
+        target, init, num_layers = str(gemma_target), None, None
+
+    live, _, _ = build_frozen_kv(Cfg, 512, None)
+    empty, _, _ = build_frozen_kv(Cfg, 512, None, empty=True)
+    assert empty.target.get_output_embeddings().weight.is_meta
+    a, b = live.draft_model.assistant, empty.draft_model.assistant
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight)
+    for mine, theirs in zip(a.model.layers, b.model.layers):
+        assert torch.equal(mine.self_attn.q_proj.weight, theirs.self_attn.q_proj.weight)
+        assert torch.equal(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
+

@@ -260,3 +260,24 @@ def test_a_shipped_layer_is_where_the_run_starts(ds_target, tmp_path):
                                                          num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(UserError, match="without an MTP layout"):
         mtp_config(llama, "draft.target x")
+
+
+def test_a_new_module_copies_the_same_tensors_from_a_target_built_empty(ds_target):
+    """Under FSDP2 / ZeRO-3 the target is built on the meta device and filled after the draft exists: a new module
+    then reads the target's last layer and final norm from its files, and starts where it would from a live target."""
+    from transformers import AutoModelForCausalLM
+
+    from treadle.drafts.mtp.model import build_mtp
+
+    class Cfg:
+        target, init = str(ds_target), None
+
+    live, _, _ = build_mtp(Cfg, 512, None)
+    empty, _, _ = build_mtp(Cfg, 512, None, empty=True)
+    assert empty.target.model.norm.weight.is_meta and empty.origin == live.origin
+    assert "block tensors from the target's last layer" in empty.origin
+    last = AutoModelForCausalLM.from_pretrained(ds_target).model.layers[-1].state_dict()
+    got = empty.draft_model.mtp_block.state_dict()
+    copied = [k for k in last if k in got and got[k].shape == last[k].shape]
+    assert copied and all(torch.equal(got[k], last[k]) for k in copied)
+    assert torch.equal(empty.draft_model.post_norm.weight, live.draft_model.post_norm.weight)

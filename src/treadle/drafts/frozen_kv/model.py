@@ -212,21 +212,38 @@ def check_fits(config, target_config, where: str) -> None:
                         "this target's assistant")
 
 
-def new_assistant(target, num_layers: int):
+def head_and_layers(target, target_dir: Path | None, indices) -> tuple[torch.Tensor, dict] | None:
+    """The target's head weight and the state of its decoder layers ``indices``: from the live module, or from the
+    checkpoint's files while the target is still on the meta device (a sharding engine builds it empty and fills it
+    after the draft exists); None when neither is there."""
+    head = target.get_output_embeddings().weight
+    if not head.is_meta:
+        return head, {i: target.model.layers[i].state_dict() for i in indices}
+    if target_dir is None:
+        return None
+    from treadle.drafts.mtp.layout import read_layer, read_target_tensor
+
+    head = read_target_tensor(Path(target_dir), ("lm_head.weight", "model.embed_tokens.weight"))  # Gemma ties them
+    return head, {i: read_layer(Path(target_dir), f"model.layers.{i}.") for i in indices}
+
+
+def new_assistant(target, num_layers: int, target_dir: Path | None = None):
     """A new assistant (``new_config``): its head from the target's (the logits start as the target's on the
     assistant's output), each layer's query, output, MLP and norms from the target's storing layer of its type
-    (at the start a layer is that target layer re-reading the stored K/V), ``pre_projection`` random."""
+    (at the start a layer is that target layer re-reading the stored K/V), ``pre_projection`` random. A target
+    built empty (FSDP2, ZeRO-3) is read from ``target_dir``'s files instead."""
     from transformers import Gemma4AssistantForCausalLM
 
     assistant = Gemma4AssistantForCausalLM(new_config(target.config, num_layers))
-    head = target.get_output_embeddings().weight
-    if head.is_meta:
-        return assistant
     stores = store_layers(target.config)
+    found = head_and_layers(target, target_dir, sorted(set(stores.values())))
+    if found is None:
+        return assistant
+    head, layers = found
     with torch.no_grad():
         assistant.lm_head.weight.copy_(head)  # tied to its embed_tokens, as the shipped assistants
         for layer in assistant.model.layers:
-            theirs = target.model.layers[stores[layer.self_attn.layer_type]].state_dict()
+            theirs = layers[stores[layer.self_attn.layer_type]]
             mine = layer.state_dict()
             layer.load_state_dict({k: v for k, v in theirs.items() if k in mine and v.shape == mine[k].shape},
                                   strict=False)
@@ -279,7 +296,7 @@ def build_frozen_kv(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None
     if cfg.init is not None:
         assistant, origin = assistant_from_dir(init_dir(cfg.init), target, "draft.init"), f"draft.init {cfg.init}"
     else:
-        assistant, origin = new_assistant(target, num_layers(cfg)), f"new, {num_layers(cfg)} layers"
+        assistant, origin = new_assistant(target, num_layers(cfg), target_dir), f"new, {num_layers(cfg)} layers"
     model = FrozenKvModel(target, FrozenKvDraft(assistant))
     model.origin = f"assistant: {origin}"
     return model, target_dir, ident

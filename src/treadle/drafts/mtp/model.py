@@ -103,20 +103,35 @@ class MtpDraft(nn.Module):
         return {"treadle_draft_kind": KIND}
 
 
-def init_new(draft: MtpDraft, target) -> str:
+def last_layer_and_norm(target, target_dir: Path | None) -> tuple[dict, torch.Tensor] | None:
+    """The target's last decoder layer's tensors (its block's names, experts fused) and its final norm's weight: from
+    the live module, or from the checkpoint's files while the target is still on the meta device (a sharding engine
+    builds it empty and fills it after the draft exists); None when neither is there."""
+    if not target.model.norm.weight.is_meta:
+        return target.model.layers[-1].state_dict(), target.model.norm.weight
+    if target_dir is None:
+        return None
+    n = target.config.num_hidden_layers - 1
+    tensors = layout.from_checkpoint(layout.read_layer(Path(target_dir), f"model.layers.{n}."), layout.DEEPSEEK)
+    last = {k[len(layout.BLOCK):]: v for k, v in tensors.items() if k.startswith(layout.BLOCK)}
+    return last, layout.read_target_tensor(Path(target_dir), ("model.norm.weight",))
+
+
+def init_new(draft: MtpDraft, target, target_dir: Path | None = None) -> str:
     """A new MTP module for a target that ships none: the decoder block from the target's last layer where it has
     the same structure (attention and norms always; the MLP when it is a MoE too), ``post_norm`` from the target's
     final norm (the head was trained on its output), ``eh_proj`` = [small random | identity]: at the start the
-    module is one more target layer over the hidden state, with the next token mixed in a little. Returns what
-    was copied, for the run's log."""
-    if target.model.norm.weight.is_meta:
+    module is one more target layer over the hidden state, with the next token mixed in a little. A target built
+    empty (FSDP2, ZeRO-3) is read from ``target_dir``'s files instead. Returns what was copied, for the run's log."""
+    found = last_layer_and_norm(target, target_dir)
+    if found is None:
         return "random (the target is not materialised yet)"
+    last, norm = found
     with torch.no_grad():
-        last = target.model.layers[-1].state_dict()
         mine = draft.mtp_block.state_dict()
         same = {k: v for k, v in last.items() if k in mine and mine[k].shape == v.shape}
         draft.mtp_block.load_state_dict(same, strict=False)
-        draft.post_norm.weight.copy_(target.model.norm.weight)
+        draft.post_norm.weight.copy_(norm)
         d = draft.config.hidden_size
         std = getattr(target.config, "initializer_range", 0.02)
         w = torch.zeros(d, 2 * d)
@@ -247,7 +262,7 @@ def build_mtp(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empt
         draft, origin = draft_from_dir(target_dir, target, "draft.target", config), "the layer the target ships"
     else:
         draft = MtpDraft(target, config)
-        origin = init_new(draft, target)
+        origin = init_new(draft, target, target_dir)
     model = MtpModel(target, draft)
     model.origin = f"MTP module: {origin}"
     return model, target_dir, ident
