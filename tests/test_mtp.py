@@ -26,7 +26,8 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermedia
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=512,
             num_nextn_predict_layers=1, use_cache=False)
 RUN = ("--draft.kind=mtp", "--draft.ttt_steps=2", "--draft.gamma=2", "--draft.loss=mix", "--optim.lr=1e-2",
-       "--train.micro_batch_size=2", "--train.eval_at_start=false", "--train.eval_batches=1")
+       "--train.micro_batch_size=2", "--train.eval_at_start=false", "--train.eval_batches=1",
+       "--model.loss_chunk_tokens=48")  # the chunked unroll end to end (equal to whole logits: the float64 test)
 
 
 # GLM-4-MoE (GQA, partial rotary, its own MoE): the same module code, 2 layers (no transformers contract run here).
@@ -281,3 +282,38 @@ def test_a_new_module_copies_the_same_tensors_from_a_target_built_empty(ds_targe
     copied = [k for k in last if k in got and got[k].shape == last[k].shape]
     assert copied and all(torch.equal(got[k], last[k]) for k in copied)
     assert torch.equal(empty.draft_model.post_norm.weight, live.draft_model.post_norm.weight)
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl", "mix"])
+def test_the_chunked_unroll_loss_equals_the_whole_logits_one(loss):
+    """model.loss_chunk_tokens for mtp: every step and the teacher through the target's head a few rows at a time,
+    never a whole [tokens, vocab] logits tensor, gives the whole-logits loss, side sums (acc_k's and eal's counts)
+    and draft gradients, in float64 (the experts run eagerly: torch._grouped_mm has no float64 kernel)."""
+    import copy
+
+    from treadle.config import DraftConfig
+    from treadle.data.packed import IGNORE_INDEX
+    from treadle.drafts.recurrent import RecurrentObjective
+
+    target = tiny_target(1)
+    target.config._experts_implementation = "eager"
+    plain = MtpModel(target, MtpDraft(target)).double().train()
+    chunked = copy.deepcopy(plain)
+    chunked.loss_chunk_tokens = 5  # 16 rows a step: three whole chunks and a partial one
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (2, 17), generator=g)
+    labels = ids[:, 1:].clone()
+    labels[0, :3] = IGNORE_INDEX  # a masked prompt
+    positions = torch.cat((torch.arange(16)[None], torch.cat((torch.arange(6), torch.arange(10)))[None]))  # 2 docs
+    batch = {"input_ids": ids[:, :-1], "labels": labels, "position_ids": positions}
+    objective = RecurrentObjective(DraftConfig(kind="mtp", loss=loss, kl_weight=0.3, ttt_steps=3), 64, 16)
+    want, want_side = objective.losses(plain, batch, 0, 0, train=True)
+    got, got_side = objective.losses(chunked, batch, 0, 0, train=True)
+    assert got.dtype == torch.float64 and got_side.keys() == want_side.keys()
+    assert torch.allclose(got, want, rtol=1e-10, atol=0)
+    assert all(got_side[k].item() == pytest.approx(want_side[k].item(), rel=1e-10) for k in want_side)
+    want.sum().backward()
+    got.sum().backward()
+    for (name, p), q in zip(plain.draft_model.named_parameters(), chunked.draft_model.parameters()):
+        assert torch.allclose(q.grad, p.grad, rtol=1e-9, atol=1e-14), name
+    assert plain.target.lm_head.weight.grad is None and chunked.target.lm_head.weight.grad is None

@@ -1,8 +1,10 @@
 """The objective of kinds that replay one module K times from the target's hidden state (mtp, frozen_kv): the
 recursive unroll scored against the target (drafts/ttt.py's alignment).
 
-The model's ``forward(input_ids, position_ids, steps, doc_position_ids, reads)`` returns the per-step logits
-(``logits``: step k's row t guesses token t + k + 1) and the target's (``target_logits``).
+The model's ``forward(input_ids, position_ids, steps, doc_position_ids, reads, labels)`` returns the per-step logits
+(``logits``: step k's row t guesses token t + k + 1) and the target's (``target_logits``), or, for a model that scores
+through the target's head (``chunked_unroll``) with ``model.loss_chunk_tokens`` set, the per-row scores computed a
+chunk of rows at a time (``scores``: no [tokens, vocab] logits of any step kept for backward).
 
 Step k's row t (k = 1..K) guesses token t + k + 1: scored iff that index is in t's document and labelled (the loss
 mask moves with the unroll), against the data token (ce), the target's distribution there (kl) or both (mix), and
@@ -24,8 +26,8 @@ from treadle.data.packed import IGNORE_INDEX
 from treadle.drafts.glide.model import anchored_positions
 from treadle.drafts.glide.objective import GlideObjective
 from treadle.drafts.run_model import batch_reads
-from treadle.drafts.ttt import scored_rows, ttt_steps, unroll_loss
-from treadle.drafts.ttt_scores import dense_unroll_scores
+from treadle.drafts.ttt import scored_rows, ttt_steps, unroll_chunk_tokens, unroll_loss
+from treadle.drafts.ttt_scores import UnrollScores, chunked_unroll_scores, dense_unroll_scores
 from treadle.errors import UserError
 from treadle.models.upcast import at_least_fp32
 
@@ -35,13 +37,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class UnrollOutput:
-    logits: list[torch.Tensor]  # per step k = 1..K, the draft's [B, T, V]: row t guesses token t + k + 1
-    target_logits: torch.Tensor  # the frozen target's [B, T, V]
+    logits: list[torch.Tensor] | None  # per step k = 1..K, the draft's [B, T, V]: row t guesses token t + k + 1
+    target_logits: torch.Tensor | None  # the frozen target's [B, T, V]
     target_hidden: torch.Tensor  # its final hidden states [B, T, d]
     # A kind's auxiliary per-step classification of the guessed token (frozen_kv: the centroid-masked head's centroid
     # logits [B, T, C]), scored like the steps against ``aux_classes`` [V] (the class of each token id); None: none
     aux_logits: list[torch.Tensor] | None = None
     aux_classes: torch.Tensor | None = None
+    scores: UnrollScores | None = None  # the chunked loss's (logits and target_logits None then)
 
 
 def aux_loss(cfg, out: UnrollOutput, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -93,10 +96,14 @@ class RecurrentObjective(GlideObjective):
         positions, labels = batch["position_ids"], batch["labels"]
         steps = ttt_steps(self.cfg) if train else 1  # evaluation: step 1's CE, comparable across runs
         out = model(input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions,
-                    offset), steps=steps, doc_position_ids=positions, reads=batch_reads(batch))
-        target_log = F.log_softmax(at_least_fp32(out.target_logits), -1)
-        target_ce = F.nll_loss(target_log.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        scores = dense_unroll_scores(out.logits, out.target_logits, labels, None, None, lead=1)
+                    offset), steps=steps, doc_position_ids=positions, reads=batch_reads(batch), labels=labels)
+        if out.scores is not None:  # a chunked loss (model.loss_chunk_tokens): per-row scores, logits never whole
+            scores, target_ce = out.scores, out.scores.target_ce.sum()
+        else:
+            target_log = F.log_softmax(at_least_fp32(out.target_logits), -1)
+            target_ce = F.nll_loss(target_log.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+            scores = dense_unroll_scores(out.logits, out.target_logits, labels, None, None, lead=1)
         loss, side = unroll_loss(self.cfg, scores, positions, labels)
         if out.aux_logits:
             aux = aux_loss(self.cfg, out, positions, labels)
@@ -107,11 +114,15 @@ class RecurrentObjective(GlideObjective):
 
 
 def recurrent_setup(cfg, model) -> RecurrentObjective:
-    """What a recurrent kind's run adds to a draft run's setup: whole logits per step (the chunked loss is not built
-    for it)."""
+    """What a recurrent kind's run adds to a draft run's setup: the chunked loss's setting where its model scores
+    through the target's head (``chunked_unroll``: mtp; auto chunks from a 32k vocabulary), else whole logits per
+    step (frozen_kv: the assistant's own head and its centroids)."""
     setting = cfg.model.loss_chunk_tokens
-    if setting != "auto" and int(setting) > 0:
+    if getattr(model, "chunked_unroll", False):
+        model.loss_chunk_tokens = unroll_chunk_tokens(cfg, model.target.config)
+    elif setting != "auto" and int(setting) > 0:
         raise UserError(f"model.loss_chunk_tokens = {setting} with draft.kind = {cfg.draft.kind!r}: its unroll scores "
                         "whole logits per step (the chunked loss is not built for it yet); accepted: 0 or auto (off)")
-    model.loss_chunk_tokens = 0
+    else:
+        model.loss_chunk_tokens = 0
     return RecurrentObjective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)

@@ -93,3 +93,26 @@ def unroll_loss(cfg: DraftConfig, scores: UnrollScores, positions: torch.Tensor,
         side[f"ttt_hits_{k + 1}"] = ((guess == best) & rows).sum().double()
         side[f"ttt_rows_{k + 1}"] = rows.sum().double()
     return loss, side
+
+
+def unroll_chunk_tokens(cfg, target_config) -> int:
+    """``model.loss_chunk_tokens`` for a kind whose unroll scores through the target's head (eagle3, mtp): a chunk of
+    rows at a time, the target's logit transform (Gemma's soft-cap, Granite's scale) applied inside each chunk; 0
+    (whole logits) where the target transforms its logits in a way the chunked teacher does not apply and the setting
+    allows it."""
+    from treadle.models.chunked_ce import AUTO_CHUNK_TOKENS, resolve_chunk_tokens, unhandled_logit_transforms
+
+    setting, cp = cfg.model.loss_chunk_tokens, cfg.distributed.context_parallel
+    if setting == "auto" and cp > 1:
+        setting = AUTO_CHUNK_TOKENS  # a slice is scored only chunk by chunk (its rows read the next slice's teacher)
+    chunk = resolve_chunk_tokens(setting, target_config.vocab_size)
+    unhandled = chunk and unhandled_logit_transforms(target_config)
+    if unhandled:  # GLIDE refuses such a target outright (drafts/targets.py); the whole-logits loss reads its logits
+        if setting != "auto" or cp > 1:
+            raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with an {cfg.draft.kind} draft: "
+                            f"the target transforms its logits ({', '.join(unhandled)}) in a way the chunked teacher "
+                            "does not apply; accepted: model.loss_chunk_tokens = 0 (and distributed.context_parallel = "
+                            "1)")
+        chunk = 0
+    return chunk
+

@@ -11,9 +11,7 @@ from treadle.data.packed import IGNORE_INDEX
 from treadle.drafts.glide.model import anchored_positions
 from treadle.drafts.glide.objective import GlideObjective
 from treadle.drafts.run_model import batch_reads
-from treadle.drafts.ttt import DraftVocabulary, ttt_steps, unroll_loss, unrolled_losses
-from treadle.errors import UserError
-from treadle.models.chunked_ce import AUTO_CHUNK_TOKENS, unhandled_logit_transforms, resolve_chunk_tokens
+from treadle.drafts.ttt import DraftVocabulary, ttt_steps, unroll_chunk_tokens, unroll_loss, unrolled_losses
 from treadle.models.upcast import at_least_fp32
 
 if TYPE_CHECKING:
@@ -61,27 +59,10 @@ def eagle3_setup(cfg, model, datasets) -> Eagle3Objective:
 
     from treadle.drafts.eagle3.model import frequent_tokens
 
-    model.loss_chunk_tokens = _chunk_tokens(cfg, model.target.config)
+    model.loss_chunk_tokens = unroll_chunk_tokens(cfg, model.target.config)
     draft = model.draft_model
     if draft.reduced and cfg.draft.init is None:  # a draft.init brings its own map, which its head was trained on
         counts = sum(np.asarray(ds.token_counts(draft.target_vocab_size)) for ds in datasets)
         draft.set_vocabulary(frequent_tokens(torch.from_numpy(counts), draft.vocab_size))
     return Eagle3Objective(cfg.draft, model.target.config.max_position_embeddings, cfg.data.seq_len, cfg.train.seed)
 
-
-def _chunk_tokens(cfg, target_config) -> int:
-    """``model.loss_chunk_tokens`` for an eagle3 run: the target's head scored a chunk of rows at a time, the target's
-    logit transform (Gemma's soft-cap, Granite's scale) applied inside each chunk; 0 (whole logits) where the target
-    transforms its logits in a way the chunked teacher does not apply and the setting allows it."""
-    setting, cp = cfg.model.loss_chunk_tokens, cfg.distributed.context_parallel
-    if setting == "auto" and cp > 1:
-        setting = AUTO_CHUNK_TOKENS  # a slice is scored only chunk by chunk (its rows read the next slice's teacher)
-    chunk = resolve_chunk_tokens(setting, target_config.vocab_size)
-    unhandled = chunk and unhandled_logit_transforms(target_config)
-    if unhandled:  # GLIDE refuses such a target outright (drafts/targets.py); EAGLE-3's plain loss reads its logits
-        if setting != "auto" or cp > 1:
-            raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with an eagle3 draft: the "
-                            f"target transforms its logits ({', '.join(unhandled)}) in a way the chunked teacher does "
-                            "not apply; accepted: model.loss_chunk_tokens = 0 (and distributed.context_parallel = 1)")
-        chunk = 0
-    return chunk

@@ -158,7 +158,8 @@ class FrozenKvModel(DraftRunModel):
             out.append(y)
         return out
 
-    def forward(self, input_ids, position_ids, steps: int = 1, doc_position_ids=None, reads: dict | None = None):
+    def forward(self, input_ids, position_ids, steps: int = 1, doc_position_ids=None, reads: dict | None = None,
+                labels=None):  # labels: the chunked loss's (not built for this kind: recurrent_setup keeps it off)
         target_hidden, kv = self._target_forward(input_ids, position_ids, reads)
         ys = self._unroll(input_ids, position_ids, target_hidden, kv, steps, doc_position_ids)
         out = UnrollOutput([self.draft_logits(y) for y in ys], self.teacher_logits(target_hidden), target_hidden)

@@ -35,6 +35,7 @@ from treadle.drafts.glide.model import causal_document_mask, document_ids, ttt_m
 from treadle.drafts.kind import init_dir
 from treadle.drafts.mtp import layout
 from treadle.drafts.recurrent import UnrollOutput, guesses_by_step
+from treadle.drafts.ttt_scores import chunked_unroll_scores
 from treadle.drafts.run_model import DraftRunModel
 from treadle.drafts.targets import checked_target
 from treadle.errors import UserError
@@ -154,6 +155,7 @@ class MtpModel(DraftRunModel):
     """What an mtp draft run trains: the frozen target and its MTP module."""
 
     fsdp_forward_methods = ("chain_guesses", "continue_greedily")
+    chunked_unroll = True  # its steps score through the target's head: model.loss_chunk_tokens applies
 
     def target_reads(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"hidden": self._target_forward(input_ids, position_ids)}
@@ -195,10 +197,19 @@ class MtpModel(DraftRunModel):
             hidden = draft.carry(x)
         return out
 
-    def forward(self, input_ids, position_ids, steps: int = 1, doc_position_ids=None, reads: dict | None = None):
+    def forward(self, input_ids, position_ids, steps: int = 1, doc_position_ids=None, reads: dict | None = None,
+                labels: torch.Tensor | None = None):
         target_hidden = self._target_forward(input_ids, position_ids, reads)
         hidden = self._unroll(input_ids, position_ids, target_hidden, steps, doc_position_ids)
-        return UnrollOutput([self.draft_logits(x) for x in hidden], self.teacher_logits(target_hidden), target_hidden)
+        if labels is None or not self.loss_chunk_tokens:
+            return UnrollOutput([self.draft_logits(x) for x in hidden], self.teacher_logits(target_hidden),
+                                target_hidden)
+        # Both sides through the target's head a chunk of rows at a time (here, inside forward: a sharding engine
+        # holds the head's weight gathered now).
+        scores = chunked_unroll_scores(self.draft_logits, hidden, target_hidden, self.target.get_output_embeddings(),
+                                       labels, None, None, 1, self.loss_chunk_tokens, config=self.target.config)
+        scores.positions, scores.labels = position_ids if doc_position_ids is None else doc_position_ids, labels
+        return UnrollOutput(None, None, target_hidden, scores=scores)
 
     @torch.no_grad()
     def chain_guesses(self, texts: torch.Tensor, gamma: int) -> list[torch.Tensor]:
