@@ -46,6 +46,7 @@ from treadle.drafts.glide.model import attention_mask, causal_document_mask, che
 from treadle.drafts.kind import init_dir
 from treadle.drafts.mtp.model import as_mask
 from treadle.drafts.recurrent import UnrollOutput, guesses_by_step
+from treadle.drafts.ttt_scores import chunked_unroll_scores
 from treadle.drafts.run_model import DraftRunModel
 from treadle.drafts.targets import checked_target
 from treadle.errors import UserError
@@ -109,6 +110,7 @@ class FrozenKvModel(DraftRunModel):
     """What a frozen_kv draft run trains: the frozen Gemma 4 target and its assistant."""
 
     fsdp_forward_methods = ("chain_guesses", "continue_greedily")
+    chunked_unroll = True  # model.loss_chunk_tokens applies: the assistant's head and the target's, chunk by chunk
 
     def target_reads(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         hidden, kv = self._target_forward(input_ids, position_ids)
@@ -159,10 +161,16 @@ class FrozenKvModel(DraftRunModel):
         return out
 
     def forward(self, input_ids, position_ids, steps: int = 1, doc_position_ids=None, reads: dict | None = None,
-                labels=None):  # labels: the chunked loss's (not built for this kind: recurrent_setup keeps it off)
+                labels: torch.Tensor | None = None):
         target_hidden, kv = self._target_forward(input_ids, position_ids, reads)
         ys = self._unroll(input_ids, position_ids, target_hidden, kv, steps, doc_position_ids)
-        out = UnrollOutput([self.draft_logits(y) for y in ys], self.teacher_logits(target_hidden), target_hidden)
+        if labels is None or not self.loss_chunk_tokens:
+            out = UnrollOutput([self.draft_logits(y) for y in ys], self.teacher_logits(target_hidden), target_hidden)
+        else:  # the assistant's head and the target's a chunk of rows at a time (Gemma 4: a 262k vocabulary)
+            scores = chunked_unroll_scores(self.draft_logits, ys, target_hidden, self.target.get_output_embeddings(),
+                                           labels, None, None, 1, self.loss_chunk_tokens, config=self.target.config)
+            scores.positions, scores.labels = position_ids if doc_position_ids is None else doc_position_ids, labels
+            out = UnrollOutput(None, None, target_hidden, scores=scores)
         masked = self.draft_model.assistant.masked_embedding
         if masked is not None:  # the centroid head's own loss (module docstring)
             out.aux_logits, out.aux_classes = [masked.centroids(y) for y in ys], centroid_of(masked)
