@@ -86,3 +86,51 @@ def save_target(model, shards, d):
     model.save_pretrained(d)
     AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(d)
     return d
+
+
+def assert_chunked_unroll_equals_whole(plain, kind: str, loss: str) -> None:
+    """A recurrent kind's model (mtp, frozen_kv; float64, train mode) scored chunk by chunk (loss_chunk_tokens = 5:
+    16 rows a step, three whole chunks and a partial one) gives its whole-logits loss, side sums and draft gradients
+    to 1e-10, on two rows: a masked prompt, and two packed documents."""
+    import copy
+
+    import torch
+
+    from treadle.config import DraftConfig
+    from treadle.data.packed import IGNORE_INDEX
+    from treadle.drafts.recurrent import RecurrentObjective
+
+    chunked = copy.deepcopy(plain)
+    chunked.loss_chunk_tokens = 5
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (2, 17), generator=g)
+    labels = ids[:, 1:].clone()
+    labels[0, :3] = IGNORE_INDEX
+    positions = torch.cat((torch.arange(16)[None], torch.cat((torch.arange(6), torch.arange(10)))[None]))
+    batch = {"input_ids": ids[:, :-1], "labels": labels, "position_ids": positions}
+    objective = RecurrentObjective(DraftConfig(kind=kind, loss=loss, kl_weight=0.3, ttt_steps=3), 64, 16)
+    want, want_side = objective.losses(plain, batch, 0, 0, train=True)
+    got, got_side = objective.losses(chunked, batch, 0, 0, train=True)
+    assert got.dtype == torch.float64 and got_side.keys() == want_side.keys()
+    assert torch.allclose(got, want, rtol=1e-10, atol=0)
+    assert all(abs(got_side[k].item() - want_side[k].item()) <= 1e-10 * abs(want_side[k].item()) for k in want_side)
+    want.sum().backward()
+    got.sum().backward()
+    for (name, p), q in zip(plain.draft_model.named_parameters(), chunked.draft_model.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.allclose(q.grad, p.grad, rtol=1e-9, atol=1e-14), name
+
+
+def record_accepted_rounds(monkeypatch, generator_cls) -> list[int]:
+    """The accepted count of each verification round transformers' assisted ``generate`` runs with the candidate
+    generator class ``generator_cls`` (filled as generate runs: its ``update_candidate_strategy`` observed)."""
+    rounds: list[int] = []
+    original = generator_cls.update_candidate_strategy
+
+    def record(self, input_ids, scores, num_matches):
+        rounds.append(int(num_matches))
+        return original(self, input_ids, scores, num_matches)
+
+    monkeypatch.setattr(generator_cls, "update_candidate_strategy", record)
+    return rounds
+

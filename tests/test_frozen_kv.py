@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from tests.helpers import draft_args, records, save_target
+from tests.helpers import (assert_chunked_unroll_equals_whole, draft_args, record_accepted_rounds, records,
+                           save_target)
 from treadle.cli import main
 from treadle.drafts.frozen_kv.model import FrozenKvDraft, FrozenKvModel, new_assistant, store_layers
 from treadle.errors import UserError
@@ -169,14 +170,7 @@ def _both_loops(target, assistant, model, monkeypatch, gamma, n_prompts=3, new=2
     from treadle.drafts.frozen_kv.drafter import FrozenKvDrafter
     from treadle.speculative.decode import speculative_generate
 
-    rounds: list[int] = []
-    original = Generator.update_candidate_strategy
-
-    def record(self, input_ids, scores, num_matches):  # observe the accepted count of each verification
-        rounds.append(int(num_matches))
-        return original(self, input_ids, scores, num_matches)
-
-    monkeypatch.setattr(Generator, "update_candidate_strategy", record)
+    rounds = record_accepted_rounds(monkeypatch, Generator)
     assistant.generation_config.num_assistant_tokens = gamma  # generate's K (an export's generation_config.json)
     prompts = torch.randint(3, 512, (n_prompts, 8), generator=torch.Generator().manual_seed(5))
     out = []
@@ -321,29 +315,5 @@ def test_a_new_assistant_copies_the_same_tensors_from_a_target_built_empty(gemma
 def test_the_chunked_unroll_loss_equals_the_whole_logits_one(loss):
     """model.loss_chunk_tokens for frozen_kv (Gemma 4's 262k vocabulary): the assistant's head and the target's
     (soft-capped) a few rows at a time give the whole-logits loss, side sums and the assistant's gradients, float64."""
-    import copy
-
-    from treadle.config import DraftConfig
-    from treadle.data.packed import IGNORE_INDEX
-    from treadle.drafts.recurrent import RecurrentObjective
-
-    plain = sharp_model(tiny_target(1, sliding_window=4).double()).train()
-    chunked = copy.deepcopy(plain)
-    chunked.loss_chunk_tokens = 5  # 16 rows a step: three whole chunks and a partial one
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 512, (2, 17), generator=g)
-    labels = ids[:, 1:].clone()
-    labels[0, :3] = IGNORE_INDEX  # a masked prompt
-    positions = torch.cat((torch.arange(16)[None], torch.cat((torch.arange(6), torch.arange(10)))[None]))  # 2 docs
-    batch = {"input_ids": ids[:, :-1], "labels": labels, "position_ids": positions}
-    objective = RecurrentObjective(DraftConfig(kind="frozen_kv", loss=loss, kl_weight=0.3, ttt_steps=3), 64, 16)
-    want, want_side = objective.losses(plain, batch, 0, 0, train=True)
-    got, got_side = objective.losses(chunked, batch, 0, 0, train=True)
-    assert got.dtype == torch.float64 and got_side.keys() == want_side.keys()
-    assert torch.allclose(got, want, rtol=1e-10, atol=0)
-    assert all(got_side[k].item() == pytest.approx(want_side[k].item(), rel=1e-10) for k in want_side)
-    want.sum().backward()
-    got.sum().backward()
-    for (name, p), q in zip(plain.draft_model.named_parameters(), chunked.draft_model.parameters()):
-        if p.grad is not None or q.grad is not None:
-            assert torch.allclose(q.grad, p.grad, rtol=1e-9, atol=1e-14), name
+    assert_chunked_unroll_equals_whole(sharp_model(tiny_target(1, sliding_window=4).double()).train(), "frozen_kv",
+                                       loss)

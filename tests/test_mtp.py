@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.helpers import draft_args, records, save_target
+from tests.helpers import (assert_chunked_unroll_equals_whole, draft_args, record_accepted_rounds, records,
+                           save_target)
 from treadle.cli import main
 from treadle.drafts.mtp import layout
 from treadle.drafts.mtp.model import MtpDraft, MtpModel, draft_from_dir, load_mtp
@@ -146,14 +147,7 @@ def test_mtp_run_trains_resumes_exports_and_runs_in_transformers_generate(shards
 
     # transformers' own classes: the stitched checkpoint's greedy generate with use_mtp equals plain greedy.
     main_model = AutoModelForCausalLM.from_pretrained(stitched).eval()
-    rounds: list[int] = []
-    original = MTPCandidateGenerator.update_candidate_strategy
-
-    def record(self, input_ids, scores, num_matches):  # observe the accepted count of each verification
-        rounds.append(int(num_matches))
-        return original(self, input_ids, scores, num_matches)
-
-    monkeypatch.setattr(MTPCandidateGenerator, "update_candidate_strategy", record)
+    rounds = record_accepted_rounds(monkeypatch, MTPCandidateGenerator)
     treadle_model = load_mtp(a / "draft", main_model)
     # transformers' MtpModel loaded the same weights treadle trained (its loader raises on a missing one)
     from transformers.modeling_layers import MtpModel as HFMtpModel
@@ -289,31 +283,6 @@ def test_the_chunked_unroll_loss_equals_the_whole_logits_one(loss):
     """model.loss_chunk_tokens for mtp: every step and the teacher through the target's head a few rows at a time,
     never a whole [tokens, vocab] logits tensor, gives the whole-logits loss, side sums (acc_k's and eal's counts)
     and draft gradients, in float64 (the experts run eagerly: torch._grouped_mm has no float64 kernel)."""
-    import copy
-
-    from treadle.config import DraftConfig
-    from treadle.data.packed import IGNORE_INDEX
-    from treadle.drafts.recurrent import RecurrentObjective
-
     target = tiny_target(1)
     target.config._experts_implementation = "eager"
-    plain = MtpModel(target, MtpDraft(target)).double().train()
-    chunked = copy.deepcopy(plain)
-    chunked.loss_chunk_tokens = 5  # 16 rows a step: three whole chunks and a partial one
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 512, (2, 17), generator=g)
-    labels = ids[:, 1:].clone()
-    labels[0, :3] = IGNORE_INDEX  # a masked prompt
-    positions = torch.cat((torch.arange(16)[None], torch.cat((torch.arange(6), torch.arange(10)))[None]))  # 2 docs
-    batch = {"input_ids": ids[:, :-1], "labels": labels, "position_ids": positions}
-    objective = RecurrentObjective(DraftConfig(kind="mtp", loss=loss, kl_weight=0.3, ttt_steps=3), 64, 16)
-    want, want_side = objective.losses(plain, batch, 0, 0, train=True)
-    got, got_side = objective.losses(chunked, batch, 0, 0, train=True)
-    assert got.dtype == torch.float64 and got_side.keys() == want_side.keys()
-    assert torch.allclose(got, want, rtol=1e-10, atol=0)
-    assert all(got_side[k].item() == pytest.approx(want_side[k].item(), rel=1e-10) for k in want_side)
-    want.sum().backward()
-    got.sum().backward()
-    for (name, p), q in zip(plain.draft_model.named_parameters(), chunked.draft_model.parameters()):
-        assert torch.allclose(q.grad, p.grad, rtol=1e-9, atol=1e-14), name
-    assert plain.target.lm_head.weight.grad is None and chunked.target.lm_head.weight.grad is None
+    assert_chunked_unroll_equals_whole(MtpModel(target, MtpDraft(target)).double().train(), "mtp", loss)
