@@ -184,7 +184,6 @@ def _cache_keyword(cls: type) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
-@torch.no_grad()
 def empty_cache(model: nn.Module) -> DynamicCache:
     """A cache for a decode that is never cropped. A hybrid model's linear-attention (Gated-DeltaNet) layers keep
     their conv and recurrent state in layers a bare ``DynamicCache`` does not have, so they get the config's; other
@@ -194,6 +193,7 @@ def empty_cache(model: nn.Module) -> DynamicCache:
     return DynamicCache()
 
 
+@torch.no_grad()
 def greedy_continuations(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """[N, P] prompts of one length -> [N, P + new_tokens], continued greedily by the target."""
     was_training = target.training
