@@ -245,3 +245,22 @@ def test_storage_forms_round_trip_within_their_precision():
         assert back.dtype == torch.float32 and ((back - x).abs() <= rel * x.abs() + floor).all(), dtype
         if dtype == "fp8":
             assert stored["k"].dtype == torch.float8_e4m3fn and stored["k.scale"].shape == (2, 5)
+
+
+def test_a_frozen_kv_run_from_a_store_equals_the_live_run(shards, small, tmp_path):
+    """Gemma 4's assistant trained from stored target reads (the final hidden state and the two stored K/V per
+    token, full and sliding: what speculators cannot get, its RFC #586) equals the live-target run; a new assistant
+    is copied from the target's files as the live run copies it from the module."""
+    from tests.helpers import save_target
+    from tests.test_frozen_kv import RUN as FKV, tiny_target
+
+    target = save_target(tiny_target(), shards, tmp_path / "gemma")
+    extra = tuple(a for a in FKV if not a.startswith(("--train.", "--optim.")))
+    store, live, stored = tmp_path / "store", tmp_path / "live", tmp_path / "stored"
+    assert main(features_args(small, target, store, "--dtype=fp32", "--shard-samples=16", *extra)) == 0
+    assert json.loads((store / "manifest.json").read_text())["kind"] == "frozen_kv"
+    assert main(draft_args(small, target, live, *RUN, *extra)) == 0
+    assert main(draft_args(small, target, stored, *RUN, *extra, f"--draft.features={store}")) == 0
+    for key in ("loss", "grad_norm", "eval_loss", "tau_sim"):
+        close(records(live, key), records(stored, key))
+    same_weights(live, stored)
