@@ -247,18 +247,24 @@ def test_storage_forms_round_trip_within_their_precision():
             assert stored["k"].dtype == torch.float8_e4m3fn and stored["k.scale"].shape == (2, 5)
 
 
-def test_a_frozen_kv_run_from_a_store_equals_the_live_run(shards, small, tmp_path):
-    """Gemma 4's assistant trained from stored target reads (the final hidden state and the two stored K/V per
-    token, full and sliding: what speculators cannot get, its RFC #586) equals the live-target run; a new assistant
-    is copied from the target's files as the live run copies it from the module."""
-    from tests.helpers import save_target
-    from tests.test_frozen_kv import RUN as FKV, tiny_target
 
-    target = save_target(tiny_target(), shards, tmp_path / "gemma")
-    extra = tuple(a for a in FKV if not a.startswith(("--train.", "--optim.")))
+@pytest.mark.parametrize("kind", ["frozen_kv", "mtp"])
+def test_a_recurrent_run_from_a_store_equals_the_live_run(shards, small, tmp_path, kind):
+    """Gemma 4's assistant trained from stored target reads (the final hidden state and the two stored K/V per
+    token, full and sliding: what speculators cannot get, its RFC #586), and an MTP head (the final hidden state
+    alone), each equal to the live-target run; a new draft is copied from the target's files as the live run copies
+    it from the module."""
+    from tests.helpers import save_target
+
+    if kind == "frozen_kv":
+        from tests.test_frozen_kv import RUN as OWN, tiny_target
+    else:
+        from tests.test_mtp import RUN as OWN, tiny_target
+    target = save_target(tiny_target(**({"family": "glm4_moe"} if kind == "mtp" else {})), shards, tmp_path / "t")
+    extra = tuple(a for a in OWN if a.startswith("--draft."))
     store, live, stored = tmp_path / "store", tmp_path / "live", tmp_path / "stored"
     assert main(features_args(small, target, store, "--dtype=fp32", "--shard-samples=16", *extra)) == 0
-    assert json.loads((store / "manifest.json").read_text())["kind"] == "frozen_kv"
+    assert json.loads((store / "manifest.json").read_text())["kind"] == kind
     assert main(draft_args(small, target, live, *RUN, *extra)) == 0
     assert main(draft_args(small, target, stored, *RUN, *extra, f"--draft.features={store}")) == 0
     for key in ("loss", "grad_norm", "eval_loss", "tau_sim"):
