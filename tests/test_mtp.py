@@ -19,6 +19,7 @@ from treadle.cli import main
 from treadle.drafts.mtp import layout
 from treadle.drafts.mtp.model import MtpDraft, MtpModel, draft_from_dir, load_mtp
 from treadle.errors import UserError
+from treadle.models.checkpoint_files import safetensors_files
 
 N_LAYERS = 61  # DeepSeek-V3's: the index transformers looks for MTP weights at
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=N_LAYERS,
@@ -57,7 +58,7 @@ def ds_target(shards, tmp_path_factory):
 
 def tensors_of(model_dir):
     out = {}
-    for f, names in layout.safetensors_files(model_dir).items():
+    for f, names in safetensors_files(model_dir).items():
         with safe_open(str(model_dir / f), framework="pt") as h:
             out.update({n: h.get_tensor(n) for n in names})
     return out

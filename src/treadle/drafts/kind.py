@@ -11,6 +11,21 @@ from pathlib import Path
 from types import ModuleType
 
 
+def layout_config(draft_dir, is_layout, kind: str) -> dict | None:
+    """The config.json of a draft in a kind's consumer layout (``is_layout(config)``), with ``treadle_draft_kind``
+    added to one written elsewhere; None when ``draft_dir`` holds no such config."""
+    import json
+
+    try:
+        config = json.loads((Path(draft_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or not is_layout(config):
+        return None
+    config.setdefault("treadle_draft_kind", kind)
+    return config
+
+
 def init_dir(path) -> Path:
     """``draft.init`` of any kind: a draft directory, or a treadle run directory holding one in draft/."""
     path = Path(path)

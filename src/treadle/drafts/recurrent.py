@@ -27,7 +27,7 @@ from treadle.drafts.glide.model import anchored_positions
 from treadle.drafts.glide.objective import GlideObjective
 from treadle.drafts.run_model import batch_reads
 from treadle.drafts.ttt import scored_rows, ttt_steps, unroll_chunk_tokens, unroll_loss
-from treadle.drafts.ttt_scores import UnrollScores, chunked_unroll_scores, dense_unroll_scores
+from treadle.drafts.ttt_scores import UnrollScores, dense_unroll_scores
 from treadle.errors import UserError
 from treadle.models.upcast import at_least_fp32
 

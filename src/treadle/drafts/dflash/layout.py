@@ -26,6 +26,7 @@ import re
 
 import torch
 
+from treadle.drafts.kind import layout_config
 from treadle.errors import UserError
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -65,17 +66,7 @@ def is_layout(config: dict) -> bool:
 def read_config(draft_dir) -> dict | None:
     """The config.json of a DFlash draft in this layout (``treadle_draft_kind`` added to one trained elsewhere), or
     None if ``draft_dir`` holds none."""
-    import json
-    from pathlib import Path
-
-    try:
-        config = json.loads((Path(draft_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict) or not is_layout(config):
-        return None
-    config.setdefault("treadle_draft_kind", "dflash")
-    return config
+    return layout_config(draft_dir, is_layout, "dflash")
 
 
 def to_zlab(layers) -> list[int]:

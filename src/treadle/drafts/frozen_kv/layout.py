@@ -10,11 +10,11 @@ load as a random one with only a warning from transformers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from treadle.drafts.kind import layout_config
 from treadle.errors import UserError
 
 PREFIX = "assistant."  # FrozenKvDraft's attribute: treadle's names are the module's behind it
@@ -58,11 +58,4 @@ def write_generation_config(directory: Path, num_assistant_tokens: int) -> None:
 
 def read_config(draft_dir) -> dict | None:
     """The config.json of a Gemma 4 assistant (a frozen_kv export or a shipped one: its kind added), or None."""
-    try:
-        config = json.loads((Path(draft_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict) or config.get("model_type") != MODEL_TYPE:
-        return None
-    config.setdefault("treadle_draft_kind", "frozen_kv")
-    return config
+    return layout_config(draft_dir, lambda config: config.get("model_type") == MODEL_TYPE, "frozen_kv")

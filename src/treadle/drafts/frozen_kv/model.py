@@ -42,9 +42,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treadle.drafts.glide.model import attention_mask, causal_document_mask, checked_export, document_ids
+from treadle.drafts.glide.model import as_mask, attention_mask, causal_document_mask, checked_export, document_ids
 from treadle.drafts.kind import init_dir
-from treadle.drafts.mtp.model import as_mask
 from treadle.drafts.recurrent import UnrollOutput, guesses_by_step
 from treadle.drafts.ttt_scores import chunked_unroll_scores
 from treadle.drafts.run_model import DraftRunModel
@@ -230,7 +229,7 @@ def head_and_layers(target, target_dir: Path | None, indices) -> tuple[torch.Ten
         return head, {i: target.model.layers[i].state_dict() for i in indices}
     if target_dir is None:
         return None
-    from treadle.drafts.mtp.layout import read_layer, read_target_tensor
+    from treadle.models.checkpoint_files import read_layer, read_target_tensor
 
     head = read_target_tensor(Path(target_dir), ("lm_head.weight", "model.embed_tokens.weight"))  # Gemma ties them
     return head, {i: read_layer(Path(target_dir), f"model.layers.{i}.") for i in indices}

@@ -379,12 +379,20 @@ def causal_document_mask(position_ids: torch.Tensor, target=None):
     if types and window and "sliding_attention" in types:
         mask = {"full_attention": mask, "sliding_attention": attention_mask(idx, idx, window=window, q_doc=doc,
                                                                             k_doc=doc)}
-    if target is None or c._attn_implementation == "sdpa":
+    if target is None:
         return mask
     dtype = target.get_input_embeddings().weight.dtype
-    additive = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
-                for k, m in (mask if isinstance(mask, dict) else {0: mask}).items()}
-    return additive if isinstance(mask, dict) else additive[0]
+    if isinstance(mask, dict):
+        return {k: as_mask(m, c, dtype) for k, m in mask.items()}
+    return as_mask(mask, c, dtype)
+
+
+def as_mask(mask: torch.Tensor, config, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: may attend) as a model's attention wants it: boolean for sdpa, additive (0 / the
+    dtype's min) for eager and flex, which add it to the scores."""
+    if config._attn_implementation == "sdpa":
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 @dataclass

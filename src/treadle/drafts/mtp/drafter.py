@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from treadle.drafts.mtp.model import MtpModel, as_mask
+from treadle.drafts.glide.model import as_mask
+from treadle.drafts.mtp.model import MtpModel
 from treadle.speculative.decode import Proposal, TargetState
 from treadle.speculative.sampling import Sampler
 

@@ -49,13 +49,14 @@ from pathlib import Path
 
 import torch
 
+from treadle.drafts.kind import layout_config
 from treadle.errors import UserError
+from treadle.models.checkpoint_files import INDEX, read_target_tensor, safetensors_files
 
 BLOCK = "mtp_block."  # treadle's prefix of the decoder block
 # Fused expert tensors (transformers' ``mlp.experts.gate_up_proj`` [E, 2I, d] = cat(gate, up) on dim 1, ``down_proj``
 # [E, d, I]) are stored one expert at a time in every family's checkpoints (transformers' "qwen2_moe" conversion).
 FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
-INDEX = "model.safetensors.index.json"
 MTP_SHARD = "model-mtp.safetensors"
 
 
@@ -189,53 +190,6 @@ def check_names(have, want, what: str) -> None:
                         f"{missing[:6]}); nothing was written or loaded")
 
 
-# ----------------------------------------------------------------------------- reading checkpoints
-
-
-def safetensors_files(model_dir: Path) -> dict[str, list[str]]:
-    """file name -> tensor names of a checkpoint directory (single file or sharded with an index)."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    if (model_dir / INDEX).is_file():
-        files = sorted(set(json.loads((model_dir / INDEX).read_text())["weight_map"].values()))
-    elif (model_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        return {}
-    out = {}
-    for f in files:
-        with safe_open(str(model_dir / f), framework="pt") as h:
-            out[f] = list(h.keys())
-    return out
-
-
-def read_layer(model_dir: Path, prefix: str) -> dict:
-    """Every tensor of ``model_dir`` whose name starts with ``prefix``, by the name after it (transformers drops them
-    when it loads the target: ``_keys_to_ignore_on_load_unexpected``, so they are read here)."""
-    from safetensors import safe_open
-
-    out = {}
-    for f, names in safetensors_files(model_dir).items():
-        mine = [n for n in names if n.startswith(prefix)]
-        if mine:
-            with safe_open(str(Path(model_dir) / f), framework="pt") as h:
-                out.update({n[len(prefix):]: h.get_tensor(n) for n in mine})
-    return out
-
-
-def read_target_tensor(model_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
-    """The first of ``names`` the checkpoint holds, as stored (bytes unchanged)."""
-    from safetensors import safe_open
-
-    for f, held in safetensors_files(model_dir).items():
-        for n in names:
-            if n in held:
-                with safe_open(str(Path(model_dir) / f), framework="pt") as h:
-                    return h.get_tensor(n)
-    raise UserError(f"{model_dir} holds none of {list(names)}; accepted: the target's own checkpoint")
-
-
 # ----------------------------------------------------------------------------- writing
 
 
@@ -316,14 +270,7 @@ def is_alone(config: dict) -> bool:
 
 def read_config(draft_dir) -> dict | None:
     """The config.json of a stand-alone MTP export (``treadle_draft_kind`` added to SGLang's), or None."""
-    try:
-        config = json.loads((Path(draft_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict) or not is_alone(config):
-        return None
-    config.setdefault("treadle_draft_kind", "mtp")
-    return config
+    return layout_config(draft_dir, is_alone, "mtp")
 
 
 def layer_prefix(model_dir: Path) -> tuple[str, dict]:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treadle.drafts.glide.model import causal_document_mask, document_ids, ttt_mask
+from treadle.drafts.glide.model import as_mask, causal_document_mask, document_ids, ttt_mask
 from treadle.drafts.kind import init_dir
 from treadle.drafts.mtp import layout
 from treadle.drafts.recurrent import UnrollOutput, guesses_by_step
@@ -39,6 +39,7 @@ from treadle.drafts.ttt_scores import chunked_unroll_scores
 from treadle.drafts.run_model import DraftRunModel
 from treadle.drafts.targets import checked_target
 from treadle.errors import UserError
+from treadle.models.checkpoint_files import read_layer, read_target_tensor
 from treadle.model_dirs import resolve_model_dir
 
 KIND = "mtp"
@@ -113,9 +114,9 @@ def last_layer_and_norm(target, target_dir: Path | None) -> tuple[dict, torch.Te
     if target_dir is None:
         return None
     n = target.config.num_hidden_layers - 1
-    tensors = layout.from_checkpoint(layout.read_layer(Path(target_dir), f"model.layers.{n}."), layout.DEEPSEEK)
+    tensors = layout.from_checkpoint(read_layer(Path(target_dir), f"model.layers.{n}."), layout.DEEPSEEK)
     last = {k[len(layout.BLOCK):]: v for k, v in tensors.items() if k.startswith(layout.BLOCK)}
-    return last, layout.read_target_tensor(Path(target_dir), ("model.norm.weight",))
+    return last, read_target_tensor(Path(target_dir), ("model.norm.weight",))
 
 
 def init_new(draft: MtpDraft, target, target_dir: Path | None = None) -> str:
@@ -142,13 +143,6 @@ def init_new(draft: MtpDraft, target, target_dir: Path | None = None) -> str:
             w = torch.cat((w[:, d:], w[:, :d]), dim=1)
         draft.eh_proj.weight.copy_(w)
     return f"new: {len(same)} of {len(mine)} block tensors from the target's last layer"
-
-
-def as_mask(mask: torch.Tensor, config, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (True: may attend) as the target's attention wants it: boolean for sdpa, additive otherwise."""
-    if config._attn_implementation == "sdpa":
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 class MtpModel(DraftRunModel):
@@ -252,7 +246,7 @@ def draft_from_dir(model_dir, target, where: str, config=None) -> MtpDraft:
 def layer_tensors(model_dir, prefix: str, family) -> dict:
     """The MTP layer's own tensors under ``prefix`` (names after it), without the copies of the target's."""
     shared = layout.shared_names(family)
-    return {k: v for k, v in layout.read_layer(Path(model_dir), prefix).items() if k not in shared}
+    return {k: v for k, v in read_layer(Path(model_dir), prefix).items() if k not in shared}
 
 
 def shipped_layer(target_dir: Path, target) -> dict:
