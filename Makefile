@@ -1,16 +1,29 @@
 # The two commands of the README work on a fresh machine: each creates .venv when missing.
-# torch is pinned through constraints.txt so no other requirement can pull a CUDA build.
+# These pins are for CPU CI, not the range treadle supports (pyproject.toml: torch 2.11 to 2.15): .venv holds the
+# newest supported releases (constraints.txt), .venv-oldest the oldest (constraints-oldest.txt). PIP_CONSTRAINT,
+# not -c: it replaces a machine-wide pip constraint (this machine caps torch at 2.14.1) instead of adding to it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+OLDEST := .venv-oldest
+OLDEST_STAMP := $(OLDEST)/.installed
+PYTEST := -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-.PHONY: install venv demo test bench gpu-check clean-venv lint
+.PHONY: install venv demo test test-oldest bench gpu-check clean-venv lint
+
+# $(call venv,DIR,CONSTRAINTS): DIR holds treadle (editable, with the test extras) on the CONSTRAINTS' releases.
+define venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	PIP_CONSTRAINT=$(2) $(1)/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	touch $(1)/.installed
+endef
 
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
-	touch $(STAMP)
+	$(call venv,$(VENV),constraints.txt)
+
+$(OLDEST_STAMP): pyproject.toml constraints-oldest.txt
+	$(call venv,$(OLDEST),constraints-oldest.txt)
 
 install: $(STAMP)  ## create .venv (when missing) and install treadle into it, editable, with the test extras
 venv: install
@@ -20,8 +33,11 @@ demo: $(STAMP)  ## train the tiny Llama on the built-in corpus, then a GLIDE dra
 	$(BIN)/treadle train configs/demo-draft.toml
 	$(BIN)/treadle spec-eval --target runs/demo --draft runs/demo-draft --gamma 4 --json runs/demo-draft/spec-eval.json
 
-test: $(STAMP)  ## the whole test suite (exit code 5, "no tests ran", counts as a failure)
-	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+test: $(STAMP)  ## the whole test suite on the newest supported torch and transformers (exit code 5, "no tests ran", counts as a failure)
+	$(BIN)/python $(PYTEST)
+
+test-oldest: $(OLDEST_STAMP)  ## the same suite on the oldest supported torch and transformers, in .venv-oldest
+	$(OLDEST)/bin/python $(PYTEST)
 
 bench: $(STAMP)  ## treadle's loop against a bare PyTorch loop; drafters compared (needs runs/demo: make demo); engines at 1 and 2 ranks
 	$(BIN)/python bench/overhead.py
@@ -32,4 +48,4 @@ gpu-check: $(STAMP)  ## one GPU, a few minutes: tiny + 1.1B Llama (bf16, compile
 	$(BIN)/python bench/gpu.py
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(OLDEST)

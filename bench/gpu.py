@@ -160,11 +160,11 @@ def plan(out: Path, device: str, s: Sizes, only: list[str] | None = None) -> lis
               "--checkpoint.keep_last=1", "--train.eval_at_start=false", f"--train.eval_batches={s.eval_batches}",
               f"--model.compile={'true' if cuda else 'false'}", "--model.dtype=bf16"]
     features = ["--model.activation_checkpointing=full"]
-    import torch.nn.functional as F
+    from treadle import compat
 
-    chunked = hasattr(F, "linear_cross_entropy")  # torch >= 2.13's fused op; an older GPU image's torch lacks it
-    features.append(f"--model.loss_chunk_tokens={s.chunk_tokens if chunked else 0}")
-    ckpt_loss = "act. ckpt, chunked loss" if chunked else "act. ckpt, no chunked loss (torch < 2.13)"
+    # The chunked loss runs on every supported torch: torch's fused op from 2.13, treadle's own before it.
+    features.append(f"--model.loss_chunk_tokens={s.chunk_tokens}")
+    ckpt_loss = "act. ckpt, chunked loss" + ("" if compat.HAS_LINEAR_CROSS_ENTROPY else " (treadle's, torch < 2.13)")
 
     def short(steps: int, seq: int, batch: int, log_every: int | None = None) -> list[str]:
         return [f"--train.max_steps={steps}", f"--train.log_every={log_every or max(steps // 4, 1)}",

@@ -1,6 +1,7 @@
-"""The dependency ranges are true and checked: pyproject.toml states what treadle is tested with, constraints.txt
-pins each runtime and test dependency inside its range, and a command refuses (one line naming the package, exit 2)
-to run with an installed version outside it."""
+"""The dependency ranges are true and checked: pyproject.toml states the range treadle supports, constraints.txt (the
+newest tested) and constraints-oldest.txt (the oldest) pin each runtime and test dependency inside it, the oldest
+pins of torch and transformers are the bottom of their ranges, and a command refuses (one line naming the package and
+the range, exit 2) to run with an installed version outside it."""
 
 import os
 import subprocess
@@ -16,8 +17,8 @@ from treadle.versions import out_of_range, requirements
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _pins() -> dict[str, Version]:
-    lines = [ln.split("#")[0].strip() for ln in (REPO / "constraints.txt").read_text().splitlines()]
+def _pins(name: str) -> dict[str, Version]:
+    lines = [ln.split("#")[0].strip() for ln in (REPO / name).read_text().splitlines()]
     pins = [Requirement(ln) for ln in lines if ln]
     assert all(str(p.specifier).startswith("==") for p in pins)
     return {p.name.lower(): Version(str(p.specifier)[2:]) for p in pins}
@@ -26,11 +27,17 @@ def _pins() -> dict[str, Version]:
 def test_constraints_pin_every_dependency_inside_its_stated_range():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     declared = project["dependencies"] + [r for extra in ("deepspeed", "test") for r in project["optional-dependencies"][extra]]
-    pins = _pins()
-    for line in declared:
-        req = Requirement(line)
-        assert req.name.lower() in pins, f"{req.name} is not pinned in constraints.txt"
-        assert req.specifier.contains(pins[req.name.lower()]), f"constraints.txt pins {req.name} outside {req.specifier}"
+    newest, oldest = _pins("constraints.txt"), _pins("constraints-oldest.txt")
+    for name, pins in (("constraints.txt", newest), ("constraints-oldest.txt", oldest)):
+        for line in declared:
+            req = Requirement(line)
+            assert req.name.lower() in pins, f"{req.name} is not pinned in {name}"
+            assert req.specifier.contains(pins[req.name.lower()]), f"{name} pins {req.name} outside {req.specifier}"
+    ranges = {Requirement(r).name: Requirement(r).specifier for r in project["dependencies"]}
+    for name in ("torch", "transformers"):  # the oldest end CI tests is the range's bottom, the newest is inside it
+        bottom = next(Version(s.version) for s in ranges[name] if s.operator == ">=")
+        assert (oldest[name].major, oldest[name].minor) == (bottom.major, bottom.minor), (name, oldest[name], bottom)
+        assert newest[name] > oldest[name]
     # The environment under test is the one the ranges describe, and the installed metadata says what the file says.
     assert out_of_range(requirements()) == []
     assert {Requirement(r).name for r in requirements()} == {Requirement(r).name for r in project["dependencies"]}
@@ -52,7 +59,7 @@ def test_a_dependency_outside_its_range_is_refused_in_one_line(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and "transformers 4.50.0 is installed; treadle is tested with transformers" in err[0], err
+    assert len(err) == 1 and "transformers 4.50.0 is installed; treadle supports transformers>=5.17," in err[0], err
     assert "constraints.txt" in err[0] and "TREADLE_IGNORE_VERSIONS=1" in err[0]
     # On purpose: a warning line, then the command runs.
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,

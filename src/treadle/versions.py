@@ -1,11 +1,12 @@
-"""The versions of treadle's dependencies it is tested with, checked before a command runs.
+"""The versions of treadle's dependencies it supports, checked before a command runs.
 
 The ranges are pyproject.toml's (read back from the installed package's metadata, so there is one list): the
-lower bound is the oldest release tested, the upper bound the next release known or likely to break treadle
-(torch's private-ish distributed APIs move between minors; transformers 5.40 removes calls deprecated in 5.x).
-``constraints.txt`` pins the exact versions CI runs. A version outside its range fails early, in one line
-naming the package, instead of deep inside a run as an AttributeError; ``TREADLE_IGNORE_VERSIONS=1`` turns
-that into a warning for someone trying a new release on purpose.
+lower bound is the oldest release CI tests (constraints-oldest.txt, `make test-oldest`), the upper bound the next
+minor release not yet tested (torch's distributed APIs move between minors). ``constraints.txt`` pins the newest
+releases CI tests; neither file is the range. Inside the range, an API newer than the oldest release is chosen at
+run time (treadle/compat.py). A version outside its range fails early, in one line naming the package and the
+supported range, instead of deep inside a run as an AttributeError; ``TREADLE_IGNORE_VERSIONS=1`` turns that into a
+warning for someone trying a new release on purpose.
 """
 
 from __future__ import annotations
@@ -47,8 +48,13 @@ def out_of_range(required: list[str]) -> list[str]:
             continue
         # A local build tag (torch 2.13.0+cpu) is the same release for the range.
         if not req.specifier.contains(Version(installed).public, prereleases=True):
-            problems.append(f"{req.name} {installed} is installed; treadle is tested with {req.name}{req.specifier}")
+            problems.append(f"{req.name} {installed} is installed; treadle supports {req.name}{_spec(req)}")
     return problems
+
+
+def _spec(req) -> str:
+    """A requirement's range, lower bound first (packaging sorts it the other way): ``>=2.11,<2.16``."""
+    return ",".join(sorted((str(s) for s in req.specifier), key=lambda s: not s.startswith(">")))
 
 
 @functools.cache
@@ -57,7 +63,7 @@ def check_versions() -> None:
     problems = out_of_range(requirements())
     if not problems:
         return
-    fix = "pip install -c constraints.txt -e . installs the tested versions"
+    fix = "pip install a release inside the range (or pip install -c constraints.txt -e . for the newest tested)"
     if os.environ.get(IGNORE_ENV) == "1":
         print(f"treadle: warning: {problems[0]} (going on: {IGNORE_ENV}=1)", file=sys.stderr)
         return

@@ -70,8 +70,12 @@ def apply_activation_checkpointing(model: nn.Module, cfg: ModelConfig) -> None:
         if not model.supports_gradient_checkpointing:
             raise UserError(f"model.activation_checkpointing = {cfg.activation_checkpointing!r}: "
                             f"{type(model).__name__} does not support activation checkpointing; accepted: 'none'")
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
-                                              every_n_layers=cfg.activation_checkpointing_every)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
+                                                  every_n_layers=cfg.activation_checkpointing_every)
+        else:  # the same call under its older name (transformers < 5.23 has no activation_checkpointing_enable)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs,
+                                                every_n_layers=cfg.activation_checkpointing_every)
     elif hasattr(model, "checkpoint_kwargs"):
         model.checkpoint_kwargs = kwargs
     else:

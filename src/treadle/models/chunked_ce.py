@@ -7,12 +7,14 @@ the largest tensor of a step by far. ``ChunkedLMHead`` takes the place of ``lm_h
 embedding) and, while labels are set on it (``scoring``), returns each token's
 cross-entropy instead of logits. It calls torch's own ``F.linear_cross_entropy`` with
 ``reduction="none"``: the forward computes ``chunk_tokens`` rows of logits at a time and
-keeps only the loss; the backward recomputes them chunk by chunk (torch >= 2.13).
+keeps only the loss; the backward recomputes them chunk by chunk. That op appeared in torch 2.13; on an older torch
+(``treadle.compat.HAS_LINEAR_CROSS_ENTROPY`` false) the head runs ``_ChunkedCrossEntropy``, the same chunking with its
+backward written here, which gives the same numbers (tested in float64 on the oldest supported torch).
 
 A model whose forward soft-caps (Gemma 2/3) or scales (Granite) its logits gets a head that applies the same
 transform inside each chunk, while its forward is told to skip its own (``scoring`` sets the config field to its
 neutral value and restores it): a scale keeps the fused op (its input divided), a soft-cap (a nonlinearity the fused
-op cannot apply) runs ``_SoftcappedCrossEntropy``, the same chunking with its backward written by hand.
+op cannot apply) runs ``_ChunkedCrossEntropy``.
 
 Why a replacement head and not a loss after the model: every engine gathers a sharded
 weight only inside a module's forward (FSDP2 around the root's forward, ZeRO-3 around
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treadle import compat
 from treadle.errors import UserError
 from treadle.models.upcast import at_least_fp32
 
@@ -81,9 +84,10 @@ class ChunkedLMHead(nn.Module):
         bias = at_least_fp32(self.bias) if self.bias is not None else None
         flat, targets = at_least_fp32(hidden.flatten(0, -2)), labels.flatten()
         with torch.autocast(hidden.device.type, enabled=False):
-            if self.softcap is not None:  # a nonlinearity after the head: torch's fused op cannot apply it
-                loss = _SoftcappedCrossEntropy.apply(flat, weight, bias, targets, self.chunk_tokens,
-                                                     self.ignore_index, self.softcap, self.scale)
+            # A soft-cap is a nonlinearity after the head that torch's fused op cannot apply; torch < 2.13 has no op.
+            if self.softcap is not None or not compat.HAS_LINEAR_CROSS_ENTROPY:
+                loss = _ChunkedCrossEntropy.apply(flat, weight, bias, targets, self.chunk_tokens,
+                                                  self.ignore_index, self.softcap, self.scale)
             else:
                 if self.scale is not None:  # (h W^T + b) / s = (h / s) W^T + b / s: the fused op stays
                     flat = flat / self.scale
@@ -119,17 +123,18 @@ def model_logits(config, logits: torch.Tensor) -> torch.Tensor:
     return transformed_logits(logits, transform.get("softcap"), transform.get("scale"))
 
 
-class _SoftcappedCrossEntropy(torch.autograd.Function):
-    """Per-token CE of soft-capped logits, ``chunk_tokens`` rows at a time, no [tokens, vocab] tensor kept.
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Per-token CE of (optionally scaled, then soft-capped) logits, ``chunk_tokens`` rows at a time, no
+    [tokens, vocab] tensor kept.
 
     The forward keeps each row's log-sum-exp; the backward recomputes each chunk's logits once and writes its
-    gradient by hand (softmax - one-hot, times the cap's derivative 1 - tanh^2): one matmul forward and three
-    backward, as torch's fused linear cross-entropy does. (Checkpointing the chunks through autograd took 2.3x the
+    gradient by hand (softmax - one-hot, times the cap's derivative 1 - tanh^2 when capped): one matmul forward and
+    three backward, as torch's fused linear cross-entropy does. (Checkpointing the chunks through autograd took 2.3x the
     fused op's time on CPU: a second forward per chunk and every elementwise op's saved buffers.)
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_tokens: int, ignore_index: int, softcap: float,
+    def forward(ctx, hidden, weight, bias, labels, chunk_tokens: int, ignore_index: int, softcap: float | None,
                 scale: float | None):
         valid = labels != ignore_index
         target = labels.where(valid, 0)
@@ -161,10 +166,15 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
             u = F.linear(h, weight, bias)
             if scale is not None:
                 u.div_(scale)
-            t = u.div_(softcap).tanh_()  # in place: the pre-cap logits are no longer needed
-            dz = torch.mul(t, softcap).sub_(lse[rows, None]).exp_()  # softmax of the capped logits
+            if softcap is None:
+                dz = u.sub_(lse[rows, None]).exp_()  # the softmax, in place of the logits
+            else:
+                t = u.div_(softcap).tanh_()  # in place: the pre-cap logits are no longer needed
+                dz = torch.mul(t, softcap).sub_(lse[rows, None]).exp_()  # softmax of the capped logits
             dz[torch.arange(dz.shape[0], device=dz.device), target[rows]] -= 1.0
-            dz.mul_(g[rows, None]).mul_(t.mul_(t).neg_().add_(1.0))  # d(cap * tanh(u / cap)) / du = 1 - tanh^2
+            dz.mul_(g[rows, None])
+            if softcap is not None:
+                dz.mul_(t.mul_(t).neg_().add_(1.0))  # d(cap * tanh(u / cap)) / du = 1 - tanh^2
             if grad_h is not None:
                 grad_h[rows] = dz @ weight
             if grad_w is not None:
