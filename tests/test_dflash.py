@@ -17,7 +17,7 @@ from treadle.drafts.dflash.objective import dpace_weights, sample_anchors, score
 from treadle.drafts.eagle3.model import capture_features
 from treadle.drafts.glide.model import document_ids
 from treadle.models.hf import greedy_continuations
-from treadle.speculative.decode import TargetState, speculative_generate, target_generate
+from treadle.speculative.decode import TargetState, crop_cache, speculative_generate, target_generate
 from treadle.speculative.sampling import Sampler
 
 BLOCK = ("--draft.kind=dflash", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4")
@@ -275,10 +275,12 @@ def test_dflash_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_ta
     assert config["dflash_config"]["target_layer_ids"] == [0, 2] and config["block_size"] == 6
     assert config["dflash_config"]["mask_token_id"] == 511  # the data's tokenizer fills all 512 rows: the last
     assert "fc.weight" in wa and not [k for k in wa if "embed" in k or "lm_head" in k]
+    assert (a / "draft" / "dflash.py").read_bytes() == layout.remote_code()  # what auto_map names
     # treadle export rebuilds the same export from the last checkpoint.
     assert main(["export", str(a), str(tmp_path / "again")]) == 0
     again = load_file(tmp_path / "again" / "model.safetensors")
     assert again.keys() == wa.keys() and all(torch.equal(again[k], wa[k]) for k in wa)
+    assert (tmp_path / "again" / "dflash.py").is_file()
     # A draft.init run starts from the export: its first eval loss is the trained draft's last.
     c = tmp_path / "c"
     assert main(draft_args(shards, target_dir, c, "--train.max_steps=2", *common, f"--draft.init={a}")) == 0
@@ -359,3 +361,58 @@ def test_the_chunked_slot_scores_equal_the_whole_logits():
     assert torch.allclose(l0, l1, rtol=1e-10) and s0.keys() == s1.keys()
     assert all(torch.allclose(s0[k].double(), s1[k].double(), rtol=1e-10) for k in s0), s0
     assert all(torch.allclose(g0[n], g1[n], rtol=1e-8, atol=1e-12) for n in g0)
+
+
+def test_the_export_opens_as_zlabs_drafts_do_and_drafts_as_treadle(eagle3_target_dir, tmp_path):
+    """Issue 39.3: the export's config.json names ``dflash.DFlashDraftModel`` in ``auto_map``, and the export carries
+    that dflash.py (treadle's, z-lab's class, config and weight names), so ``AutoModel.from_pretrained(dir,
+    trust_remote_code=True)`` opens it as z-lab's drafts open. Loaded that way in float64 it gives treadle's block
+    logits at every anchor, its context fed once and then one token per round through the draft's KV cache as a
+    decode does; and its ``spec_generate`` writes the target's own greedy output and stops at a stop token."""
+    from transformers import AutoModel, DynamicCache
+
+    from treadle.checkpoint.export import export_draft
+    from treadle.config import DraftConfig
+    from treadle.drafts.targets import target_identity
+
+    model = dflash()
+    out = export_draft(model, model.state_dict(), tmp_path / "export", eagle3_target_dir,
+                       target_identity(eagle3_target_dir, model.target), DraftConfig(kind="dflash", target="t"))
+    assert json.loads((out / "config.json").read_text())["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    assert (out / "dflash.py").read_bytes() == layout.remote_code()
+    assert "treadle" not in "".join(line for line in (out / "dflash.py").read_text().splitlines()
+                                    if line.startswith(("import", "from")))  # a user needs no treadle to load it
+    hf = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float64).eval()
+    assert type(hf).__name__ == "DFlashDraftModel"
+    assert hf.target_layer_ids == [0, 2] and hf.block_size == 6 and hf.mask_token_id == 511
+    assert set(hf.state_dict()) == set(load_file(out / "model.safetensors"))  # every weight by z-lab's name
+
+    model.double()  # the export is fp32: both sides now hold the same weights, in float64
+    torch.manual_seed(3)
+    text, prompt_len, bs = torch.randint(0, 510, (1, 14)), 6, 6
+    L = text.shape[1]
+    with torch.no_grad():
+        want = model(text, torch.arange(L)[None], torch.arange(prompt_len, L)[None]).logits[0]  # [N, bs - 1, V]
+        features = hf.context_features(model.target(input_ids=text, output_hidden_states=True).hidden_states)
+        cache, cached = DynamicCache(), 0
+        for s in range(prompt_len, L):  # the anchor at s: context rows cached..s - 1 are new to the draft
+            block = torch.tensor([[int(text[0, s])] + [hf.mask_token_id] * (bs - 1)])
+            hidden = hf(position_ids=torch.arange(cached, s + bs)[None],
+                        noise_embedding=model.target.get_input_embeddings()(block),
+                        target_hidden=features[:, cached:s], past_key_values=cache, use_cache=True)
+            crop_cache(cache, s)  # the block's rows dropped, as a decode does
+            cached = s
+            got = model.target.lm_head(hidden[0, 1:])
+            assert torch.allclose(got, want[s - prompt_len], atol=1e-10, rtol=0), s
+    prompt = text[:, :prompt_len]
+    greedy, _ = target_generate(model.target, prompt, 20)
+    ids = hf.spec_generate(target=model.target, input_ids=prompt, max_new_tokens=20, stop_token_ids=None,
+                           temperature=0.0)
+    assert ids[0, :prompt_len].tolist() == prompt[0].tolist() and ids[0, prompt_len:].tolist() == greedy
+    stop = greedy[7]
+    ids = hf.spec_generate(target=model.target, input_ids=prompt, max_new_tokens=20, stop_token_ids=[stop],
+                           temperature=0.0)
+    assert ids[0, prompt_len:].tolist() == greedy[: greedy.index(stop) + 1]
+    torch.manual_seed(0)  # sampled: the target's own sample at every position, so any length-20 continuation
+    ids = hf.spec_generate(target=model.target, input_ids=prompt, max_new_tokens=20, temperature=1.0)
+    assert ids.shape == (1, prompt_len + 20) and int(ids.max()) < 512

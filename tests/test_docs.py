@@ -264,6 +264,68 @@ def test_relative_links_resolve():
     assert not problems, "\n".join(problems)
 
 
+# Every Markdown page a user reads from a clone, the notes and the generated reference included.
+READ_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+              *sorted(p for d in ("bench", "configs", "examples") for p in (REPO / d).rglob("*.md"))]
+_LINK = re.compile(r"\]\(<?([^)\s>]+)")
+_BARE = re.compile(r"(?<![\w./-])((?:\.\./)+[\w./-]*)")  # a relative path climbing out of its page's folder
+_PUBLIC_URL = re.compile(r"https?://(?!(?:localhost|127\.|0\.0\.0\.0|\[::1\]))|mailto:")
+
+
+def outside_references(page: Path, root: Path = REPO) -> list[str]:
+    """Links and bare ``../`` paths of ``page`` that lead out of the repository ``root`` (or to nothing in it): a
+    reader has the clone and the public web, not the folders that sat beside the authors' checkout. A link may be a
+    public URL; anything else must resolve, from the page's folder, to a path inside the repository."""
+    text = page.read_text(encoding="utf-8")
+    problems = []
+    for kind, pattern in (("link", _LINK), ("path", _BARE)):
+        for target in pattern.findall(text):
+            target = target.split("#")[0].rstrip(".,;:")
+            if not target or (kind == "link" and _PUBLIC_URL.match(target)):
+                continue
+            where = f"{page.relative_to(root)}: {kind} {target}"
+            if re.match(r"[a-z][\w+.-]*:", target) or target.startswith(("/", "~")):
+                problems.append(f"{where} is neither a public URL nor a path in the repository")
+                continue
+            resolved = (page.parent / target).resolve()
+            if not resolved.is_relative_to(root):
+                problems.append(f"{where} leads out of the repository")
+            elif not resolved.exists():
+                problems.append(f"{where} names nothing in the repository")
+    return problems
+
+
+def test_no_page_points_outside_the_repository():
+    problems = [p for page in READ_PAGES for p in outside_references(page)]
+    assert not problems, "cite the public source (repository + path, paper, issue or PR) instead:\n" + "\n".join(
+        problems)
+
+
+def test_outside_references_are_caught(tmp_path):
+    """The check names a team folder beside the checkout, a local file, an absolute path, a localhost link and a
+    link that climbs out; it passes public URLs, anchors and paths that resolve inside the repository."""
+    root = tmp_path / "repo"
+    (root / "configs").mkdir(parents=True)
+    (root / "configs" / "demo.toml").write_text("")
+    (root / "docs").mkdir()
+    page = root / "docs" / "page.md"
+    page.write_text("\n".join([
+        "notes: `../shared/research/dflash-offline.md` §1.4, and ../../outside.md.",
+        "[a](../configs/demo.toml) [b](https://github.com/z-lab/dflash) [c](#layouts) [d](mailto:x@example.org)",
+        "[e](file:///work/shared/x.md) [f](/work/shared/x.md) [g](http://localhost:8000/v1) [h](../../x.md)",
+    ]) + "\n")
+    found = [line.split(": ", 1)[1] for line in outside_references(page, root)]
+    assert found == [
+        "link file:///work/shared/x.md is neither a public URL nor a path in the repository",
+        "link /work/shared/x.md is neither a public URL nor a path in the repository",
+        "link http://localhost:8000/v1 is neither a public URL nor a path in the repository",
+        "link ../../x.md leads out of the repository",
+        "path ../shared/research/dflash-offline.md names nothing in the repository",
+        "path ../../outside.md leads out of the repository",
+        "path ../../x.md leads out of the repository",
+    ]
+
+
 # ------------------------------------------------------------------------------------------------ running pages
 
 

@@ -8,7 +8,7 @@ forward), written in plain torch. It reads only the exported directory, by the c
 fields: the rotary is rebuilt from the draft's own config.json, the features are the target's
 ``output_hidden_states`` entries named by ``eagle_aux_hidden_state_layer_ids``, and draft ids become target ids
 through ``d2t`` offsets. It does not import treadle's model. What it cannot prove: that upstream has not moved
-since those commits (../shared/research/serving-formats.md §7).
+since those commits.
 """
 
 import json

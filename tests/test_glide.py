@@ -338,14 +338,19 @@ def test_draft_run_bad_target_is_one_line(shards, tmp_path, capsys):
 
 
 def test_a_looping_target_is_named_degenerate_once_and_natural_text_is_not(shards, target_dir, tmp_path, capsys):
-    """Issue 13.10: a draft reaches tau_sim's ceiling on a target that repeats itself; the run says so, once."""
+    """Issue 13.10: a draft reaches tau_sim's ceiling on a target that repeats itself; the run says so, once.
+    Issue 39.4: spec-eval says so too, the same line with prompt lookup's tau beside the draft's."""
     from treadle.data.packed import PackedDataset
-    from treadle.train.draft import degenerate_target_warning
+    from treadle.speculative.acceptance import degenerate_target_warning, lookup_tau
 
     val = PackedDataset([shards / "val"], seq_len=32)
     natural = torch.stack([val[i]["input_ids"] for i in range(8)])  # Python source: repetitive, but not a loop
-    assert degenerate_target_warning(natural, 8, 4) is None
-    assert degenerate_target_warning(torch.tensor([list(range(8)) + [9, 10, 11] * 8]), 8, 4) is not None
+    assert degenerate_target_warning(lookup_tau(natural, 8, 4), 4) is None
+    looped = [list(range(8)) + [9, 10, 11] * 8]
+    assert degenerate_target_warning(lookup_tau(torch.tensor(looped), 8, 4), 4) is not None
+    # spec-eval's rows: any lengths, a prompt length per row; a row too short for a chain has no start
+    assert lookup_tau(looped + [[1, 2, 3]], [8, 3], 4) == lookup_tau(torch.tensor(looped), 8, 4)
+    assert lookup_tau([[1, 2, 3]], [3], 4) is None and degenerate_target_warning(None, 4) is None
     # A real model that always writes token 0: its lm_head is zero, so every logit ties and argmax is 0.
     looping = tmp_path / "looping"
     target = AutoModelForCausalLM.from_pretrained(target_dir)
@@ -358,3 +363,29 @@ def test_a_looping_target_is_named_degenerate_once_and_natural_text_is_not(shard
     out = capsys.readouterr().out
     assert out.count("the target looks degenerate") == 1 and "reaches tau 5.00 of at most 5" in out
     assert max(records(run, "tau_sim").values()) == 5.0  # the ceiling, whatever the draft learnt
+    # spec-eval stops at eos, which token 0 is: a looping target for it writes token 7 at every step. Dimension 0 of
+    # its residual stream is 1 for every token and no layer writes to it, so only token 7's logit is positive.
+    loops_on_7 = tmp_path / "loops-on-7"
+    with torch.no_grad():
+        target.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        target.lm_head.weight[7, 0] = 1.0
+    target.save_pretrained(loops_on_7)
+    for f in target_dir.glob("tokenizer*"):
+        (loops_on_7 / f.name).write_bytes(f.read_bytes())
+    capsys.readouterr()
+    result = tmp_path / "spec.json"
+    assert main(["spec-eval", "--target", str(loops_on_7), "--draft", str(run), "--num-prompts", "2", "--prompt-len",
+                 "8", "--max-new-tokens", "12", "--json", str(result)]) == 0
+    got = json.loads(result.read_text())
+    assert got["prompt_lookup_tau"] == 5.0 and got["generated_tokens"] == 24
+    err = capsys.readouterr().err
+    assert err.count("treadle: warning: the target looks degenerate") == 1
+    assert (f"reaches tau 5.00 of at most 5 on them; the draft's tau: {got['tau']:.2f}), so a tau near its ceiling"
+            in err)
+    # natural text: the random target's continuations do not loop, and spec-eval says nothing
+    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2", "--prompt-len",
+                 "8", "--max-new-tokens", "12", "--json", str(result)]) == 0
+    assert json.loads(result.read_text())["prompt_lookup_tau"] < 3 and "degenerate" not in capsys.readouterr().err

@@ -2,9 +2,9 @@
 that ships ``mtp.*`` written here without treadle's layout code, and a treadle run end to end.
 
 transformers has no MTP class for Qwen3-Next (``Qwen3NextConfig`` has no ``num_mtp_layers``; its model drops
-``mtp.*`` on load), so the consumer contract is written from vLLM's ``qwen3_next_mtp.py`` / speculators' converter as
-../shared/research/frontier-2026-11.md §1.2 summarises them: ``expected_mtp`` below is that layout for a config, by
-hand, and ``write_shipped`` stitches tensors under those names with safetensors and json only.
+``mtp.*`` on load), so the consumer contract is written from vLLM's ``qwen3_next_mtp.py`` (vllm-project/vllm
+``vllm/model_executor/models/qwen3_next_mtp.py`` @055e47c) and speculators' ``src/speculators/convert/mtp/converter.py``:
+``expected_mtp`` below is that layout for a config, by hand, and ``write_shipped`` stitches tensors under those names with safetensors and json only.
 
 Targets: ``HYBRID`` has a Gated-DeltaNet layer (transformers' torch fallback on CPU), ``FULL`` none. The run test
 trains and exports on both but decodes with spec-eval on ``FULL`` only: spec-eval's decode loop crops the target's

@@ -165,6 +165,7 @@ def evaluate_drafter(
 def _evaluate(target, drafter, prompts, gamma, max_new_tokens, eos_id, sampler, tree, temperature, top_p) -> dict:
     import torch
 
+    from treadle.speculative.acceptance import lookup_tau
     from treadle.speculative.decode import speculative_generate, summarize, target_generate
 
     def decode(prompt_ids, new_tokens):
@@ -175,12 +176,13 @@ def _evaluate(target, drafter, prompts, gamma, max_new_tokens, eos_id, sampler, 
     target_generate(target, torch.tensor([prompts[0]]), _WARMUP_TOKENS, eos_id, sampler)
     decode(torch.tensor([prompts[0]]), _WARMUP_TOKENS)
     forwards = _ForwardCounter(drafter)
-    results, target_tokens, target_seconds, mismatches = [], 0, 0.0, []
+    results, target_tokens, target_seconds, mismatches, texts = [], 0, 0.0, [], []
     for index, prompt in enumerate(prompts):
         prompt_ids = torch.tensor([prompt])
         reference, seconds = target_generate(target, prompt_ids, max_new_tokens, eos_id, sampler)
         target_tokens += len(reference)
         target_seconds += seconds
+        texts.append(list(prompt) + list(reference))
         result = decode(prompt_ids, max_new_tokens)
         results.append(result)
         position = first_mismatch(reference, result.tokens) if sampler.greedy else None
@@ -203,6 +205,9 @@ def _evaluate(target, drafter, prompts, gamma, max_new_tokens, eos_id, sampler, 
         tree=None if tree is None else list(tree) if isinstance(tree, tuple) else str(tree),
     )
     summary["speedup"] = summary["tokens_per_s_spec"] / summary["tokens_per_s_target"]
+    # Prompt lookup's tau on the target's own continuations: near gamma + 1 they loop, and any drafter's tau with them
+    # (speculative/acceptance.py, the draft run's warning). None when no continuation is longer than gamma.
+    summary["prompt_lookup_tau"] = lookup_tau(texts, [len(p) for p in prompts], gamma)
     # A chain of gamma one-token drafts runs the draft gamma times in a row per call, a DFlash block once: the cost
     # model's count (None: a drafter without a model, prompt lookup).
     summary["draft_forwards_per_round"] = (forwards.calls / summary["verify_calls"]
@@ -301,6 +306,15 @@ def is_spec_eval_json(path: Path) -> bool:
 
 def _rate(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
+
+
+def _degenerate_warning(result: dict) -> str | None:
+    """The draft run's warning on a target whose own continuations loop, with prompt lookup's tau beside the
+    drafter's (None when they do not loop)."""
+    from treadle.speculative.acceptance import degenerate_target_warning as warning
+
+    sampled = "sampled continuations" if result["temperature"] > 0 else "greedy continuations"
+    return warning(result.get("prompt_lookup_tau"), result["gamma"], "tau", result["tau"], sampled)
 
 
 def _print_report(result: dict, target_dir: Path) -> None:
@@ -408,6 +422,9 @@ def run(args: argparse.Namespace) -> int:
                        threads=args.threads, tree=args.tree, temperature=args.temperature, top_p=args.top_p,
                        seed=args.seed, device=args.device)
     _print_report(result, Path(result["target"]))
+    warning = _degenerate_warning(result)
+    if warning is not None:
+        print(warning, file=sys.stderr)
     for m in result["mismatches"]:
         print(f"treadle: not lossless: prompt {m['prompt']} differs from the target's greedy output "
               f"at generated token {m['position']}", file=sys.stderr)

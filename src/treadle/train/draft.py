@@ -15,7 +15,7 @@ import torch
 
 from treadle.config import DraftConfig
 from treadle.errors import UserError
-from treadle.speculative.acceptance import chain_acceptance, lookup_tau
+from treadle.speculative.acceptance import chain_acceptance, degenerate_target_warning, lookup_tau
 from treadle.train.callbacks import Callback, EvalCallback
 from treadle.train.step import StepResult
 
@@ -32,23 +32,6 @@ def eval_prompts(dataset, n: int, prompt_len: int) -> torch.Tensor:
         raise UserError(f"draft.eval_prompt_len = {prompt_len} exceeds data.seq_len = {dataset.seq_len}")
     count = min(n, len(dataset))
     return torch.stack([dataset[i]["input_ids"][:prompt_len] for i in range(count)])
-
-
-# Prompt lookup (no model) gaining half of what a perfect draft gains on the target's own greedy text means that
-# text loops. Natural text is far below: the built-in corpus's held-out Python gives tau 1.7 of 5 at gamma 4, an
-# under-trained demo target that writes "the the the ..." 3.7.
-DEGENERATE_LOOKUP_SHARE = 0.5
-
-
-def degenerate_target_warning(texts: torch.Tensor, prompt_len: int, gamma: int) -> str | None:
-    """One line when the target's greedy continuations repeat themselves, else None."""
-    tau = lookup_tau(texts, prompt_len, gamma)
-    if tau - 1 < DEGENERATE_LOOKUP_SHARE * gamma:
-        return None
-    return (f"treadle: warning: the target looks degenerate: its greedy continuations of the eval prompts repeat "
-            f"themselves (prompt lookup, with no model, reaches tau {tau:.2f} of at most {gamma + 1} on them), so a "
-            "tau_sim near its ceiling says little about the draft; use a target that writes varied text "
-            "(trained longer, or a real model)")
 
 
 class AcceptanceCallback(EvalCallback):
@@ -76,7 +59,8 @@ class AcceptanceCallback(EvalCallback):
         if self.texts is None:
             self.texts = model.continue_greedily(self.prompts.to(trainer.engine.device), self.cfg.eval_new_tokens)
             if trainer.console.enabled:  # the rank that prints; once: the target and its texts never change
-                warning = degenerate_target_warning(self.texts, self.prompts.shape[1], self.cfg.gamma)
+                lookup = lookup_tau(self.texts, self.prompts.shape[1], self.cfg.gamma)
+                warning = degenerate_target_warning(lookup, self.cfg.gamma)
                 if warning is not None:
                     trainer.console.print(warning)
         with trainer.autocast():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from treadle.drafts.dflash import settings
 from treadle.drafts.dflash.drafter import DFlashDrafter
+from treadle.drafts.dflash import layout as dflash_layout
 from treadle.drafts.dflash.layout import export as dflash_export
 from treadle.drafts.dflash.model import build_dflash, load_dflash
 from treadle.drafts.dflash.objective import dflash_setup
@@ -29,6 +32,12 @@ class DFlash(DraftKind):
         """Always z-lab's DFlashDraftModel layout vLLM and SGLang load (dflash/layout.py: config.json a Qwen3 config
         with dflash_config, ``model.safetensors`` under z-lab's names, no embedding or head)."""
         return dflash_export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
+
+    def write_extra(self, directory: Path, weights: dict, config: dict | None = None) -> None:
+        """``dflash.py``, the model config.json's ``auto_map`` names: transformers' remote code for the directory
+        (``AutoModel.from_pretrained(dir, trust_remote_code=True)``, as z-lab's drafts load; dflash/remote_code.py).
+        vLLM and SGLang read the directory without it."""
+        (Path(directory) / dflash_layout.REMOTE_CODE).write_bytes(dflash_layout.remote_code())
 
 
 DFLASH = DFlash()

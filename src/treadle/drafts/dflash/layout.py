@@ -1,5 +1,7 @@
 """The DFlash draft on disk: z-lab's ``DFlashDraftModel`` layout, what vLLM (``qwen3_dflash.py``) and SGLang
-(``models/dflash.py``) load (../shared/research/dflash-offline.md §1.4).
+(``models/dflash.py``) load (vllm-project/vllm ``vllm/model_executor/models/qwen3_dflash.py`` @036a00d1;
+sgl-project/sglang ``python/sglang/srt/models/dflash.py`` @003b23d7; the released config, sgl-project/SpecForge
+``configs/qwen3-8b-dflash.json``).
 
 The one place where treadle's names, config keys and layer-index convention meet the consumers'. treadle writes
 this layout (a run's ``draft/``, ``treadle export``) and reads it back (``spec-eval --draft``, ``draft.init``).
@@ -9,12 +11,15 @@ this layout (a run's ``draft/``, ``treadle export``) and reads it back (``spec-e
   ``layer_types`` all ``full_attention``: bidirectional inside the block in both engines), ``block_size`` both
   top-level (older readers) and in ``dflash_config`` (SGLang reads it there first), ``num_target_layers`` and
   ``dflash_config = {mask_token_id, target_layer_ids, block_size}``.
-- **Layer ids** (trap 1 of the research brief): ``dflash_config.target_layer_ids`` are z-lab's 0-based indices of
+- **Layer ids** (a silent trap): ``dflash_config.target_layer_ids`` are z-lab's 0-based indices of
   the decoder layer whose output is read (z-lab reads ``hidden_states[id + 1]``; vLLM and SGLang add 1). treadle's
   one internal convention is the output_hidden_states index, so z-lab id = treadle index - 1, converted here only.
 - ``model.safetensors``: ``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj``,
   ``layers.{i}.self_attn.{q,k}_norm``, ``layers.{i}.mlp.{gate,up,down}_proj``,
   ``layers.{i}.{input,post_attention}_layernorm``, no embedding and no head (both engines use the target's).
+- ``dflash.py``: the model code ``auto_map`` names (``remote_code.py``, written by ``DFlash.write_extra``), so
+  ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` opens the directory as z-lab's drafts open. vLLM,
+  SGLang and treadle never import it.
 
 Engines skip names they do not know without a word (SGLang), so every conversion is checked both ways: a name
 left over or missing is refused, never written or loaded.
@@ -23,6 +28,7 @@ left over or missing is refused, never written or loaded.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import torch
 
@@ -31,6 +37,14 @@ from treadle.errors import UserError
 
 ARCHITECTURE = "DFlashDraftModel"
 MODEL_TYPE = "qwen3"
+# transformers' remote code beside the weights, what ``auto_map`` names (z-lab's drafts ship theirs the same way).
+REMOTE_CODE = "dflash.py"
+AUTO_MAP = {"AutoModel": f"{Path(REMOTE_CODE).stem}.{ARCHITECTURE}"}
+
+
+def remote_code() -> bytes:
+    """The ``dflash.py`` an export carries: treadle's remote_code.py, which imports torch and transformers only."""
+    return (Path(__file__).with_name("remote_code.py")).read_bytes()
 
 # treadle's per-layer parameter (inside ``layers.{i}.``) -> z-lab's.
 LAYER_NAMES = {
@@ -99,7 +113,7 @@ def config_of(draft, target_config, dtype: torch.dtype, extra: dict) -> dict:
     config = {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "auto_map": AUTO_MAP,
         "num_hidden_layers": draft.num_layers,
         # the rotary the draft computes with (eagle3's draft_rotary: the target's theta and scaling over the whole
         # head); rope_theta is always written: vLLM assumes 1e6 for a DFlash config without one

@@ -1,7 +1,8 @@
 """DFlash: a block draft that proposes ``block_size - 1`` tokens in one forward over the target's fused features.
 
-Written from the DFlash design as z-lab's reference model, SpecForge and speculators describe it
-(../shared/research/dflash-offline.md Part 1):
+Written from the DFlash design as z-lab's reference model (z-lab/dflash ``dflash/model.py`` @44947fb), SpecForge
+(sgl-project/SpecForge ``specforge/modeling/draft/dflash.py``) and speculators (vllm-project/speculators
+``src/speculators/models/dflash/``) describe it:
 
     c_t = hidden_norm(fc([h_l1 ; ... ; h_ln]_t))        the chosen target layers' states at context token t,
                                                         fused once (``feature_layers``: output_hidden_states

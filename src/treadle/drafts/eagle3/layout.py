@@ -1,8 +1,11 @@
 """The EAGLE-3 draft on disk: the original EAGLE layout that vLLM, SGLang, SpecForge and TensorRT-LLM load.
 
 The one place where treadle's parameter names, config keys and layer-index convention meet the consumers'
-(../shared/research/serving-formats.md §2.1-2.3, §4-6). treadle writes this layout (a run's ``draft/``,
-``treadle export``) and reads it back (``spec-eval --draft``, ``draft.init``): one format, not two.
+(SafeAILab/EAGLE ``eagle/traineagle3/cnets.py``; vllm-project/vllm ``vllm/model_executor/models/llama_eagle3.py``
+@00bd1493 and ``vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`` @0cfdd2e1; sgl-project/sglang
+``python/sglang/srt/models/llama_eagle3.py`` @d737979; sgl-project/SpecForge ``configs/llama3-8B-eagle3.json``;
+NVIDIA/Model-Optimizer ``modelopt/torch/export/plugins/hf_spec_export.py``). treadle writes this layout (a run's
+``draft/``, ``treadle export``) and reads it back (``spec-eval --draft``, ``draft.init``): one format, not two.
 
 - ``config.json``: a Hugging Face Llama config (``architectures = ["LlamaForCausalLMEagle3"]``, ``model_type =
   "llama"``, one layer, the target's dimensions, rotary settings and ``max_position_embeddings``,

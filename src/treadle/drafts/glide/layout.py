@@ -2,7 +2,7 @@
 
 The one place where treadle's GLIDE parameter names meet LongSpec's (sail-sg/LongSpec ``longspec/test/llama_glide.py``
 and ``qwen2_glide.py``, ``LlamaGlideDecoderLayer`` / ``Qwen2GlideDecoderLayer``; its trainer's ``save_model``;
-../shared/research/serving-formats.md §3, §4). treadle writes this layout (a run's ``draft/``, ``treadle export``)
+read at sail-sg/LongSpec @15e4998). treadle writes this layout (a run's ``draft/``, ``treadle export``)
 and reads it back (``spec-eval --draft``, ``draft.init``), as it reads a LongSpec draft trained elsewhere.
 
 - ``config.json``: the target's own Hugging Face config (``LlamaConfig`` / ``Qwen2Config``: LongSpec's layer reads

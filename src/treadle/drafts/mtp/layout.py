@@ -2,7 +2,9 @@
 
 treadle's own names are those of transformers' ``MtpLayer`` for every family (``enorm``, ``hnorm``, ``eh_proj``,
 ``mtp_block.*`` with fused experts, ``post_norm``); a ``Family`` says what each is called in the family's checkpoint,
-where the layer sits there, and how its serving engines run it (../shared/research/frontier-2026-11.md §1.2).
+where the layer sits there, and how its serving engines run it (vllm-project/vllm
+``vllm/model_executor/models/deepseek_mtp.py`` @03356f8, ``qwen3_next_mtp.py`` @055e47c, ``gemma4_mtp.py`` @03b6016;
+vllm-project/speculators ``src/speculators/convert/mtp/converter.py``).
 
 DeepSeek-V3 / GLM-4-MoE (``DEEPSEEK``; any transformers family with ``num_mtp_layers`` takes this layout): module
 ``N = num_hidden_layers`` of the target checkpoint is the MTP layer (what vLLM ``method: "mtp"``, SGLang ``NEXTN`` and

@@ -5,7 +5,8 @@ from __future__ import annotations
 NAME = "mtp"
 KEYS = ("init", "ttt_steps")
 # FastMTP's and speculators' recursive depth: the engines replay the one module num_speculative_tokens times, and
-# training the replay up to 3 deep is what both report gains for (../shared/research/frontier-2026-11.md §1.3).
+# training the replay up to 3 deep is what both report gains for (FastMTP, arXiv 2509.18362; vllm-project/speculators
+# ``docs/user_guide/algorithms/mtp.md`` and PR #366).
 TTT_STEPS = 3
 LAYOUTS = ("treadle",)  # draft.layout unset: the export is always the target family's own checkpoint layout
 # Why draft.layout / draft.window are refused (drafts/settings.py words the one-line refusals).
