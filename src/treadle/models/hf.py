@@ -109,21 +109,21 @@ def state_tokenizer_ids(model: PreTrainedModel, ids: dict) -> None:
 FAR_LARGER = 2.0
 
 
-def _vocabulary_source(cfg: ModelConfig) -> tuple[str, bool]:
-    """(what gave the model its vocabulary, for lines; whether model.overrides can change it)."""
-    if cfg.path is None:
-        return f"model.preset {cfg.preset!r} with model.overrides", True
+def _vocabulary_remedy(cfg: ModelConfig, size: int) -> tuple[str, str]:
+    """(what gave the model its vocabulary, what would make it fit a tokenizer of ``size`` tokens), for lines."""
+    own = "data.tokenizer = the model's own tokenizer directory"
+    if cfg.path is None:  # the preset takes the tokenizer's size: only model.overrides changes it
+        return (f"model.preset {cfg.preset!r} with model.overrides",
+                f"model.overrides without vocab_size (the tokenizer's), or vocab_size = {size}")
     if config_only_dir(cfg) is not None:
-        return f"model.path {cfg.path} (config.json)", True
-    return f"model.path {cfg.path}", False
+        return f"model.path {cfg.path} (config.json)", f"{own}, or model.overrides = {{vocab_size = {size}}}"
+    return f"model.path {cfg.path}", own
 
 
 def vocabulary_fit(vocab: int, tokenizer: RunTokenizer, cfg: ModelConfig) -> str | None:
     """Refuse a model vocabulary smaller than the tokenizer's (its ids would index past the embedding); a warning
     line (for the run's console) when it is more than FAR_LARGER times the tokenizer's, else None."""
-    source, overridable = _vocabulary_source(cfg)
-    remedy = ("data.tokenizer = the model's own tokenizer directory"
-              + (f", or model.overrides = {{vocab_size = {tokenizer.size}}}" if overridable else ""))
+    source, remedy = _vocabulary_remedy(cfg, tokenizer.size)
     if vocab < tokenizer.size:
         raise UserError(f"{source} has vocab_size {vocab:,}, smaller than {tokenizer.describe()}; accepted: a "
                         f"vocabulary that covers the tokenizer: {remedy}")
