@@ -49,11 +49,12 @@ def build_model(cfg: ModelConfig, vocab_size: int, empty: bool = False,
     ``from_scratch_line``'s lines, once, where it should.
     """
     tokenizer = tokenizer or RunTokenizer(vocab_size)
-    if cfg.path is not None and config_only_dir(cfg) is None:
+    scratch = config_only_dir(cfg)
+    if cfg.path is not None and scratch is None:
         model = load_causal_lm(Path(cfg.path), "model.path", empty)
         vocabulary_fit(model.config.vocab_size, tokenizer, cfg)
     else:
-        hf_config = _config_json(config_only_dir(cfg), cfg) if cfg.path is not None else _preset_config(cfg, vocab_size)
+        hf_config = _config_json(scratch, cfg) if scratch is not None else _preset_config(cfg, vocab_size)
         vocabulary_fit(hf_config.vocab_size, tokenizer, cfg)  # before a large embedding is allocated
         for key, value in stated_ids(hf_config.to_dict(), tokenizer.ids, generation=False).items():
             setattr(hf_config, key, value)  # before the build: the embedding's padding_idx is read from it

@@ -172,8 +172,8 @@ class Notes:
     """Lines about the model the run prints after its start line, on rank 0: ``always`` on every start, ``fresh``
     on a fresh start only (what a resumed run's checkpoint makes untrue, such as "random weights")."""
 
-    always: list[str]
-    fresh: list[str]
+    always: list[str | None]  # None: nothing to say
+    fresh: list[str | None]
 
     def lines(self, resumed: bool) -> list[str]:
         return [line for line in self.always + ([] if resumed else self.fresh) if line]
@@ -204,7 +204,8 @@ def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     tokenizer = RunTokenizer.from_meta(meta)
     model = build_model(cfg.model, meta["vocab_size"], empty=empty, tokenizer=tokenizer)
     _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
-    vocabulary = vocabulary_fit(model.config.vocab_size, tokenizer, cfg.model)  # a warning, on every start
+    # build_model refused a vocabulary below the tokenizer's; one far larger is a warning, printed on every start
+    vocabulary = vocabulary_fit(model.config.vocab_size, tokenizer, cfg.model)
     chunk = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.config.vocab_size)
     if cfg.distributed.tensor_parallel > 1:  # the loss runs on vocabulary shards instead (config refuses a number)
         chunk = 0
@@ -219,7 +220,7 @@ def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     out = Path(cfg.train.output_dir) / "hf"
     export = ExportCallback(out, data.tokenizer_dir, meta.get("chat_template"))
     objective = router_objective(model, cfg.model)
-    notes = Notes(always=[vocabulary] if vocabulary else [], fresh=[from_scratch_line(cfg.model)] if cfg.model.path else [])
+    notes = Notes(always=[vocabulary], fresh=[from_scratch_line(cfg.model)])
     if objective is None:
         return ModelSetup(model, model.config.vocab_size, loss_sum, None, [], export, notes=notes)
     return ModelSetup(model, model.config.vocab_size, objective, objective.evaluate, [], export,
