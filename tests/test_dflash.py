@@ -274,6 +274,8 @@ def test_dflash_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_ta
     assert config["treadle_draft_kind"] == "dflash" and config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"]["target_layer_ids"] == [0, 2] and config["block_size"] == 6
     assert config["dflash_config"]["mask_token_id"] == 511  # the data's tokenizer fills all 512 rows: the last
+    # the tokenizer's ids (<|endoftext|> = 0), not the target config's (LlamaConfig's defaults: bos 1, eos 2)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 0)
     assert "fc.weight" in wa and not [k for k in wa if "embed" in k or "lm_head" in k]
     assert (a / "draft" / "dflash.py").read_bytes() == layout.remote_code()  # what auto_map names
     # treadle export rebuilds the same export from the last checkpoint.

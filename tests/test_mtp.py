@@ -145,6 +145,11 @@ def test_mtp_run_trains_resumes_exports_and_runs_in_transformers_generate(shards
         f"model.layers.{N_LAYERS}.{s}" for s in layout.shared_names(layout.DEEPSEEK)} == mtp
     assert torch.equal(ours[f"model.layers.{N_LAYERS}.shared_head.head.weight"], theirs["lm_head.weight"])
     assert json.loads((stitched / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    # The layer's config states the ids of the tokenizer beside it (<|endoftext|> = 0), not the target config's
+    # (DeepSeek-V3's defaults: eos 1); the stitched copy keeps the target's config, the identity its draft checks.
+    c = json.loads((a / "draft" / "config.json").read_text())
+    assert (c["bos_token_id"], c["eos_token_id"]) == (0, 0)
+    assert json.loads((stitched / "config.json").read_text())["eos_token_id"] == 1
 
     # transformers' own classes: the stitched checkpoint's greedy generate with use_mtp equals plain greedy.
     main_model = AutoModelForCausalLM.from_pretrained(stitched).eval()

@@ -217,6 +217,13 @@ def build_cached(final: Path, marker: str, build: Callable[[Path], object], what
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def is_builtin_tokenizer(path) -> bool:
+    """Whether ``path`` is one of the built-in tokenizers' cached directories (``builtin_tokenizer_dir``); cheap:
+    the corpus is not hashed again."""
+    path = Path(path).absolute()
+    return path.parent == cache_dir().absolute() and path.name.startswith("tokenizer-")
+
+
 def builtin_tokenizer_dir(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
     """The built-in tokenizer (byte-level BPE on the corpus train split), trained once and cached."""
     final = cache_dir() / f"tokenizer-{corpus_key(f'vocab={vocab_size}')}"

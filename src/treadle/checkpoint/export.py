@@ -66,6 +66,26 @@ def atomic_directory(out: Path, command: str) -> Iterator[Path]:
         raise
 
 
+def state_tokenizer_ids(directory: Path, tokenizer_dir: Path) -> None:
+    """An export's Hugging Face ``config.json`` (one with a ``model_type``) and ``generation_config.json`` state the
+    bos / eos / pad ids of the tokenizer in ``tokenizer_dir`` (``tokenizer.stated_ids``): the tokenizer an export
+    carries and the ids its model stops and pads on never disagree, whatever config the model (or a draft's target)
+    came with. Only ``directory``'s own files: a copy of the target inside it (an MTP export's ``stitched/``) keeps
+    the target's config, which is the identity (config fingerprint) its draft is checked against."""
+    from treadle.tokenizer import special_ids, stated_ids
+
+    ids = special_ids(tokenizer_dir)
+    for name, generation in (("config.json", False), ("generation_config.json", True)):
+        path = Path(directory) / name
+        if not path.is_file():
+            continue
+        config = json.loads(path.read_text())
+        if not generation and "model_type" not in config:  # treadle's own draft config: no model to stop
+            continue
+        path.write_text(json.dumps({**config, **stated_ids(config, ids, generation)}, indent=2, sort_keys=generation)
+                        + "\n")
+
+
 def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | None, out: Path,
               dtype: str = "fp32", enabled: bool = True, command: str = "train", chat_template: str | None = None) -> Path:
     """``chat_template`` (Jinja): what an SFT run rendered conversations with; the exported tokenizer gets it
@@ -92,6 +112,7 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
             if chat_template is not None:  # treadle's built-in template, or the tokenizer's own again
                 tokenizer.chat_template = chat_template
             tokenizer.save_pretrained(tmp)
+            state_tokenizer_ids(tmp, tokenizer_dir)
     return out
 
 
@@ -129,6 +150,7 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         if (Path(target_dir) / "tokenizer.json").is_file():  # the draft decodes with its target's tokenizer
             AutoTokenizer.from_pretrained(target_dir).save_pretrained(tmp)
+            state_tokenizer_ids(tmp, target_dir)
     return out
 
 
@@ -143,6 +165,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     from treadle.checkpoint.safety import loading, safe_dcp_load
     from treadle.config import load_config
     from treadle.models.hf import build_model
+    from treadle.tokenizer import RunTokenizer
 
     _torch_dtype(dtype)  # a bad dtype is refused before the checkpoint is read
     claim_export(out)  # before the checkpoint is read: a refusal costs nothing
@@ -161,7 +184,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
         model, target_dir, identity = build_draft(cfg.draft, meta["vocab_size"], meta["tokenizer_fingerprint"])
         module, prefix = model.draft_model, "draft_model."
     else:
-        model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"])
+        model = build_model(cfg.model, meta["vocab_size"], tokenizer=RunTokenizer.from_meta(meta))
         module, prefix = model, ""
     # Only the trained module's entries: optimizer state and frozen tensors stay on disk (or were never there).
     state = {"model": {prefix + k: v for k, v in module.state_dict().items()}}

@@ -143,7 +143,8 @@ class ResilienceConfig(Section):
 class ModelConfig(Section):
     preset: str = Field("tiny", description="built-in architecture, used when model.path is unset")
     path: str | None = Field(None, description="local Hugging Face model directory to load (a treadle run directory: "
-                             "its hf/); one holding a config.json and no weights: that architecture, random weights")
+                             "its hf/); one holding a config.json and no weights: that architecture, random weights, "
+                             "model.overrides on top")
     dtype: Literal["auto", "fp32", "bf16", "bf16-weights"] = Field(
         "auto", description="bf16 = autocast over fp32 weights; bf16-weights = bf16 parameters and activations, the "
         "optimizer updating an fp32 master copy (local engine); auto = the fastest here: bf16 on CUDA from Ampere on, "
@@ -159,7 +160,7 @@ class ModelConfig(Section):
     activation_checkpointing_save_ops: list[str] = Field(
         default_factory=list, description="selective: aten op names whose outputs are kept (e.g. 'mm', "
                                           "'_scaled_dot_product_flash_attention_for_cpu'); [] = matmuls and attention")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="HF config fields set on top of the preset")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="HF config fields set on top of the preset, or of a model.path config.json without weights")
     router_aux_loss_coef: float | None = Field(
         None, ge=0.0, description="MoE models: weight of the router load-balancing loss added to the loss; unset = the "
         "HF config's own router_aux_loss_coef (0.001 Mixtral/Qwen-MoE, 0.01 OLMoE); a model without experts refuses > 0")

@@ -23,6 +23,7 @@ from treadle.config import ModelConfig
 from treadle.corpus import cache_dir
 from treadle.errors import UserError, first_line
 from treadle.model_dirs import resolve_model_dir
+from treadle.tokenizer import ID_KEYS, RunTokenizer, stated_ids
 
 
 def preset_names() -> list[str]:
@@ -35,35 +36,103 @@ def load_preset(name: str) -> dict:
     return json.loads(resources.files("treadle.presets").joinpath(f"{name}.json").read_text())
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None,
-                empty: bool = False) -> PreTrainedModel:
+def build_model(cfg: ModelConfig, vocab_size: int, empty: bool = False,
+                tokenizer: RunTokenizer | None = None) -> PreTrainedModel:
     """An fp32 model on CPU; the caller moves it and seeds torch beforehand (init is random).
 
+    ``tokenizer``: the run's (``vocab_size`` tokens): a model whose vocabulary is smaller is refused, and its
+    bos / eos / pad ids are written into the model's config and generation config, before the model is built
+    where it is built from a config, so a model and its tokenizer never disagree (an export writes both). None: a
+    tokenizer of ``vocab_size`` tokens whose ids are not known (tests, models built in Python).
     ``empty``: a model from ``model.path`` is built on the meta device, its weights read later, shard by shard
-    (``sharded_load.materialize``), where the files allow it.
+    (``sharded_load.materialize``), where the files allow it. Says nothing: the run prints ``vocabulary_fit``'s and
+    ``from_scratch_line``'s lines, once, where it should.
     """
-    if cfg.path is not None and not has_weights(resolve_model_dir(Path(cfg.path), "model.path")):
-        model = _from_config_json(resolve_model_dir(Path(cfg.path), "model.path"))
-    elif cfg.path is not None:
+    tokenizer = tokenizer or RunTokenizer(vocab_size)
+    scratch = config_only_dir(cfg)
+    if cfg.path is not None and scratch is None:
         model = load_causal_lm(Path(cfg.path), "model.path", empty)
-        if model.config.vocab_size < vocab_size:
-            raise UserError(
-                f"model.path {cfg.path} has vocab_size {model.config.vocab_size}, smaller than the data's "
-                f"{vocab_size}; accepted: a model whose vocabulary covers the tokenizer"
-            )
+        vocabulary_fit(model.config.vocab_size, tokenizer, cfg)
     else:
-        fields = load_preset(cfg.preset) | {"vocab_size": vocab_size, "bos_token_id": bos_id, "eos_token_id": eos_id}
-        fields |= cfg.overrides
-        model_type = fields.pop("model_type")
-        try:
-            hf_config = AutoConfig.for_model(model_type, **fields)
-        except (ValueError, TypeError) as exc:
-            raise UserError(f"model.overrides / preset {cfg.preset!r} give an invalid HF config: {exc}") from None
-        check_overrides(hf_config, cfg.overrides)
+        hf_config = _config_json(scratch, cfg) if scratch is not None else _preset_config(cfg, vocab_size)
+        vocabulary_fit(hf_config.vocab_size, tokenizer, cfg)  # before a large embedding is allocated
+        for key, value in stated_ids(hf_config.to_dict(), tokenizer.ids, generation=False).items():
+            setattr(hf_config, key, value)  # before the build: the embedding's padding_idx is read from it
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    state_tokenizer_ids(model, tokenizer.ids)
     # Packed sequences only stay isolated on CPU sdpa/eager without a KV cache (PLATFORM.md).
     model.config.use_cache = False
     return model
+
+
+def _preset_config(cfg: ModelConfig, vocab_size: int):
+    fields = load_preset(cfg.preset) | {"vocab_size": vocab_size} | cfg.overrides
+    model_type = fields.pop("model_type")
+    try:
+        hf_config = AutoConfig.for_model(model_type, **fields)
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"model.overrides / preset {cfg.preset!r} give an invalid HF config: {exc}") from None
+    check_overrides(hf_config, cfg.overrides)
+    return hf_config
+
+
+def _config_json(path: Path, cfg: ModelConfig):
+    """The HF config of a ``model.path`` that holds a config.json and no weights, ``model.overrides`` on top (its
+    vocab_size above all: a config written for another tokenizer)."""
+    from treadle.quiet import hf_quiet
+
+    try:
+        with hf_quiet():
+            read = AutoConfig.from_pretrained(path)
+        hf_config = type(read)(**(read.to_dict() | cfg.overrides))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"model.path {path}: its config.json (with model.overrides) cannot build an "
+                        f"AutoModelForCausalLM: {first_line(exc)}") from None
+    check_overrides(hf_config, cfg.overrides)
+    return hf_config
+
+
+def state_tokenizer_ids(model: PreTrainedModel, ids: dict) -> None:
+    """The tokenizer's bos / eos / pad ids (``ids``: the keys known) in ``model``'s config and generation config,
+    as ``tokenizer.stated_ids`` says each file states them."""
+    for target, generation in ((model.config, False), (getattr(model, "generation_config", None), True)):
+        if target is None:  # a model that cannot generate has no generation config
+            continue
+        current = {key: getattr(target, key, None) for key in ID_KEYS}
+        for key, value in stated_ids(current, ids, generation).items():
+            setattr(target, key, value)
+
+
+# Twice the tokenizer's size: models round their embedding up to a multiple of 64 or 128 rows (Qwen3 keeps 151,669
+# tokens in 151,936 rows, Phi-3 32,011 in 32,064: well under 1% spare), so more than twice is another tokenizer's
+# vocabulary, not padding; over half the embedding and head rows would then take parameters, optimizer state and
+# head FLOPs and never see a token.
+FAR_LARGER = 2.0
+
+
+def _vocabulary_remedy(cfg: ModelConfig, size: int) -> tuple[str, str]:
+    """(what gave the model its vocabulary, what would make it fit a tokenizer of ``size`` tokens), for lines."""
+    own = "data.tokenizer = the model's own tokenizer directory"
+    if cfg.path is None:  # the preset takes the tokenizer's size: only model.overrides changes it
+        return (f"model.preset {cfg.preset!r} with model.overrides",
+                f"model.overrides without vocab_size (the tokenizer's), or vocab_size = {size}")
+    if config_only_dir(cfg) is not None:
+        return f"model.path {cfg.path} (config.json)", f"{own}, or model.overrides = {{vocab_size = {size}}}"
+    return f"model.path {cfg.path}", own
+
+
+def vocabulary_fit(vocab: int, tokenizer: RunTokenizer, cfg: ModelConfig) -> str | None:
+    """Refuse a model vocabulary smaller than the tokenizer's (its ids would index past the embedding); a warning
+    line (for the run's console) when it is more than FAR_LARGER times the tokenizer's, else None."""
+    source, remedy = _vocabulary_remedy(cfg, tokenizer.size)
+    if vocab < tokenizer.size:
+        raise UserError(f"{source} has vocab_size {vocab:,}, smaller than {tokenizer.describe()}; accepted: a "
+                        f"vocabulary that covers the tokenizer: {remedy}")
+    if vocab > FAR_LARGER * tokenizer.size:
+        return (f"treadle: warning: {source} has vocab_size {vocab:,}, {vocab / tokenizer.size:.1f}x "
+                f"{tokenizer.describe()}: {1 - tokenizer.size / vocab:.0%} of the embedding rows are never used; "
+                f"set {remedy}")
+    return None
 
 
 def check_overrides(hf_config, overrides: dict) -> None:
@@ -97,20 +166,24 @@ def has_weights(model_dir: Path) -> bool:
     return any(next(model_dir.glob(pattern), None) is not None for pattern in _WEIGHT_FILES)
 
 
-def _from_config_json(path: Path) -> PreTrainedModel:
-    """model.path at a directory that holds a config.json and no weights: that architecture, random weights (the
-    usual way to say "train this model from scratch"), with one line saying so."""
-    from treadle.quiet import hf_quiet
+def config_only_dir(cfg: ModelConfig) -> Path | None:
+    """The directory of a ``model.path`` that holds a config.json and no weights (the usual way to say "train this
+    architecture from scratch"), else None."""
+    if cfg.path is None:
+        return None
+    model_dir = resolve_model_dir(Path(cfg.path), "model.path")
+    return None if has_weights(model_dir) else model_dir
 
-    try:
-        with hf_quiet():
-            hf_config = AutoConfig.from_pretrained(path)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"model.path {path}: its config.json cannot build an AutoModelForCausalLM: {first_line(exc)}") from None
-    print(f"treadle: model.path {path} holds a config.json and no weights: a {hf_config.model_type} model built from "
-          "it with random weights (training from scratch)", file=sys.stderr)
-    return model
+
+def from_scratch_line(cfg: ModelConfig) -> str | None:
+    """The line a fresh run from a config.json without weights starts with (a resumed run's weights are its
+    checkpoint's, an export's are the checkpoint's: neither says it)."""
+    path = config_only_dir(cfg)
+    if path is None:
+        return None
+    model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
+    return (f"treadle: model.path {path} holds a config.json and no weights: a {model_type} model built from it "
+            "with random weights (training from scratch)")
 
 
 def load_causal_lm(path: Path, key: str, empty: bool = False) -> PreTrainedModel:

@@ -40,7 +40,8 @@ from treadle.metrics.flops import (attention_dims, forward_flops_per_token, matm
 from treadle.metrics.sinks import Console, JsonlSink, Sinks, check_sinks_installed, open_optional_sinks
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
-from treadle.models.hf import build_model, compile_layers, count_parameters, persistent_compile_cache, trainable_parameters
+from treadle.models.hf import (build_model, compile_layers, count_parameters, from_scratch_line, persistent_compile_cache,
+                               trainable_parameters, vocabulary_fit)
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
 from treadle.drafts.features.run import attach_store, is_speculators_store, refuse_unstorable, speculators_samples
 from treadle.drafts.registry import build_draft, kind
@@ -55,7 +56,7 @@ from treadle.train.rundir import check_output_dir, check_resume, prepare_output_
 from treadle.train.step import loss_sum
 from treadle.train.trainer import Trainer
 from treadle.train.user_callbacks import load_callbacks
-from treadle.tokenizer import tokenizer_fingerprint
+from treadle.tokenizer import RunTokenizer, tokenizer_fingerprint
 
 
 @dataclass
@@ -167,6 +168,18 @@ def _tokenizer_dir(cfg: Config, train) -> Path | None:
 
 
 @dataclass
+class Notes:
+    """Lines about the model the run prints after its start line, on rank 0: ``always`` on every start, ``fresh``
+    on a fresh start only (what a resumed run's checkpoint makes untrue, such as "random weights")."""
+
+    always: list[str | None]  # None: nothing to say
+    fresh: list[str | None]
+
+    def lines(self, resumed: bool) -> list[str]:
+        return [line for line in self.always + ([] if resumed else self.fresh) if line]
+
+
+@dataclass
 class ModelSetup:
     """What the kind of run decides: the module trained, its loss, its evals and its export."""
 
@@ -177,6 +190,7 @@ class ModelSetup:
     eval_callbacks: list[Callback]
     export: ExportCallback | DraftExportCallback
     step_callbacks: list[Callback] = field(default_factory=list)  # before the metrics callback: add to the step's metrics
+    notes: Notes = field(default_factory=lambda: Notes([], []))
 
     def describe(self) -> str:
         trainable = trainable_parameters(self.model)
@@ -187,8 +201,11 @@ class ModelSetup:
 
 
 def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSetup:
-    model = build_model(cfg.model, meta["vocab_size"], bos_id=meta["eos_id"], eos_id=meta["eos_id"], empty=empty)
+    tokenizer = RunTokenizer.from_meta(meta)
+    model = build_model(cfg.model, meta["vocab_size"], empty=empty, tokenizer=tokenizer)
     _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
+    # build_model refused a vocabulary below the tokenizer's; one far larger is a warning, printed on every start
+    vocabulary = vocabulary_fit(model.config.vocab_size, tokenizer, cfg.model)
     chunk = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.config.vocab_size)
     if cfg.distributed.tensor_parallel > 1:  # the loss runs on vocabulary shards instead (config refuses a number)
         chunk = 0
@@ -203,10 +220,11 @@ def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     out = Path(cfg.train.output_dir) / "hf"
     export = ExportCallback(out, data.tokenizer_dir, meta.get("chat_template"))
     objective = router_objective(model, cfg.model)
+    notes = Notes(always=[vocabulary], fresh=[from_scratch_line(cfg.model)])
     if objective is None:
-        return ModelSetup(model, model.config.vocab_size, loss_sum, None, [], export)
+        return ModelSetup(model, model.config.vocab_size, loss_sum, None, [], export, notes=notes)
     return ModelSetup(model, model.config.vocab_size, objective, objective.evaluate, [], export,
-                      step_callbacks=[ExpertLoadCallback(objective, cfg.train.log_every)])
+                      step_callbacks=[ExpertLoadCallback(objective, cfg.train.log_every)], notes=notes)
 
 
 def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSetup:
@@ -456,14 +474,15 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     elif mesh.tp > 1 or mesh.sizes["dp_replicate"] > 1:
         where += f", {mesh.describe()}"
     trainer.console.print(
-        f"treadle: {setup.describe()} on {where}, {sum(o.dataset.num_tokens for o in data.sources):,} train tokens, "
+        f"treadle: {setup.describe()} on {where}, {RunTokenizer.from_meta(meta).describe()}, "
+        f"{sum(o.dataset.num_tokens for o in data.sources):,} train tokens, "
         f"{loader.global_batch} x {seq_len} tokens per step, {validation_words(cfg, data)}, run directory {out}"
     )
     if cfg.data.sources or any(o.kind == "sft" or o.skipped for o in data.sources):
         probs = data.mixture.probabilities(trainer.state.step)
         for o, p in zip(data.sources, probs):
             trainer.console.print(f"  source {o.describe()}, p={p:.3f}")
-    for line in auto_lines + unreached_phases(cfg):
+    for line in setup.notes.lines(resumed=resume_from is not None) + auto_lines + unreached_phases(cfg):
         trainer.console.print(line)
     return trainer
 
