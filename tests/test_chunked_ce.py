@@ -308,3 +308,48 @@ def test_the_capped_head_with_a_bias_and_a_scale_equals_its_formula():
     params = (hidden, linear.weight, linear.bias)
     for a, b in zip(torch.autograd.grad((got * weights).sum(), params), torch.autograd.grad((want * weights).sum(), params)):
         assert rel(a, b) <= RTOL64
+
+
+def _autograd_nodes(t: torch.Tensor) -> set[str]:
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and type(node).__name__ not in seen:
+            seen.add(type(node).__name__)
+            todo += [n for n, _ in node.next_functions]
+    return seen
+
+
+def test_the_installed_torch_picks_its_path_and_every_path_gives_the_same_numbers():
+    """torch >= 2.13 runs its fused F.linear_cross_entropy, an older torch treadle's own chunked op (this test runs
+    on both ends in CI: make test and make test-oldest); either equals a plain head + cross-entropy in float64."""
+    from torch.torch_version import TorchVersion
+
+    from treadle import compat
+    from treadle.models.chunked_ce import _ChunkedCrossEntropy
+
+    assert compat.HAS_LINEAR_CROSS_ENTROPY == (TorchVersion(torch.__version__) >= (2, 13))
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(ROWS, SEQ, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    lin = torch.nn.Linear(16, VOCAB, bias=True).double()
+    labels = batch()["labels"]
+
+    def scores(path):
+        for t in (hidden, lin.weight, lin.bias):
+            t.grad = None
+        loss = path()
+        (loss * torch.linspace(0.5, 2.0, loss.numel(), dtype=torch.float64).view(loss.shape)).sum().backward()
+        return loss.detach(), hidden.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone(), loss
+
+    head = ChunkedLMHead(lin, CHUNK, IGNORE_INDEX)
+    with scoring(head, labels):
+        *through_head, loss = scores(lambda: head(hidden))
+    own = "_ChunkedCrossEntropyBackward" in _autograd_nodes(loss)
+    assert own == (not compat.HAS_LINEAR_CROSS_ENTROPY), _autograd_nodes(loss)
+    *plain, _ = scores(lambda: F.cross_entropy(lin(hidden).transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
+                                               reduction="none"))
+    *by_hand, _ = scores(lambda: _ChunkedCrossEntropy.apply(hidden.flatten(0, 1), lin.weight, lin.bias,
+                                                            labels.flatten(), CHUNK, IGNORE_INDEX, None, None
+                                                            ).view(labels.shape))
+    for got, hand, want in zip(through_head, by_hand, plain):
+        assert rel(got, want) < RTOL64 and rel(hand, want) < RTOL64
