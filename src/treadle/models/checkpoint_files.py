@@ -1,6 +1,7 @@
 """Named tensors of a Hugging Face safetensors checkpoint, read without building its model: what a draft kind needs
 of its target's files (a layer transformers drops on load, tensors to copy while the target is still on the meta
-device) and what stitching a layer back into a copy of the checkpoint needs (which file holds which name)."""
+device) and what stitching a layer back into a copy of the checkpoint needs (which file holds which name). What is
+read is checked finite (models/finite.py): a refusal names the file and the tensor."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 from treadle.errors import UserError
+from treadle.models.finite import check_tensors
 
 INDEX = "model.safetensors.index.json"
 
@@ -42,7 +44,8 @@ def read_layer(model_dir: Path, prefix: str) -> dict:
         mine = [n for n in names if n.startswith(prefix)]
         if mine:
             with safe_open(str(Path(model_dir) / f), framework="pt") as h:
-                out.update({n[len(prefix):]: h.get_tensor(n) for n in mine})
+                tensors = check_tensors({n: h.get_tensor(n) for n in mine}, Path(model_dir) / f)
+            out.update({n[len(prefix):]: t for n, t in tensors.items()})
     return out
 
 
@@ -54,5 +57,5 @@ def read_target_tensor(model_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
         for n in names:
             if n in held:
                 with safe_open(str(Path(model_dir) / f), framework="pt") as h:
-                    return h.get_tensor(n)
+                    return check_tensors({n: h.get_tensor(n)}, Path(model_dir) / f)[n]
     raise UserError(f"{model_dir} holds none of {list(names)}; accepted: the target's own checkpoint")

@@ -260,8 +260,10 @@ def new_assistant(target, num_layers: int, target_dir: Path | None = None):
 
 def assistant_from_dir(model_dir, target, where: str):
     """The assistant a directory holds (``Gemma4AssistantForCausalLM.from_pretrained``: a frozen_kv export or a
-    shipped ``*-it-assistant``), every weight present and none left over, checked to fit ``target``."""
+    shipped ``*-it-assistant``), every weight present, finite, and none left over, checked to fit ``target``."""
     from transformers import Gemma4AssistantForCausalLM
+
+    from treadle.models.finite import check_module
 
     model_dir = Path(model_dir)
     try:
@@ -281,6 +283,7 @@ def assistant_from_dir(model_dir, target, where: str):
                         f"{sorted(info['unexpected_keys'])[:4]}, mismatched {list(info['mismatched_keys'])[:2]}; "
                         "accepted: a complete Gemma 4 assistant checkpoint")
     check_fits(assistant.config, target.config, f"{where} {model_dir}")
+    check_module(assistant, model_dir, where)
     return assistant.float()
 
 
