@@ -34,9 +34,10 @@ def safetensors_files(model_dir: Path) -> dict[str, list[str]]:
     return out
 
 
-def read_layer(model_dir: Path, prefix: str) -> dict:
+def read_layer(model_dir: Path, prefix: str, key: str | None = None) -> dict:
     """Every tensor of ``model_dir`` whose name starts with ``prefix``, by the name after it (transformers drops them
-    when it loads the target: ``_keys_to_ignore_on_load_unexpected``, so they are read here)."""
+    when it loads the target: ``_keys_to_ignore_on_load_unexpected``, so they are read here). ``key``: the setting
+    that named ``model_dir`` (draft.target, draft.init), for a refusal of weights that are not finite."""
     from safetensors import safe_open
 
     out = {}
@@ -44,18 +45,18 @@ def read_layer(model_dir: Path, prefix: str) -> dict:
         mine = [n for n in names if n.startswith(prefix)]
         if mine:
             with safe_open(str(Path(model_dir) / f), framework="pt") as h:
-                tensors = check_tensors({n: h.get_tensor(n) for n in mine}, Path(model_dir) / f)
+                tensors = check_tensors({n: h.get_tensor(n) for n in mine}, Path(model_dir) / f, key)
             out.update({n[len(prefix):]: t for n, t in tensors.items()})
     return out
 
 
-def read_target_tensor(model_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
-    """The first of ``names`` the checkpoint holds, as stored (bytes unchanged)."""
+def read_target_tensor(model_dir: Path, names: tuple[str, ...], key: str | None = None) -> torch.Tensor:
+    """The first of ``names`` the checkpoint holds, as stored (bytes unchanged); ``key`` as for ``read_layer``."""
     from safetensors import safe_open
 
     for f, held in safetensors_files(model_dir).items():
         for n in names:
             if n in held:
                 with safe_open(str(Path(model_dir) / f), framework="pt") as h:
-                    return check_tensors({n: h.get_tensor(n)}, Path(model_dir) / f)[n]
+                    return check_tensors({n: h.get_tensor(n)}, Path(model_dir) / f, key)[n]
     raise UserError(f"{model_dir} holds none of {list(names)}; accepted: the target's own checkpoint")

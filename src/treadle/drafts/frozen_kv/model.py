@@ -231,8 +231,9 @@ def head_and_layers(target, target_dir: Path | None, indices) -> tuple[torch.Ten
         return None
     from treadle.models.checkpoint_files import read_layer, read_target_tensor
 
-    head = read_target_tensor(Path(target_dir), ("lm_head.weight", "model.embed_tokens.weight"))  # Gemma ties them
-    return head, {i: read_layer(Path(target_dir), f"model.layers.{i}.") for i in indices}
+    head = read_target_tensor(Path(target_dir), ("lm_head.weight", "model.embed_tokens.weight"),  # Gemma ties them
+                              "draft.target")
+    return head, {i: read_layer(Path(target_dir), f"model.layers.{i}.", "draft.target") for i in indices}
 
 
 def new_assistant(target, num_layers: int, target_dir: Path | None = None):
