@@ -94,8 +94,8 @@ def test_a_draft_init_with_nan_is_refused_and_so_is_its_export_at_spec_eval(kind
 
 
 def test_the_check_syncs_once_and_names_the_first_bad_tensor_in_reading_order():
-    """Flags stay on the tensors' device until ``verify``; integer tensors are not looked at; a tensor longer than a
-    chunk is reduced in parts, its bad element found in any part."""
+    """Flags (0-dim, on the tensors' device) wait for ``verify``; integer tensors are not looked at; a finite tensor
+    whose sum overflows (fp16) is not refused; a tensor longer than a chunk is looked at in parts."""
     from treadle.models import finite
 
     check = FiniteCheck("draft.init")
@@ -103,9 +103,12 @@ def test_the_check_syncs_once_and_names_the_first_bad_tensor_in_reading_order():
     big[-1] = float("-inf")  # in the second chunk
     check.add(torch.ones(3), "a", "f1")
     check.add(torch.arange(4), "ids", "f1")
+    check.add(torch.full((4,), 60000.0, dtype=torch.float16), "overflows", "f1")  # its fp16 sum is inf
     check.add(big, "big", "f2")
     check.add(torch.tensor([float("nan")]), "c", "f3")
-    assert len(check._flags) == 3 and all(f.dim() == 0 for f in check._flags)
+    assert len(check._flags) == 4 and all(f.dim() == 0 and f.dtype == torch.bool for f in check._flags)
     with pytest.raises(UserError, match=rf"^draft.init f2: tensor big holds 1 inf of {finite.CHUNK + 5} values"):
         check.verify()
+    check.add(torch.full((4,), 60000.0, dtype=torch.float16), "overflows", "f1")
+    check.verify()  # finite: nothing to refuse
     assert check_tensors({"x": torch.ones(2, dtype=torch.bfloat16)}, "f") is not None
