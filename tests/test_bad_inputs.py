@@ -601,6 +601,19 @@ def test_a_misspelt_model_override_is_refused_not_kept(world, refused):
     assert "did you mean hidden_size?" in line and "LlamaConfig" in line
 
 
+def test_weights_with_nan_are_refused_at_load_not_read_as_a_diverging_run(world, refused, target_dir):
+    """Issue 39: a model.path whose weights hold NaN ran to eval_loss=nan and a NaN guard blaming optim.lr."""
+    from tests.test_finite_weights import poison
+
+    bad = world.root / "bad-model"
+    shutil.copytree(target_dir, bad)
+    name = poison(bad / "model.safetensors", "model.embed_tokens.weight")
+    out = world.root / "runs" / "new"
+    line = refused(world.args(out, f"--model.path={bad}"), f"model.path {bad / 'model.safetensors'}: tensor {name} "
+                   "holds 1 NaN and 1 inf of", bad, out)
+    assert "accepted: weights that are all finite" in line
+
+
 def test_token_ids_beyond_the_vocab_in_foreign_shards_stop_at_the_first_batch(world, refused):
     """Hole 4: shards without max_token_id (another tool's) are checked per micro-batch by the loader.
     Before: depending on the draw the run trained to the end with exit 0 or died inside the embedding."""

@@ -135,6 +135,42 @@ def test_deepspeed_json_is_read_and_bad_ones_are_one_line(tmp_path):
         assert "\n" not in str(err.value)
 
 
+def _literal_keys():
+    """(key, choices, is a list) of every config key whose value is, or holds, a Literal's choice."""
+    from typing import get_origin
+
+    from treadle.config import Config
+    from treadle.config.messages import all_keys, field_at, literal_values
+
+    for key in all_keys(Config):
+        field = field_at(Config, key.split("."))
+        choices = literal_values(field.annotation)
+        if choices:
+            yield key, choices, get_origin(field.annotation) is list
+
+
+def test_every_mistyped_choice_gets_the_choice_it_meant():
+    """Issue 39: a key typo got "did you mean", a value typo (--draft.kind=eagel3) did not. Every Literal of the
+    config, each choice with its last letter doubled, and a few typos as users make them."""
+    keys = list(_literal_keys())
+    assert {"draft.kind", "model.dtype", "model.compile", "metrics.sinks", "schedule.decay"} <= {k for k, _, _ in keys}
+    for key, choices, is_list in keys:
+        for choice in choices:
+            typo = choice + choice[-1]
+            with pytest.raises(UserError) as err:
+                load_config(None, [f"--{key}=" + (f'["{typo}"]' if is_list else typo)])
+            assert str(err.value).endswith(f"; did you mean {choice!r}?"), (key, str(err.value))
+    for override, meant in (("--draft.kind=eagel3", "eagle3"), ("--draft.kind=EAGLE3", "eagle3"),
+                            ("--schedule.decay=cosin", "cosine"), ("--model.compile=auot", "auto"),
+                            ("--metrics.sinks=[\"jsonl\", \"tensorbord\"]", "tensorboard"),
+                            ('--data.sources=[{name="a", path="x", format="txt"}]', "text")):  # in a table's entry
+        with pytest.raises(UserError, match=f"did you mean '{meant}'"):
+            load_config(None, [override])
+    with pytest.raises(UserError) as err:  # nothing close: no guess
+        load_config(None, ["--schedule.decay=step"])
+    assert "did you mean" not in str(err.value)
+
+
 @pytest.mark.parametrize(
     "override, expected",
     [

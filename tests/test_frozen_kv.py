@@ -113,6 +113,24 @@ def test_a_renamed_weight_is_refused_at_export_and_nothing_is_written(gemma_targ
     assert not out.exists()
 
 
+def test_an_assistant_with_nan_weights_is_refused_naming_file_and_tensor(tmp_path):
+    """Issue 39: a shipped assistant (or draft.init) loaded through from_pretrained is checked finite after the load."""
+    from safetensors.torch import load_file, save_file
+
+    from treadle.drafts.frozen_kv.model import load_frozen_kv
+
+    target = tiny_target()
+    new_assistant(target, 2).save_pretrained(tmp_path / "shipped")
+    file = tmp_path / "shipped" / "model.safetensors"
+    tensors = load_file(str(file))
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 0] = float("inf")
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=f"^draft {file}: tensor {name} holds 1 inf of"):
+        load_frozen_kv(tmp_path / "shipped", target)
+
+
 def test_the_centroid_head_is_trained_and_exported_with_its_ordering(gemma_target, tmp_path):
     """A shipped-style assistant with the centroid-masked head, loaded strictly: the unroll's auxiliary loss (each
     step's centroid logits against the guessed token's centroid, from token_ordering) reaches the centroids, and the

@@ -261,6 +261,18 @@ def test_a_shipped_layer_is_where_the_run_starts(ds_target, tmp_path):
                                                          num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(UserError, match="without an MTP layout"):
         mtp_config(llama, "draft.target x")
+    # Issue 39: a shipped layer written from an uninitialised module (NaN in an expert) was loaded without a word,
+    # and the run's NaN guard later blamed the learning rate. Refused at load, naming the file and the tensor.
+    from safetensors.torch import load_file, save_file
+
+    shard = with_mtp / layout.MTP_SHARD
+    tensors = load_file(str(shard))
+    expert = next(k for k in sorted(tensors) if ".experts." in k and tensors[k].is_floating_point())
+    tensors[expert] = tensors[expert].clone().fill_(1e15)
+    tensors[expert].view(-1)[3] = float("nan")
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=f"^draft.target {shard}: tensor {expert} holds 1 NaN of"):
+        build_mtp(Cfg, 512, None)
 
 
 def test_a_new_module_copies_the_same_tensors_from_a_target_built_empty(ds_target):

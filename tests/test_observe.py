@@ -124,16 +124,22 @@ def test_a_plain_log_shows_the_total_the_time_left_each_eval_starting_and_what_e
     assert re.search(r"^step 3: loss=\S+ .* \[3/3, eta 0s\]$", out, re.M), out
     starting = "eval {}: validation loss on 2 batches of 4 x 32 tokens ...\neval {}: eval_loss="
     assert all(starting.format(s, s) in out for s in (0, 2, 3)), out
-    assert re.search(r"train loss\W+\S+ \(first step\) -> \S+ \(last step\): cross-entropy ", out), out
-    assert re.search(r"val loss\W+\S+ at step 0 -> \S+ at step 3: cross-entropy ", out), out
+    assert re.search(r"train loss\W+\S+ \(first step\) -> \S+ \(last step\): cross-entropy per label token ", out), out
+    assert re.search(r"val loss\W+\S+ at step 0 -> \S+ at step 3: cross-entropy per label token ", out), out
+    assert "target val loss" not in out
 
     # A draft run's train loss is its objective (KL by default), its val loss the draft's cross-entropy.
     assert main(draft_args(shards, target_dir, tmp_path / "draft", "--train.max_steps=2")) == 0
     out = capsys.readouterr().out
     assert "eval 0: acceptance (tau_sim) on 2 prompts, the target's continuations generated first ...\n" in out
     assert "eval 2: acceptance (tau_sim) on 2 prompts ...\n" in out, out
-    assert re.search(r"train loss\W+\S+ \(first step\) -> \S+ \(last step\): KL\(target \|\| draft\) ", out), out
-    assert re.search(r"val loss\W+\S+ at step 0 -> \S+ at step 2: the draft's cross-entropy on the data ", out), out
+    assert re.search(r"train loss\W+\S+ \(first step\) -> \S+ \(last step\): KL\(target \|\| draft\) per label "
+                     r"token ", out), out
+    assert re.search(r"val loss\W+\S+ at step 0 -> \S+ at step 2: the draft's cross-entropy on the data per label "
+                     r"token ", out), out
+    # Issue 39: the target's own figure beside the draft's, saying what it is averaged over.
+    assert re.search(r"target val loss\W+\S+ at step 2: the frozen target's cross-entropy on the data per label "
+                     r"token ", out), out
 
 
 def test_loss_labels_name_each_objective():
@@ -145,11 +151,23 @@ def test_loss_labels_name_each_objective():
         return GlideObjective(load_config(None, ["--draft.kind=glide", "--draft.target=x", *overrides]).draft,
                               512, 32).label
 
-    assert label() == "KL(target || draft)" and label("--draft.loss=ce") == "cross-entropy on the data"
-    assert label("--draft.loss=mix", "--draft.kl_weight=0.25") == "0.75 cross-entropy + 0.25 KL(target || draft)"
-    assert label("--draft.ttt_steps=3") == "KL(target || draft), summed over 3 unroll steps weighted 0.8^k"
-    assert RouterObjective(None, 0.01, 0.0).label == "cross-entropy + 0.01 x router aux loss"
-    assert RouterObjective(None, 0.0, 0.0).label == RouterObjective.eval_label == "cross-entropy"
+    assert label() == "KL(target || draft) per label token"
+    assert label("--draft.loss=ce") == "cross-entropy on the data per label token"
+    assert label("--draft.loss=mix", "--draft.kl_weight=0.25") == ("0.75 cross-entropy + 0.25 KL(target || draft) per "
+                                                                  "label token")
+    assert label("--draft.ttt_steps=3") == ("KL(target || draft), summed over 3 unroll steps weighted 0.8^k, per label "
+                                            "token")
+    assert RouterObjective(None, 0.01, 0.0).label == "cross-entropy + 0.01 x router aux loss per label token"
+    assert RouterObjective(None, 0.0, 0.0).label == RouterObjective.eval_label == "cross-entropy per label token"
+    # Issue 39: a DFlash run's val loss sat below its target's with no word of why: it sums the scored slots (at most
+    # 30 of a row's 32 positions here) and divides by the label tokens, as every loss; not a mean per slot.
+    from treadle.drafts.dflash.objective import DFlashObjective
+
+    dflash = DFlashObjective(load_config(None, ["--draft.kind=dflash", "--draft.target=x"]).draft, 32, 512)
+    assert dflash.eval_label == ("the draft's cross-entropy on the data, summed over the scored slots (15 per block, up "
+                                 "to 2 blocks per row: at most 30 of a row's 32 label tokens), per label token; not a "
+                                 "mean per slot")
+    assert dflash.label.endswith(", summed, per label token")
 
 
 def test_flops_formula_within_10_percent_of_flop_counter():

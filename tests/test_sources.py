@@ -79,6 +79,39 @@ def test_bad_rows_name_file_and_line_or_are_counted(shards, tmp_path):
     assert "3 bad rows skipped" in src.describe()
 
 
+def test_a_corrupt_line_reaches_the_user_as_treadles_line_alone(shards, tmp_path):
+    """Issue 39: datasets logged pyarrow's failure twice (``Failed to load JSON ... in row 20``: a 0-based row of a
+    batch, the text cut off) before treadle's own line. Only treadle's line is left, naming the line a user counts,
+    in a .jsonl, a .json holding JSON lines, and a .json document."""
+    import logging
+
+    class Seen(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    rows = [{"text": t} for t in TEXTS]
+    lines = [json.dumps(r) for r in rows[:20]] + ['{"text": "cut off'] + [json.dumps(r) for r in rows[20:]]
+    seen = Seen()
+    logging.getLogger("datasets").addHandler(seen)
+    try:
+        for name in ("bad.jsonl", "lines.json"):
+            f = tmp_path / name
+            f.write_text("\n".join(lines) + "\n")
+            with pytest.raises(UserError, match=rf"^{f}:21: not valid JSON \(Invalid control character at column 18\)"):
+                open_(shards, f)
+        doc = tmp_path / "doc.json"
+        doc.write_text(json.dumps(rows, indent=1).replace("},", "}", 8).replace("}", "},", 7))  # the 8th comma gone
+        with pytest.raises(UserError, match=rf"^{doc}:26: not valid JSON \(Expecting ',' delimiter at column 2\)"):
+            open_(shards, doc)
+    finally:
+        logging.getLogger("datasets").removeHandler(seen)
+    assert [r.getMessage() for r in seen.records if r.levelno >= logging.WARNING] == []
+
+
 def test_empty_files_and_unusable_sources(shards, tmp_path):
     (tmp_path / "d").mkdir()
     write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": t} for t in TEXTS])

@@ -120,6 +120,9 @@ def _print_summary(s) -> None:
     if s.last_eval is not None:
         table.add_row("val loss", _progress(s.first_eval, s.last_eval, "eval_loss", 4) + f": {s.eval_loss_label}")
         table.add_row("val perplexity", f"{math.exp(s.last_eval['eval_loss']):.2f}")
+        if "eval_target_loss" in s.last_eval:  # a draft run: the frozen target's own figure, beside the draft's
+            table.add_row("target val loss", f"{s.last_eval['eval_target_loss']:.4f} at step {s.last_eval['step']}: "
+                          "the frozen target's cross-entropy on the data per label token")
     if s.acceptance is not None and s.acceptance[1] is not None:
         table.add_row("tau_sim", _progress(*s.acceptance, "tau_sim", 3) + " (simulated tokens per verification call)")
     table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s ({s.tokens:,} tokens in {s.elapsed_s:.1f} s of training)")

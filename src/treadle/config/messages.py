@@ -4,7 +4,8 @@ pydantic reports an error at a location (``("data", "sources", 0, "weight")``) i
 turns that into ``config error (my.toml): data.sources[0].weight = -1 is invalid: ...; accepted: ...``. An
 unknown key gets the key it most likely meant (``nearest_key``): a typo's closest spelling, a right key in the
 wrong section, or, for a name users bring from Hugging Face transformers or torchtitan (``learning_rate``,
-``per_device_train_batch_size``), treadle's own name for that setting (``FOREIGN_NAMES``).
+``per_device_train_batch_size``), treadle's own name for that setting (``FOREIGN_NAMES``). A mistyped choice of a
+``Literal`` (``draft.kind = "eagel3"``) likewise gets the choice it most likely meant (``nearest_value``).
 
 Everything is read off the models passed in (``root``: the whole config's model), so this module does not
 import the schema, and the schema's assignment check can use it.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
@@ -129,6 +130,22 @@ def nearest_key(root: type[BaseModel], key: str) -> str | None:
     return near[0] if near else None
 
 
+def literal_values(annotation: Any) -> list[str]:
+    """Every string a ``Literal`` anywhere in ``annotation`` allows (``Literal["auto"] | bool``, ``list[Literal[...]]``,
+    ``Literal[...] | None``)."""
+    if get_origin(annotation) is Literal:
+        return [a for a in get_args(annotation) if isinstance(a, str)]
+    return [v for arg in get_args(annotation) for v in literal_values(arg)]
+
+
+def nearest_value(annotation: Any, value: str) -> str | None:
+    """The choice a mistyped value most likely meant (``eagel3``, ``EAGLE3``, ``tensorbord``), or None."""
+    choices = literal_values(annotation)
+    lowered = {c.lower(): c for c in choices}
+    near = difflib.get_close_matches(value.lower(), list(lowered), n=1, cutoff=0.6)
+    return lowered[near[0]] if near and lowered[near[0]] != value else None
+
+
 def suggest(root: type[BaseModel], key: str, names: list[str] | None = None) -> str:
     """'; did you mean ...?' for an unknown key: among all keys, or among ``names`` (the keys of one table).
 
@@ -212,4 +229,7 @@ def config_error(root: type[BaseModel], err: ValidationError, source: str, tree:
     spelt = FOREIGN_VALUES.get(e["input"]) if e["type"] == "literal_error" and isinstance(e["input"], str) else None
     if spelt is not None and repr(spelt) in msg:  # model.dtype = "bfloat16": treadle spells it "bf16"
         msg = f"{msg}; treadle spells {e['input']!r} as {spelt!r}"
+    elif isinstance(e["input"], str):  # draft.kind = "eagel3", as a key typo gets one
+        near = nearest_value(field.annotation, e["input"])
+        msg = f"{msg}; did you mean {near!r}?" if near else msg
     return UserError(f"config error{where}: {key} = {value!r} is invalid: {msg}")

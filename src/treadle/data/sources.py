@@ -154,7 +154,32 @@ def _json_lines(path: Path, skip_rows: int) -> Iterator[tuple[str, object]]:
         try:
             yield f"{path}:{lineno}", json.loads(line)
         except json.JSONDecodeError as e:
-            yield f"{path}:{lineno}", ValueError(f"not valid JSON ({e.msg})")
+            yield f"{path}:{lineno}", ValueError(f"not valid JSON ({_json_error(e)})")
+
+
+def _json_error(e: json.JSONDecodeError) -> str:
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"  # "Invalid control character at" ends with "at"
+
+
+def _is_json_lines(path: Path) -> bool:
+    """A .json file holding one JSON value per line (as datasets reads it too): its first line is a whole object."""
+    for _, line in numbered_lines(path):
+        try:
+            return isinstance(line, str) and isinstance(json.loads(line), dict)
+        except json.JSONDecodeError:
+            return False
+    return False
+
+
+def _json_document_error(path: Path, exc: Exception) -> UserError:
+    """Where a .json document (not JSON lines) stops being JSON, by line: pyarrow counts 0-based rows of a batch."""
+    try:
+        json.loads(path.read_bytes())
+    except json.JSONDecodeError as e:
+        return UserError(f"{path}:{e.lineno}: not valid JSON ({_json_error(e)})")
+    except ValueError as e:  # not UTF-8
+        return UserError(f"{path}: not valid JSON ({first_line(e)})")
+    return UserError(f"{path}: cannot be read as json ({first_line(exc)})")
 
 
 def _rows(path: Path) -> Iterator[tuple[int | str, object]]:
@@ -172,6 +197,9 @@ def _rows(path: Path) -> Iterator[tuple[int | str, object]]:
     done = 0
     try:
         with hf_quiet():  # until the stream ends: the host's own settings come back then
+            # datasets logs its reader's failure as an error, in pyarrow's words (0-based rows of a batch, text cut
+            # off), once per read: treadle names the file and line itself (below), so only its line reaches the user.
+            datasets.logging.set_verbosity(datasets.logging.CRITICAL)
             stream = datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=[str(path)], split="train", streaming=True)
             for batch in stream.iter(batch_size=_BATCH_ROWS):
                 names = list(batch)
@@ -179,7 +207,9 @@ def _rows(path: Path) -> Iterator[tuple[int | str, object]]:
                     yield done, dict(zip(names, values))
                     done += 1
     except Exception as exc:
-        if path.suffix != ".jsonl":
+        if path.suffix == ".json" and not _is_json_lines(path):
+            raise _json_document_error(path, exc) from None
+        if path.suffix not in (".jsonl", ".json"):
             raise UserError(f"{path}: cannot be read as {FILE_FORMATS[path.suffix]} ({first_line(exc)})") from None
         yield from _json_lines(path, skip_rows=done)
 

@@ -88,6 +88,8 @@ class RecurrentObjective(GlideObjective):
     """The unroll's summed loss of a micro-batch plus side sums: ``target_loss`` (the target's own CE, the floor),
     ``draft_ce`` / ``draft_kl`` (step 1's), ``ttt_hits_k`` / ``ttt_rows_k`` and ``block_hits_k`` / ``block_rows_k``."""
 
+    eval_label = "the draft's cross-entropy on the data at its first guess, per label token"
+
     def __call__(self, model, batch: Batch):
         _, offset = self._draw(batch)
         return self.losses(model, batch, 0, offset, train=True)

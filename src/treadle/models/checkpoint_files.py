@@ -1,6 +1,7 @@
 """Named tensors of a Hugging Face safetensors checkpoint, read without building its model: what a draft kind needs
 of its target's files (a layer transformers drops on load, tensors to copy while the target is still on the meta
-device) and what stitching a layer back into a copy of the checkpoint needs (which file holds which name)."""
+device) and what stitching a layer back into a copy of the checkpoint needs (which file holds which name). What is
+read is checked finite (models/finite.py): a refusal names the file and the tensor."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 from treadle.errors import UserError
+from treadle.models.finite import check_tensors
 
 INDEX = "model.safetensors.index.json"
 
@@ -32,9 +34,10 @@ def safetensors_files(model_dir: Path) -> dict[str, list[str]]:
     return out
 
 
-def read_layer(model_dir: Path, prefix: str) -> dict:
+def read_layer(model_dir: Path, prefix: str, key: str | None = None) -> dict:
     """Every tensor of ``model_dir`` whose name starts with ``prefix``, by the name after it (transformers drops them
-    when it loads the target: ``_keys_to_ignore_on_load_unexpected``, so they are read here)."""
+    when it loads the target: ``_keys_to_ignore_on_load_unexpected``, so they are read here). ``key``: the setting
+    that named ``model_dir`` (draft.target, draft.init), for a refusal of weights that are not finite."""
     from safetensors import safe_open
 
     out = {}
@@ -42,17 +45,18 @@ def read_layer(model_dir: Path, prefix: str) -> dict:
         mine = [n for n in names if n.startswith(prefix)]
         if mine:
             with safe_open(str(Path(model_dir) / f), framework="pt") as h:
-                out.update({n[len(prefix):]: h.get_tensor(n) for n in mine})
+                tensors = check_tensors({n: h.get_tensor(n) for n in mine}, Path(model_dir) / f, key)
+            out.update({n[len(prefix):]: t for n, t in tensors.items()})
     return out
 
 
-def read_target_tensor(model_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
-    """The first of ``names`` the checkpoint holds, as stored (bytes unchanged)."""
+def read_target_tensor(model_dir: Path, names: tuple[str, ...], key: str | None = None) -> torch.Tensor:
+    """The first of ``names`` the checkpoint holds, as stored (bytes unchanged); ``key`` as for ``read_layer``."""
     from safetensors import safe_open
 
     for f, held in safetensors_files(model_dir).items():
         for n in names:
             if n in held:
                 with safe_open(str(Path(model_dir) / f), framework="pt") as h:
-                    return h.get_tensor(n)
+                    return check_tensors({n: h.get_tensor(n)}, Path(model_dir) / f, key)[n]
     raise UserError(f"{model_dir} holds none of {list(names)}; accepted: the target's own checkpoint")

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 from treadle.config import ModelConfig
 from treadle.corpus import cache_dir
 from treadle.errors import UserError, first_line
+from treadle.models.finite import check_module
 from treadle.model_dirs import resolve_model_dir
 from treadle.tokenizer import ID_KEYS, RunTokenizer, stated_ids
 
@@ -190,7 +191,8 @@ def load_causal_lm(path: Path, key: str, empty: bool = False) -> PreTrainedModel
     """An fp32 ``AutoModelForCausalLM`` from a local directory, in eval mode; bad input is one line.
 
     ``empty``: on the meta device, to be filled by ``sharded_load.materialize`` once sharded; loaded whole (with a
-    line saying why) when its files cannot be read part by part.
+    line saying why) when its files cannot be read part by part. Weights that are not all finite are refused
+    (models/finite.py): here when loaded whole, as they are read when filled later.
     """
     from treadle.quiet import hf_quiet
 
@@ -204,9 +206,11 @@ def load_causal_lm(path: Path, key: str, empty: bool = False) -> PreTrainedModel
         print(f"treadle: {key} {path} is loaded whole on every rank: {why}", file=sys.stderr)
     try:
         with hf_quiet():
-            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{key} {path} cannot be loaded as an AutoModelForCausalLM: {first_line(exc)}") from None
+    check_module(model, path, key)  # NaN / inf weights: refused here, not read later as a diverging run
+    return model
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -36,11 +36,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from treadle.errors import UserError, first_line
+from treadle.models.finite import FiniteCheck, file_holding, refuse
 
 
 # Set on a model built empty: the directory its weights come from. ``materialize`` finds every such module
 # (a plain run's model, a draft run's target inside ``GlideModel``) and loads it under its own name.
 WEIGHTS_FROM = "treadle_weights_from"
+# Set beside it: the config key that named the directory (model.path, draft.target), for a refusal's line.
+WEIGHTS_KEY = "treadle_weights_key"
 
 
 def checkpoint_keys(path: Path) -> set[str] | None:
@@ -96,6 +99,7 @@ def empty_causal_lm(path: Path, key: str) -> tuple[nn.Module | None, str | None]
     if why is not None:
         return None, why
     setattr(model, WEIGHTS_FROM, path)
+    setattr(model, WEIGHTS_KEY, key)
     return model.eval(), None
 
 
@@ -163,7 +167,21 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             raise UserError(f"{path}: its safetensors files cannot be read into the model: {first_line(exc)}") from None
+        _check_finite(state, path, getattr(sub, WEIGHTS_KEY, None))
         delattr(sub, WEIGHTS_FROM)
+
+
+def _check_finite(state: dict[str, torch.Tensor], path: Path, key: str | None) -> None:
+    """This rank's part of every tensor just read, on the device it was read to, one host sync for all; a refusal
+    names the file whose header holds the tensor. Only the rank holding a bad slice refuses: its exit ends the
+    launch (torchrun stops the other ranks)."""
+    check = FiniteCheck(key)
+    for name, t in state.items():
+        check.add(_local(t), name, path)
+    bad = check.first_bad()
+    if bad is not None:
+        t, name, _ = bad
+        refuse(t, name, file_holding(path, name) or path, key)
 
 
 def materialize_by_module(model: nn.Module, device: torch.device, partition: Callable[[nn.Module], None],
@@ -183,6 +201,7 @@ def materialize_by_module(model: nn.Module, device: torch.device, partition: Cal
             names.setdefault(id(t), []).append(name)
         made: dict[int, torch.Tensor] = {}  # meta tensor -> its real one: tied names get the same tensor again
         init = getattr(owner, "_init_weights", None)
+        check = FiniteCheck(getattr(owner, WEIGHTS_KEY, None))  # what is read: one host sync per module
         for prefix, module in reversed(list(owner.named_modules())):
             fresh = False
             for slots, is_param in ((module._parameters, True), (module._buffers, False)):
@@ -195,11 +214,13 @@ def materialize_by_module(model: nn.Module, device: torch.device, partition: Cal
                         key = next((k for k in names.get(id(t), []) if k in files), None)
                         if key is not None and (read or not is_param):
                             _read_into(made[id(t)], files[key], key)
+                            check.add(made[id(t)], key, files[key])
                         fresh = fresh or is_param
                     slots[attr] = made[id(t)]
             if module._non_persistent_buffers_set and init is not None:
                 with torch.no_grad():
                     init(module)  # RoPE's inv_freq: in no file
+            check.verify()  # before partition scatters what was read
             if fresh:
                 partition(module)
         delattr(owner, WEIGHTS_FROM)

@@ -61,12 +61,12 @@ def refuse_router_keys(cfg: ModelConfig, why: str) -> None:
 class RouterObjective:
     """The step's loss function for an HF MoE model: CE plus the router losses, and the step's expert counts."""
 
-    eval_label = "cross-entropy"
+    eval_label = "cross-entropy per label token"
 
     def __init__(self, spec: RouterSpec, aux_coef: float, z_coef: float):
         self.spec, self.aux_coef, self.z_coef = spec, aux_coef, z_coef
         terms = [(aux_coef, "router aux loss"), (z_coef, "router z-loss")]
-        self.label = " + ".join(["cross-entropy", *(f"{c:g} x {what}" for c, what in terms if c)])  # the summary's
+        self.label = " + ".join(["cross-entropy", *(f"{c:g} x {what}" for c, what in terms if c)]) + " per label token"
         self.counts: torch.Tensor | None = None  # [layers, E] of the micro-batches trained since the last take
 
     def _forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, RouterLosses, torch.Tensor]:

@@ -75,8 +75,9 @@ class RunSummary:
     parameters: int  # trainable
     stop_reason: str | None
     acceptance: tuple[dict | None, dict | None] | None = None  # a draft run: first and last tau_sim records
-    loss_label: str = "cross-entropy"  # what the train loss is (a draft's objective: KL, CE or a mix)
-    eval_loss_label: str = "cross-entropy"  # what the eval loss is
+    # What each figure is and what it is summed and averaged over (every loss is a sum divided by label tokens).
+    loss_label: str = "cross-entropy per label token"  # the train loss (a draft's objective: KL, CE or a mix)
+    eval_loss_label: str = "cross-entropy per label token"  # the eval loss
     rank: int = 0  # the process that returns it (every rank of a launch gets one)
 
 
@@ -540,7 +541,7 @@ def run_training(cfg: Config, live: bool | None = None, callbacks: Sequence[Call
         acceptance=next(((cb.first, cb.last) for cb in trainer.callbacks if isinstance(cb, AcceptanceCallback)),
                         (None, None) if trainer.cfg.draft.kind else None),  # a draft run without tau_sim: (None, None)
         rank=trainer.engine.rank,
-        loss_label=getattr(trainer.loss_fn, "label", "cross-entropy"),
+        loss_label=getattr(trainer.loss_fn, "label", RunSummary.loss_label),
         eval_loss_label=getattr(getattr(trainer.eval_loss_fn, "__self__", trainer.eval_loss_fn), "eval_label",
-                                "cross-entropy"),
+                                RunSummary.eval_loss_label),
     )

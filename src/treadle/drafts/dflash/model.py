@@ -385,6 +385,8 @@ def draft_from_layout(draft_dir, target, where: str) -> DFlashDraft:
     target's config fingerprint, one trained elsewhere by its dimensions)."""
     from safetensors.torch import load_file
 
+    from treadle.models.finite import check_tensors
+
     config = dflash_layout.read_config(draft_dir)
     if config is None:
         raise UserError(f"{where} {draft_dir} is not a DFlash draft in z-lab's layout (config.json with "
@@ -396,7 +398,8 @@ def draft_from_layout(draft_dir, target, where: str) -> DFlashDraft:
     check_feature_layers(layers, target.config.num_hidden_layers, f"{draft_dir}/config.json target_layer_ids + 1")
     draft = DFlashDraft(target.config, layers, config["num_hidden_layers"], dflash_layout.block_size(config),
                         dflash_layout.mask_token_id(config, draft_dir))
-    tensors = load_file(str(Path(draft_dir) / "model.safetensors"))
+    file = Path(draft_dir) / "model.safetensors"
+    tensors = check_tensors(load_file(str(file)), file, where)
     draft.load_state_dict(dflash_layout.import_weights(tensors, draft, draft_dir))
     return draft
 

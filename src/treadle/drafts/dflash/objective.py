@@ -100,6 +100,7 @@ class DFlashObjective:
         self.seed = seed
         self.block_size = settings.block_size(cfg)
         self.count = cfg.anchors or max(1, seq_len // self.block_size)
+        self.seq_len = seq_len
         self.gamma = settings.slot_gamma(cfg)
         self.weights = slot_weights(self.block_size, self.gamma)
         self.dpace = cfg.slot_weighting == "dpace"
@@ -111,9 +112,18 @@ class DFlashObjective:
         what = {"ce": "cross-entropy on the data", "kl": "KL(target || draft)",
                 "mix": f"{1 - c.kl_weight:g} cross-entropy + {c.kl_weight:g} KL(target || draft)"}[c.loss]
         weights = "by D-PACE" if self.dpace else f"exp(-(k-1)/{self.gamma:g})"
-        return f"{what} at the {self.block_size - 1} slots of up to {self.count} blocks per row, slot k weighted {weights}"
+        return (f"{what} at the {self.block_size - 1} slots of up to {self.count} blocks per row, slot k weighted "
+                f"{weights}, summed, per label token")
 
-    eval_label = "the draft's cross-entropy on the data, summed over every block slot"
+    @property
+    def eval_label(self) -> str:
+        """Not a mean per scored slot: the loop divides every loss by the label tokens, and a row scores fewer slots
+        than it has label tokens, so this figure sits below the draft's mean per slot (and can sit below the
+        target's val loss, a mean per label token, while every slot is worse)."""
+        slots = self.block_size - 1
+        return (f"the draft's cross-entropy on the data, summed over the scored slots ({slots} per block, up to "
+                f"{self.count} blocks per row: at most {min(self.count * slots, self.seq_len)} of a row's "
+                f"{self.seq_len} label tokens), per label token; not a mean per slot")
 
     def _seeds(self, batch: Batch) -> list[int]:
         B = batch["input_ids"].shape[0]

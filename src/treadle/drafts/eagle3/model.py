@@ -385,6 +385,8 @@ def _draft_from_layout(draft_dir, target, where: str) -> Eagle3Draft:
     target's config fingerprint, one trained elsewhere by its dimensions)."""
     from safetensors.torch import load_file
 
+    from treadle.models.finite import check_tensors
+
     config = read_draft_config(draft_dir)
     if config is None or not eagle3_layout.is_layout(config):
         raise UserError(f"{where} {draft_dir} is not an EAGLE-3 draft in the EAGLE layout (config.json with "
@@ -398,7 +400,8 @@ def _draft_from_layout(draft_dir, target, where: str) -> Eagle3Draft:
     if draft.vocab_size > draft.target_vocab_size:
         raise UserError(f"{where} {draft_dir}: draft_vocab_size {draft.vocab_size} exceeds the target's vocabulary "
                         f"({draft.target_vocab_size})")
-    tensors = load_file(str(Path(draft_dir) / "model.safetensors"))
+    file = Path(draft_dir) / "model.safetensors"
+    tensors = check_tensors(load_file(str(file)), file, where)
     draft.load_state_dict(eagle3_layout.import_weights(tensors, draft, draft_dir))
     return draft
 

@@ -231,8 +231,9 @@ def head_and_layers(target, target_dir: Path | None, indices) -> tuple[torch.Ten
         return None
     from treadle.models.checkpoint_files import read_layer, read_target_tensor
 
-    head = read_target_tensor(Path(target_dir), ("lm_head.weight", "model.embed_tokens.weight"))  # Gemma ties them
-    return head, {i: read_layer(Path(target_dir), f"model.layers.{i}.") for i in indices}
+    head = read_target_tensor(Path(target_dir), ("lm_head.weight", "model.embed_tokens.weight"),  # Gemma ties them
+                              "draft.target")
+    return head, {i: read_layer(Path(target_dir), f"model.layers.{i}.", "draft.target") for i in indices}
 
 
 def new_assistant(target, num_layers: int, target_dir: Path | None = None):
@@ -260,8 +261,10 @@ def new_assistant(target, num_layers: int, target_dir: Path | None = None):
 
 def assistant_from_dir(model_dir, target, where: str):
     """The assistant a directory holds (``Gemma4AssistantForCausalLM.from_pretrained``: a frozen_kv export or a
-    shipped ``*-it-assistant``), every weight present and none left over, checked to fit ``target``."""
+    shipped ``*-it-assistant``), every weight present, finite, and none left over, checked to fit ``target``."""
     from transformers import Gemma4AssistantForCausalLM
+
+    from treadle.models.finite import check_module
 
     model_dir = Path(model_dir)
     try:
@@ -281,6 +284,7 @@ def assistant_from_dir(model_dir, target, where: str):
                         f"{sorted(info['unexpected_keys'])[:4]}, mismatched {list(info['mismatched_keys'])[:2]}; "
                         "accepted: a complete Gemma 4 assistant checkpoint")
     check_fits(assistant.config, target.config, f"{where} {model_dir}")
+    check_module(assistant, model_dir, where)
     return assistant.float()
 
 

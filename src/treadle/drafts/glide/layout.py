@@ -120,10 +120,12 @@ def check_fits(config: dict, target_config, where) -> None:
                             "accepted: a LongSpec GLIDE draft trained for this target")
 
 
-def read_tensors(path: Path) -> dict:
+def read_tensors(path: Path, where: str) -> dict:
     """The tensors of a LongSpec-layout draft: a directory's model.safetensors (else pytorch_model.bin, else
-    draft_model_weights.pth), or a ``.pth`` / ``.bin`` / ``.safetensors`` file itself."""
+    draft_model_weights.pth), or a ``.pth`` / ``.bin`` / ``.safetensors`` file itself; checked finite."""
     from safetensors.torch import load_file
+
+    from treadle.models.finite import check_tensors
 
     if path.is_dir():
         for name in ("model.safetensors", "pytorch_model.bin", "draft_model_weights.pth"):
@@ -133,22 +135,27 @@ def read_tensors(path: Path) -> dict:
         else:
             raise UserError(f"draft {path}: no model.safetensors, pytorch_model.bin or draft_model_weights.pth")
     if path.suffix == ".safetensors":
-        return load_file(str(path))
+        return check_tensors(load_file(str(path)), path, where)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is one line
         raise UserError(f"draft {path}: not a readable state dict ({str(exc).splitlines()[0]})") from None
+    if isinstance(tensors, dict):  # anything else: import_weights names what is wrong with it
+        check_tensors({k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}, path, where)
+    return tensors
 
 
 def read_draft(path, target, where: str):
     """The GlideDraft in ``path`` attached to nothing yet: a treadle GLIDE export of either layout, a LongSpec draft
-    directory, or LongSpec's ``draft_model_weights.pth`` alone; checked against ``target``."""
+    directory, or LongSpec's ``draft_model_weights.pth`` alone; checked against ``target``, and finite."""
     from safetensors.torch import load_file
+
+    from treadle.models.finite import check_tensors
 
     path = Path(path)
     if path.is_file():  # LongSpec's trainer output alone: its names are the whole contract
         draft = GlideDraft(target.config, layout="longspec")
-        draft.load_state_dict(import_weights(read_tensors(path), path))
+        draft.load_state_dict(import_weights(read_tensors(path, where), path))
         return draft
     config = read_draft_config(path)
     if config is None or config["treadle_draft_kind"] != KIND:
@@ -160,11 +167,12 @@ def read_draft(path, target, where: str):
     layout = config.get("layout") or ("longspec" if is_layout(config) else "treadle")
     if layout == "treadle":
         draft = GlideDraft(target.config, window=config["window"])
-        draft.load_state_dict(load_file(str(path / "model.safetensors")))
+        draft.load_state_dict(check_tensors(load_file(str(path / "model.safetensors")), path / "model.safetensors",
+                                            where))
         return draft
     check_fits(config, target.config, path)
     draft = GlideDraft(target.config, layout="longspec")
-    draft.load_state_dict(import_weights(read_tensors(path), path))
+    draft.load_state_dict(import_weights(read_tensors(path, where), path))
     return draft
 
 

@@ -55,9 +55,11 @@ class GlideObjective:
         what = {"ce": "cross-entropy on the data", "kl": "KL(target || draft)",
                 "mix": f"{1 - c.kl_weight:g} cross-entropy + {c.kl_weight:g} KL(target || draft)"}[c.loss]
         steps = ttt_steps(c)
-        return what + (f", summed over {steps} unroll steps weighted {c.ttt_decay:g}^k" if steps > 1 else "")
+        if steps > 1:
+            return f"{what}, summed over {steps} unroll steps weighted {c.ttt_decay:g}^k, per label token"
+        return f"{what} per label token"
 
-    eval_label = "the draft's cross-entropy on the data"
+    eval_label = "the draft's cross-entropy on the data per label token"
 
     def __call__(self, model, batch: Batch):
         lag, offset = self._draw(batch)

@@ -114,9 +114,10 @@ def last_layer_and_norm(target, target_dir: Path | None) -> tuple[dict, torch.Te
     if target_dir is None:
         return None
     n = target.config.num_hidden_layers - 1
-    tensors = layout.from_checkpoint(read_layer(Path(target_dir), f"model.layers.{n}."), layout.DEEPSEEK)
+    tensors = layout.from_checkpoint(read_layer(Path(target_dir), f"model.layers.{n}.", "draft.target"),
+                                     layout.DEEPSEEK)
     last = {k[len(layout.BLOCK):]: v for k, v in tensors.items() if k.startswith(layout.BLOCK)}
-    return last, read_target_tensor(Path(target_dir), ("model.norm.weight",))
+    return last, read_target_tensor(Path(target_dir), ("model.norm.weight",), "draft.target")
 
 
 def init_new(draft: MtpDraft, target, target_dir: Path | None = None) -> str:
@@ -228,7 +229,7 @@ def draft_from_dir(model_dir, target, where: str, config=None) -> MtpDraft:
         from treadle.drafts.glide.model import checked_export
 
         checked_export(model_dir, target, KIND, "an mtp")
-    tensors = layer_tensors(model_dir, prefix, draft.family)
+    tensors = layer_tensors(model_dir, prefix, draft.family, where)
     if not tensors:
         raise UserError(f"{where} {model_dir} holds no MTP layer ({prefix}*); accepted: an mtp export (draft/ or "
                         "draft/stitched/ of a run) or a checkpoint that ships its MTP layer")
@@ -243,16 +244,18 @@ def draft_from_dir(model_dir, target, where: str, config=None) -> MtpDraft:
     return draft
 
 
-def layer_tensors(model_dir, prefix: str, family) -> dict:
-    """The MTP layer's own tensors under ``prefix`` (names after it), without the copies of the target's."""
+def layer_tensors(model_dir, prefix: str, family, key: str | None = None) -> dict:
+    """The MTP layer's own tensors under ``prefix`` (names after it), without the copies of the target's; ``key``
+    names ``model_dir``'s setting in a refusal."""
     shared = layout.shared_names(family)
-    return {k: v for k, v in read_layer(Path(model_dir), prefix).items() if k not in shared}
+    return {k: v for k, v in read_layer(Path(model_dir), prefix, key).items() if k not in shared}
 
 
 def shipped_layer(target_dir: Path, target) -> dict:
     """The MTP tensors the target checkpoint itself carries (``model.layers.{N}.*`` / ``mtp.*``; empty: none)."""
     family = layout.family_of(target.config.model_type)
-    return layer_tensors(target_dir, family.prefix(target.config.num_hidden_layers, alone=False), family)
+    return layer_tensors(target_dir, family.prefix(target.config.num_hidden_layers, alone=False), family,
+                         "draft.target")
 
 
 def build_mtp(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
