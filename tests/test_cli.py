@@ -85,7 +85,7 @@ def test_config_prints_the_resolved_config_that_train_would_run(capsys, tmp_path
     # an override holding a space (quoted in a shell) is an override, not the config file
     args = ["--optim.betas=[0.8, 0.99]", str(CONFIGS[0]), "--train.max_steps=70", "--train.max_steps=77"]
     text = _config_output(capsys, *args)
-    assert "max_steps = 77" in text and "betas = [\n    0.8,\n    0.99,\n]" in text
+    assert "max_steps = 77" in text and "\nbetas = [0.8, 0.99]\n" in text  # a short list on its key's line
     (tmp_path / "resolved.toml").write_text(text)
     assert load_config(tmp_path / "resolved.toml") == load_config(args[1], [args[0], *args[2:]])
 
@@ -105,13 +105,23 @@ _UNUSUAL = ["--model.overrides={num_hidden_layers=2, rope_scaling={rope_type='li
             "--model.path=/models/m \"quoted\""]
 
 
+@pytest.mark.parametrize("explain", [["--explain"], []], ids=["explained", "plain"])
 @pytest.mark.parametrize("path, overrides", [(None, []), (None, _UNUSUAL), *((p, []) for p in CONFIGS)],
                          ids=["default", "unusual", *(p.name for p in CONFIGS)])
-def test_explained_config_loads_back_to_the_same_config(capsys, tmp_path, path, overrides):
+def test_explained_config_loads_back_to_the_same_config(capsys, tmp_path, path, overrides, explain):
     argv = [str(path)] if path else []
-    text = _config_output(capsys, *argv, *overrides, "--explain")
+    text = _config_output(capsys, *argv, *overrides, *explain)
     (tmp_path / "explained.toml").write_text(text)
     assert load_config(tmp_path / "explained.toml") == load_config(path, overrides)
+
+
+def test_a_long_list_takes_a_line_per_item():
+    from treadle.config.doc import INLINE_ARRAY_CHARS, toml_value
+
+    files = [f"data/part-{i:05d}.jsonl" for i in range(8)]
+    assert len(", ".join(files)) > INLINE_ARRAY_CHARS
+    assert toml_value(files) == "[\n" + "".join(f'    "{f}",\n' for f in files) + "]"
+    assert toml_value(files[:2]) == '["data/part-00000.jsonl", "data/part-00001.jsonl"]'
 
 
 def test_explain_covers_every_key_with_its_description_default_and_accepted_values(capsys):
