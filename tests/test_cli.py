@@ -24,14 +24,16 @@ HEAVY = ["torch", "transformers", "datasets", "deepspeed"]
 _LIGHT = """
 import contextlib, io, json, sys
 from treadle.cli import main
-codes = []
+codes, errs = [], []
 for argv in {argvs!r}:
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         try:
             codes.append(main(argv))
         except SystemExit as exc:  # --help and --version exit through argparse
             codes.append(exc.code)
-print(json.dumps({{"codes": codes, "heavy": [m for m in {heavy!r} if m in sys.modules]}}))
+    errs.append(err.getvalue())
+print(json.dumps({{"codes": codes, "errs": errs, "heavy": [m for m in {heavy!r} if m in sys.modules]}}))
 """
 
 
@@ -52,12 +54,30 @@ def test_help_version_config_and_config_errors_import_no_heavy_library(tmp_path)
         ("train", "--model.path=gpt2"): 2,  # a Hub id: refused before the training stack loads
         ("train", "--draft.kind=glide", "--draft.target=Qwen/Qwen3-0.6B"): 2,
     }
-    script = _LIGHT.format(argvs=[list(a) for a in cases], heavy=HEAVY)
+    # Every path a config names is checked before the training stack loads too (it took ~10 s of imports to find a
+    # missing data file, where a key typo takes a fraction of a second): one line naming the key, exit code 2.
+    target = tmp_path / "target"  # a model directory, for the draft keys' checks to be reached
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    missing = str(tmp_path / "nonexistent")
+    draft = ("--draft.kind=glide", f"--draft.target={target}")
+    paths = {
+        ("train", f"--data.train={missing}"): "data.train = ",
+        ("train", f"--data.val={missing}.jsonl"): "data.val = ",
+        ("train", f"--data.sources=[{{name='web', path='{missing}/*.jsonl'}}]"): "data.sources[0] (web) = ",
+        ("train", f"--data.tokenizer={missing}"): "data.tokenizer = ",
+        ("train", f"--model.path={missing}"): "model.path ",
+        ("train", *draft, f"--draft.init={missing}"): "draft.init ",
+        ("train", *draft, f"--draft.features={missing}"): "draft.features ",
+    }
+    script = _LIGHT.format(argvs=[list(a) for a in [*cases, *paths]], heavy=HEAVY)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert result["codes"] == list(cases.values())
+    assert result["codes"] == [*cases.values(), *[2] * len(paths)], result
     assert result["heavy"] == []
+    for err, named in zip(result["errs"][len(cases):], paths.values()):
+        assert err.startswith(f"treadle: error: {named}") and err.count("\n") == 1 and missing in err, err
 
 
 def test_version(capsys):
