@@ -106,7 +106,7 @@ def test_a_renamed_weight_is_refused_at_export_and_nothing_is_written(gemma_targ
     state = {"draft_model." + k: v for k, v in model.draft_model.state_dict().items()}
     state["draft_model.assistant.model.layers.1.self_attn.q_norm.weigth"] = state.pop(
         "draft_model.assistant.model.layers.1.self_attn.q_norm.weight")
-    ident = {"path": str(gemma_target), "config_fingerprint": "x", "tokenizer_fingerprint": None}
+    ident = {"config_fingerprint": "x", "tokenizer_fingerprint": None}
     out = tmp_path / "export"
     with pytest.raises(UserError, match="q_norm.weigth"):
         export_draft(model, state, out, gemma_target, ident, _Cfg())
@@ -146,7 +146,7 @@ def test_the_centroid_head_is_trained_and_exported_with_its_ordering(gemma_targe
     loss.backward()
     assert loss > 0 and masked.centroids.weight.grad.abs().sum() > 0
     state = {"draft_model." + k: v for k, v in model.draft_model.state_dict().items()}
-    ident = {"path": str(gemma_target), "config_fingerprint": "x", "tokenizer_fingerprint": None}
+    ident = {"config_fingerprint": "x", "tokenizer_fingerprint": None}
     export_draft(model, state, tmp_path / "export", gemma_target, ident, _Cfg())
     back = Gemma4AssistantForCausalLM.from_pretrained(tmp_path / "export")
     assert back.config.use_ordered_embeddings and back.config.num_centroids == 16

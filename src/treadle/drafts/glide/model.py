@@ -568,7 +568,8 @@ def _architecture(config: dict) -> dict:
 
 def target_config_fingerprint(config) -> str:
     """What a draft depends on in its target: the architecture fields, not run-time flags."""
-    return hashlib.sha256(json.dumps(_architecture(config.to_dict()), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    text = json.dumps(_architecture(config.to_dict()), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def target_summary(config) -> dict:
@@ -593,10 +594,11 @@ def target_differences(recorded: dict, stored_config: dict | None, config) -> st
     if isinstance(stored_config, dict):
         # this target's through JSON too, as the export's went (id2label's int keys come back as strings)
         want, have = _architecture(stored_config), json.loads(json.dumps(_architecture(config.to_dict()), default=str))
+        keys = want.keys() | have.keys()
     else:  # only what was recorded is compared (an older export recorded no summary)
         want, have = {k: recorded[k] for k in SUMMARY if k in recorded}, target_summary(config)
-    names = [k for k in sorted(want.keys() | have.keys()) if k in want or isinstance(stored_config, dict)
-             if want.get(k) != have.get(k)]
+        keys = want.keys()
+    names = [k for k in sorted(keys) if want.get(k) != have.get(k)]
     if not names:
         return (f"config fingerprint {recorded.get('config_fingerprint')} there, "
                 f"{target_config_fingerprint(config)} here")
