@@ -173,7 +173,7 @@ def _data_args(args, regen: bool) -> list[str]:
     return [f"--data.train={args.data}", "--data.val=builtin"]
 
 
-def as_trained_elsewhere(run: Path, out: Path) -> Path:
+def as_trained_elsewhere(run: Path, out: Path, target_dir: Path) -> Path:
     """``run``'s EAGLE-3 export rewritten as another trainer ships one (SpecForge, EAGLE's: ``layers.0.*`` names,
     the target's embedding included, no ``t2d``, no treadle keys in config.json) into ``out``/draft: the draft a
     user imports with ``draft.init`` / ``spec-eval --draft``. Same weights, so its tau must be the original's."""
@@ -186,7 +186,6 @@ def as_trained_elsewhere(run: Path, out: Path) -> Path:
     tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
                for k, v in load_file(src / "model.safetensors").items() if k != "t2d"}
     # the one tensor read from the target's file (the bench target is a Llama), not the whole model built again
-    target_dir = Path(json.loads((src / "config.json").read_text())["target"]["path"])
     with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
         tensors["embed_tokens.weight"] = f.get_tensor("model.embed_tokens.weight")
     save_file(tensors, dst / "model.safetensors")
@@ -540,7 +539,8 @@ def main() -> int:
         recipe, record = recipes[name], args.out / f"{name}.train.json"
         if recipe.imports:
             source = trained.get(recipe.imports) or json.loads((args.out / f"{recipe.imports}.train.json").read_text())
-            trained[name] = {**source, "run": str(as_trained_elsewhere(Path(source["run"]), args.out / name))}
+            trained[name] = {**source, "run": str(as_trained_elsewhere(
+                Path(source["run"]), args.out / name, resolve_model_dir(Path(args.target), "--target")))}
         elif args.reuse_trained and record.is_file():
             trained[name] = json.loads(record.read_text())  # decode again (e.g. in new modes) without retraining
         elif recipe.train_args:

@@ -24,14 +24,16 @@ HEAVY = ["torch", "transformers", "datasets", "deepspeed"]
 _LIGHT = """
 import contextlib, io, json, sys
 from treadle.cli import main
-codes = []
+codes, errs = [], []
 for argv in {argvs!r}:
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         try:
             codes.append(main(argv))
         except SystemExit as exc:  # --help and --version exit through argparse
             codes.append(exc.code)
-print(json.dumps({{"codes": codes, "heavy": [m for m in {heavy!r} if m in sys.modules]}}))
+    errs.append(err.getvalue())
+print(json.dumps({{"codes": codes, "errs": errs, "heavy": [m for m in {heavy!r} if m in sys.modules]}}))
 """
 
 
@@ -52,12 +54,30 @@ def test_help_version_config_and_config_errors_import_no_heavy_library(tmp_path)
         ("train", "--model.path=gpt2"): 2,  # a Hub id: refused before the training stack loads
         ("train", "--draft.kind=glide", "--draft.target=Qwen/Qwen3-0.6B"): 2,
     }
-    script = _LIGHT.format(argvs=[list(a) for a in cases], heavy=HEAVY)
+    # Every path a config names is checked before the training stack loads too (it took ~10 s of imports to find a
+    # missing data file, where a key typo takes a fraction of a second): one line naming the key, exit code 2.
+    target = tmp_path / "target"  # a model directory, for the draft keys' checks to be reached
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    missing = str(tmp_path / "nonexistent")
+    draft = ("--draft.kind=glide", f"--draft.target={target}")
+    paths = {
+        ("train", f"--data.train={missing}"): "data.train = ",
+        ("train", f"--data.val={missing}.jsonl"): "data.val = ",
+        ("train", f"--data.sources=[{{name='web', path='{missing}/*.jsonl'}}]"): "data.sources[0] (web) = ",
+        ("train", f"--data.tokenizer={missing}"): "data.tokenizer = ",
+        ("train", f"--model.path={missing}"): "model.path ",
+        ("train", *draft, f"--draft.init={missing}"): "draft.init ",
+        ("train", *draft, f"--draft.features={missing}"): "draft.features ",
+    }
+    script = _LIGHT.format(argvs=[list(a) for a in [*cases, *paths]], heavy=HEAVY)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert result["codes"] == list(cases.values())
+    assert result["codes"] == [*cases.values(), *[2] * len(paths)], result
     assert result["heavy"] == []
+    for err, named in zip(result["errs"][len(cases):], paths.values()):
+        assert err.startswith(f"treadle: error: {named}") and err.count("\n") == 1 and missing in err, err
 
 
 def test_version(capsys):
@@ -85,7 +105,7 @@ def test_config_prints_the_resolved_config_that_train_would_run(capsys, tmp_path
     # an override holding a space (quoted in a shell) is an override, not the config file
     args = ["--optim.betas=[0.8, 0.99]", str(CONFIGS[0]), "--train.max_steps=70", "--train.max_steps=77"]
     text = _config_output(capsys, *args)
-    assert "max_steps = 77" in text and "betas = [\n    0.8,\n    0.99,\n]" in text
+    assert "max_steps = 77" in text and "\nbetas = [0.8, 0.99]\n" in text  # a short list on its key's line
     (tmp_path / "resolved.toml").write_text(text)
     assert load_config(tmp_path / "resolved.toml") == load_config(args[1], [args[0], *args[2:]])
 
@@ -105,13 +125,23 @@ _UNUSUAL = ["--model.overrides={num_hidden_layers=2, rope_scaling={rope_type='li
             "--model.path=/models/m \"quoted\""]
 
 
+@pytest.mark.parametrize("explain", [["--explain"], []], ids=["explained", "plain"])
 @pytest.mark.parametrize("path, overrides", [(None, []), (None, _UNUSUAL), *((p, []) for p in CONFIGS)],
                          ids=["default", "unusual", *(p.name for p in CONFIGS)])
-def test_explained_config_loads_back_to_the_same_config(capsys, tmp_path, path, overrides):
+def test_explained_config_loads_back_to_the_same_config(capsys, tmp_path, path, overrides, explain):
     argv = [str(path)] if path else []
-    text = _config_output(capsys, *argv, *overrides, "--explain")
+    text = _config_output(capsys, *argv, *overrides, *explain)
     (tmp_path / "explained.toml").write_text(text)
     assert load_config(tmp_path / "explained.toml") == load_config(path, overrides)
+
+
+def test_a_long_list_takes_a_line_per_item():
+    from treadle.config.doc import INLINE_ARRAY_CHARS, toml_value
+
+    files = [f"data/part-{i:05d}.jsonl" for i in range(8)]
+    assert len(", ".join(files)) > INLINE_ARRAY_CHARS
+    assert toml_value(files) == "[\n" + "".join(f'    "{f}",\n' for f in files) + "]"
+    assert toml_value(files[:2]) == '["data/part-00000.jsonl", "data/part-00001.jsonl"]'
 
 
 def test_explain_covers_every_key_with_its_description_default_and_accepted_values(capsys):

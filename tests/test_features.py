@@ -145,11 +145,24 @@ def test_killed_features_resume_to_the_same_files_and_bad_stores_are_refused(sma
         (draft_args(small, target_dir, tmp_path / "r4", *RUN, "--draft.max_position_offset=8",
                     f"--draft.features={whole}"), "draft.max_position_offset"),
     ]
+    # Another data.seq_len cuts other windows: the refusal names the setting and both values, not the data's hash,
+    # for a store written before the settings were recorded too (its manifest has only its seq_len).
+    seq_len = (draft_args(small, target_dir, tmp_path / "r6", *RUN, "--data.seq_len=24", f"--draft.features={whole}"),
+               "(data.seq_len: the store's 32, this run's 24); accepted: the store's data.seq_len = 32, or a store")
+    cases.append(seq_len)
     for argv, named in cases:
         capsys.readouterr()
         assert main(argv) == 2, named
         err = capsys.readouterr().err
         assert named in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    manifest = json.loads((whole / "manifest.json").read_text())
+    assert manifest["settings"]["data.seq_len"] == 32
+    del manifest["settings"]
+    (whole / "manifest.json").write_text(json.dumps(manifest))
+    assert main(seq_len[0]) == 2 and seq_len[1] in capsys.readouterr().err
+    # Continuing a store with another seq_len names it too.
+    assert main(features_args(small, target_dir, whole, "--shard-samples=4", "--data.seq_len=24")) == 2
+    assert "(data.seq_len: the store's 32, this run's 24); accepted: the same config" in capsys.readouterr().err
     # A damaged shard: one line naming the file; the store itself is left as it is.
     shard = whole / "train-00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-8])

@@ -106,7 +106,7 @@ def test_a_renamed_weight_is_refused_at_export_and_nothing_is_written(gemma_targ
     state = {"draft_model." + k: v for k, v in model.draft_model.state_dict().items()}
     state["draft_model.assistant.model.layers.1.self_attn.q_norm.weigth"] = state.pop(
         "draft_model.assistant.model.layers.1.self_attn.q_norm.weight")
-    ident = {"path": str(gemma_target), "config_fingerprint": "x", "tokenizer_fingerprint": None}
+    ident = {"config_fingerprint": "x", "tokenizer_fingerprint": None}
     out = tmp_path / "export"
     with pytest.raises(UserError, match="q_norm.weigth"):
         export_draft(model, state, out, gemma_target, ident, _Cfg())
@@ -164,7 +164,7 @@ def test_the_centroid_head_is_trained_and_exported_with_its_ordering(gemma_targe
     loss.backward()
     assert loss > 0 and masked.centroids.weight.grad.abs().sum() > 0
     state = {"draft_model." + k: v for k, v in model.draft_model.state_dict().items()}
-    ident = {"path": str(gemma_target), "config_fingerprint": "x", "tokenizer_fingerprint": None}
+    ident = {"config_fingerprint": "x", "tokenizer_fingerprint": None}
     export_draft(model, state, tmp_path / "export", gemma_target, ident, _Cfg())
     back = Gemma4AssistantForCausalLM.from_pretrained(tmp_path / "export")
     assert back.config.use_ordered_embeddings and back.config.num_centroids == 16
@@ -263,7 +263,8 @@ def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(
     export = a / "draft"
     config = json.loads((export / "config.json").read_text())
     assert config["model_type"] == "gemma4_assistant" and config["architectures"] == ["Gemma4AssistantForCausalLM"]
-    assert config["treadle_draft_kind"] == "frozen_kv" and config["target"]["path"] == str(gemma_target.resolve())
+    assert config["treadle_draft_kind"] == "frozen_kv" and config["target"]["model_type"] == "gemma4_text"
+    assert "path" not in config["target"]
     assert json.loads((export / "generation_config.json").read_text())["num_assistant_tokens"] == 2
     assistant, info = Gemma4AssistantForCausalLM.from_pretrained(export, output_loading_info=True)
     assert not any(info.values()), info

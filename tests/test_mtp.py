@@ -212,7 +212,7 @@ def test_a_renamed_weight_is_refused_at_export_and_nothing_is_written(ds_target,
     state = {"draft_model." + k: v for k, v in model.draft_model.state_dict().items()}
     # a name inside the decoder block: the per-name conversion passes it through, the name check must catch it
     state["draft_model.mtp_block.mlp.gate.weigth"] = state.pop("draft_model.mtp_block.mlp.gate.weight")
-    ident = {"path": str(ds_target), "config_fingerprint": "x", "tokenizer_fingerprint": None}
+    ident = {"config_fingerprint": "x", "tokenizer_fingerprint": None}
     out = tmp_path / "export"
     with pytest.raises(UserError, match="mlp.gate.weigth"):
         export_draft(model, state, out, ds_target, ident, _Cfg())

@@ -290,6 +290,35 @@ def test_report_has_the_panels_and_lines_and_replaces_only_its_own_png(tmp_path,
     assert "holds no metrics.jsonl" in capsys.readouterr().err
 
 
+def test_report_axes_follow_the_data_mfu_positions_and_a_drafts_kl_apart_from_its_ce(tmp_path):
+    """Issue 39: a CPU run's panel promised an mfu axis it had no data for; the acceptance axis stopped at the last
+    run's positions (4) when DFlash had 7; a draft's KL objective and the cross-entropies shared one loss axis."""
+    from treadle.metrics.report import build_figure, read_run
+
+    def draft_run(name, positions, kl):
+        steps = [{"step": s, "loss": kl / s, "lr": 1e-3, "grad_norm": 1.0, "tokens": 64 * s, "tokens_per_s": 90.0,
+                  "tflops_per_s": 0.01, "target_loss": 5.5, "draft_ce": 7.0 - s, "draft_kl": kl / s} for s in (1, 2)]
+        evals = [{"step": 2, "eval_loss": 5.1, "eval_target_loss": 5.5}]
+        accept = [{"step": 2, "tau_sim": 2.0, **{f"accept_{k}": 0.5 for k in range(1, positions + 1)}}]
+        return read_run(_metrics(tmp_path / name, steps + evals + accept), name)
+
+    dflash, glide = draft_run("dflash", 7, 0.9), draft_run("glide", 4, 0.4)
+    fig = build_figure([dflash, glide])  # the run with fewer positions drawn last
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert "TFLOP/s per device" in axes and not any("mfu" in t for t in axes)  # CPU: no mfu, none promised
+    assert len(fig.axes) == len(axes)  # and no right axis drawn for it
+    accept = axes["acceptance per position"]
+    assert list(accept.get_xticks()) == [1, 2, 3, 4, 5, 6, 7] and accept.get_xlim()[1] > 7
+    # The loss panel holds each run's objective alone; the cross-entropies and the KL have panels of their own.
+    assert [line.get_label() for line in axes["loss vs step"].get_lines()] == ["dflash train", "glide train"]
+    ce = axes["cross-entropy (draft: solid / dashed eval; target: dotted)"]
+    assert [line.get_label() for line in ce.get_lines()][:4] == [
+        "dflash draft train", "dflash draft eval", "dflash target train", "dflash target eval"]
+    assert list(ce.get_lines()[2].get_ydata()) == [5.5, 5.5]
+    kl = axes["KL(target || draft), train"]
+    assert [list(line.get_ydata()) for line in kl.get_lines()] == [[0.9, 0.45], [0.4, 0.2]]
+
+
 def test_draft_flops_formula_within_10_percent_of_flop_counter():
     """A GLIDE draft step: the draft trained, the shared head scored through, the frozen target's forward."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -413,12 +413,26 @@ def test_spec_eval_bad_input(run_dir, tmp_path):
                            (["--temperature", "1", "--top-p", "0"], r"--top-p 0.0: must be in \(0, 1\]")]:
         with pytest.raises(UserError, match=message):
             spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", *flags)
+    # A draft for another target: what differs, field by field, and what would be accepted. An export written before
+    # targets were recorded by what they are still reads (its path is shown as where the target was).
+    target = load_causal_lm(run_dir, "--target")
     glide = tmp_path / "glide"
     glide.mkdir()
     (glide / "config.json").write_text(json.dumps({"treadle_draft_kind": "glide",
                                                    "target": {"config_fingerprint": "0" * 16, "path": "elsewhere"}}))
-    with pytest.raises(UserError, match="trained for a target with config fingerprint 0+ "):
-        evaluate.load_drafter(str(glide), load_causal_lm(run_dir, "--target"), None)
+    with pytest.raises(UserError, match=r"trained for another target than this one \(config fingerprint 0+ there, "
+                       r"[0-9a-f]{16} here\); accepted: the target it was trained for \(config fingerprint 0+, at "
+                       r"elsewhere when it was trained\), or a draft trained for this one$"):
+        evaluate.load_drafter(str(glide), target, None)
+    c = target.config
+    theirs = {"model_type": c.model_type, "vocab_size": 999, "hidden_size": c.hidden_size,
+              "num_hidden_layers": c.num_hidden_layers, "config_fingerprint": "1" * 16}
+    (glide / "config.json").write_text(json.dumps({"treadle_draft_kind": "glide", "target": theirs,
+                                                   "target_config": {**c.to_dict(), "vocab_size": 999}}))
+    with pytest.raises(UserError, match=rf"\(vocab_size 999 there, {c.vocab_size} here\); accepted: the target it was "
+                       rf"trained for \({c.model_type}, vocab_size 999, hidden_size {c.hidden_size}, num_hidden_layers "
+                       rf"{c.num_hidden_layers}, config fingerprint 1+\), or a draft trained for this one$"):
+        evaluate.load_drafter(str(glide), target, None)
 
 
 def test_prompts_jsonl_lines_end_at_newline_only_and_must_be_utf8(tmp_path, tok_dir):

@@ -65,12 +65,21 @@ def _config_and_overrides(args: argparse.Namespace, options: tuple[str, ...] = (
     return (files[0] if files else None), overrides
 
 
-def _train(args: argparse.Namespace, extra: list[str]) -> int:
-    from treadle.config import load_config
+def _check_paths(cfg) -> None:
+    """Every path the config names (models, drafts, a store, data files, a tokenizer), checked before torch and the
+    training stack load (seconds): a mistyped path is one line at once, as a mistyped key is."""
+    from treadle.data.paths import check_data_paths
     from treadle.model_dirs import check_model_paths
 
-    cfg = load_config(*_config_and_overrides(args))
     check_model_paths(cfg)
+    check_data_paths(cfg)
+
+
+def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    from treadle.config import load_config
+
+    cfg = load_config(*_config_and_overrides(args))
+    _check_paths(cfg)
     from treadle.train.run import run_training  # torch and the rest, once the config and its paths are good
 
     summary = run_training(cfg)
@@ -148,7 +157,6 @@ def _features(args: argparse.Namespace, extra: list[str]) -> int:
     """``treadle features [config.toml] [--section.key=value ...] --out DIR [--dtype D] [--shard-samples N]``: the
     config read as `treadle train` reads it, its own flags (parsed by argparse) left out."""
     from treadle.config import load_config
-    from treadle.model_dirs import check_model_paths
 
     own, words, skip = ("--out", "--dtype", "--shard-samples"), [], False
     for w in args.argv:
@@ -157,7 +165,8 @@ def _features(args: argparse.Namespace, extra: list[str]) -> int:
             continue
         words.append(w)
     cfg = load_config(*_config_and_overrides(argparse.Namespace(argv=words, command=args.command)))
-    check_model_paths(cfg)
+    # this command writes the store a draft run's draft.features will name: it need not exist yet
+    _check_paths(cfg.model_copy(update={"draft": cfg.draft.model_copy(update={"features": None})}))
     from treadle.train.features import write_features
 
     report = write_features(cfg, Path(args.out), args.dtype, args.shard_samples)

@@ -1,7 +1,8 @@
 """Where a model lives on disk: a Hugging Face model directory, or a treadle run's exported ``hf/``.
 
-Light on purpose (no torch): the CLI checks ``model.path`` and ``draft.target`` here before it imports the
-training stack, so a Hub id given as a path (``--model.path=gpt2``) is one line at once, not after seconds.
+Light on purpose (no torch): the CLI checks ``model.path``, ``draft.target``, ``draft.init`` and
+``draft.features`` here before it imports the training stack, so a Hub id given as a path (``--model.path=gpt2``)
+is one line at once, not after seconds.
 """
 
 from __future__ import annotations
@@ -57,8 +58,17 @@ def model_fingerprint(model_dir: Path) -> str:
 
 
 def check_model_paths(cfg) -> None:
-    """The config's model directories exist (``model.path``, ``draft.target``); one line naming the key if not."""
+    """The config's model directories exist (``model.path``, ``draft.target``), and what ``draft.init`` and
+    ``draft.features`` name; one line naming the key if not (what they hold is the draft kind's to judge)."""
     if cfg.model.path is not None:
         resolve_model_dir(Path(cfg.model.path), "model.path")
     if cfg.draft.target is not None:
         resolve_model_dir(Path(cfg.draft.target), "draft.target")
+    if cfg.draft.init is not None and not Path(cfg.draft.init).exists():
+        raise UserError(f"draft.init {cfg.draft.init}: no such file or directory; accepted: a draft directory (a "
+                        "treadle export, or one of the kind's layout trained elsewhere), a draft run directory, or "
+                        f"a checkpoint that ships the draft{download_hint(Path(cfg.draft.init), 'draft.init')}")
+    if cfg.draft.features is not None and not Path(cfg.draft.features).is_dir():
+        raise UserError(f"draft.features {cfg.draft.features}: no such directory; accepted: a feature store written "
+                        "by `treadle features CONFIG --out DIR`, or speculators' offline data (vLLM "
+                        "extract_hidden_states)")

@@ -118,11 +118,11 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
 
 def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity: dict, cfg, step: int | None = None,
                  command: str = "train", dtype: str = "fp32") -> Path:
-    """The draft alone, with what it needs to find its target again; ``treadle.drafts.registry.load_draft`` loads it.
+    """The draft alone, with what identifies its target; ``treadle.drafts.registry.load_draft`` loads it.
 
     The files are its kind's (``DraftKind.export`` / ``write_extra``, drafts/<kind>/kind.py): the layout its
-    consumers load, with treadle's metadata (the target's path and fingerprints, the run's config and step) as
-    extra config keys. ``dtype``: the weights' dtype on disk (loading casts them to the model's own); integer and
+    consumers load, with treadle's metadata (what the target is, by summary and fingerprints, not where it sat; the
+    run's config and step) as extra config keys. ``dtype``: the weights' dtype on disk (loading casts them to the model's own); integer and
     boolean tensors (a vocabulary map) keep theirs.
     A weight the layout has no name for, or one it needs and the draft lacks, is refused before anything is written.
     """
@@ -146,7 +146,7 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
     with atomic_directory(out, command) as tmp:
         tmp.mkdir()
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        kind.write_extra(tmp, weights, config)
+        kind.write_extra(tmp, weights, config, Path(target_dir))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         if (Path(target_dir) / "tokenizer.json").is_file():  # the draft decodes with its target's tokenizer
             AutoTokenizer.from_pretrained(target_dir).save_pretrained(tmp)

@@ -32,14 +32,19 @@ def item_model(annotation: Any) -> type[BaseModel] | None:
     return model_of(get_args(annotation)[0]) if get_origin(annotation) is list and get_args(annotation) else None
 
 
+# An array longer than this on one line (a few dozen data files) is written one item per line instead.
+INLINE_ARRAY_CHARS = 88
+
+
 def toml_value(value: Any) -> str:
     """One value as a TOML literal on one line (``"cosine"``, ``true``, ``[0.9, 0.95]``, ``{ a = 1 }``); an array of
-    tables puts one inline table per line."""
+    tables, or one too long to read on a line, puts one item per line."""
     if isinstance(value, (list, tuple)):
         items = [toml_value(v) for v in value]
-        if any(isinstance(v, dict) for v in value):
+        inline = "[" + ", ".join(items) + "]"
+        if any(isinstance(v, dict) for v in value) or len(inline) > INLINE_ARRAY_CHARS:
             return "[\n" + "".join(f"    {item},\n" for item in items) + "]"
-        return "[" + ", ".join(items) + "]"
+        return inline
     if isinstance(value, dict):
         pairs = [f"{k if _BARE_KEY.fullmatch(k) else toml_value(k)} = {toml_value(v)}" for k, v in value.items()]
         return "{ " + ", ".join(pairs) + " }" if pairs else "{}"
@@ -152,23 +157,25 @@ def describe(field: FieldInfo) -> list[str]:
                                       break_on_hyphens=False)]
 
 
-def explained_toml(model: type[BaseModel], tree: dict, path: tuple[str, ...] = ()) -> str:
+def explained_toml(model: type[BaseModel], tree: dict, path: tuple[str, ...] = (), explain: bool = True) -> str:
     """``tree`` (a model's ``model_dump(mode="json")``, unset keys left out) as TOML, a comment above each key.
 
     A key absent from ``tree`` is explained too, as a commented-out line. Every value is written on its key's line
-    (tables inline), so only sub-models become ``[sections]`` and the plain keys of a table come before them.
+    (tables inline, short arrays too), so only sub-models become ``[sections]`` and the plain keys of a table come
+    before them. ``explain=False``: the same TOML without the comments and the unset keys (``treadle config``).
     """
     blocks, sections = [], []
     for name, field in model.model_fields.items():
         sub = model_of(field.annotation)
         if sub is not None:
-            sections.append(explained_toml(sub, tree.get(name, {}), (*path, name)))
-        else:
+            sections.append(explained_toml(sub, tree.get(name, {}), (*path, name), explain))
+        elif name in tree or explain:
             line = f"{name} = {toml_value(tree[name])}" if name in tree else f"# {name} = (unset)"
-            blocks.append("\n".join([*describe(field), line]))
+            blocks.append("\n".join([*(describe(field) if explain else []), line]))
     if path and blocks:
         blocks[0] = f"[{'.'.join(path)}]\n{blocks[0]}"
-    return "\n\n".join(block for block in blocks + sections if block)
+    keys = ("\n\n" if explain else "\n").join(blocks)  # explained keys apart, plain ones a line each
+    return "\n\n".join(block for block in [keys, *sections] if block)
 
 
 def _cell(text: str) -> str:

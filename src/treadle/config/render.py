@@ -7,8 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import tomli_w
-
 from treadle.config.doc import explained_toml
 from treadle.config.schema import Config
 
@@ -23,7 +21,8 @@ def to_toml(cfg: Config, explain: bool = False) -> str:
         del tree["data"]["train"]
     if cfg.data.val_fraction:  # likewise data.val, which data.val_fraction replaces
         del tree["data"]["val"]
-    return explained_toml(Config, tree) + "\n" if explain else tomli_w.dumps(tree)
+    # Written by treadle's own writer, not tomli_w's, whose arrays take a line per item (betas over four lines).
+    return explained_toml(Config, tree, explain=explain) + "\n"
 
 
 def save_config(cfg: Config, path: Path) -> None:

@@ -32,7 +32,6 @@ source with no usable row is always an error.
 from __future__ import annotations
 
 import functools
-import glob
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -44,13 +43,13 @@ from treadle.data.builtin import builtin_shards
 from treadle.data.holdout import held_out
 from treadle.data.jsonl import numbered_lines
 from treadle.data.packed import ExampleDataset, PackedDataset
+from treadle.data.paths import FILE_FORMATS, check_tokenizer_dir, data_files, is_shard_dir
 from treadle.data.shards import ShardWriter, read_meta
 from treadle.errors import UserError, first_line
 from treadle.tokenizer import tokenizer_fingerprint
 
 CACHE_VERSION = 3  # 2: special-token text in rows encoded as plain text; meta.json records max_token_id;
 # 3: the built-in chat template rendered whole and tokenized once; meta.json records chat_template_text
-FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _BATCH_ROWS = 1024
 _REPORTED_SKIPS = 5  # skipped rows named in meta.json and on the console; the rest are counted
 
@@ -80,48 +79,16 @@ class OpenedSource:
 # ----------------------------------------------------------------------------- resolving paths
 
 
-def _data_files(entry: str, key: str) -> list[Path]:
-    path = Path(entry).expanduser()
-    if any(c in entry for c in "*?["):
-        found = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-    elif path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in FILE_FORMATS
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    elif path.is_file():
-        found = [path]
-    else:
-        raise UserError(f"{key} = {entry!r}: no such file or directory; accepted: 'builtin', a shard directory, "
-                        f"or {'/'.join(FILE_FORMATS)} files (a file, a directory or a glob)")
-    bad = [p for p in found if p.suffix not in FILE_FORMATS]
-    if bad or not found:
-        what = f"{bad[0]} is not one of {', '.join(FILE_FORMATS)}" if bad else "matches no data file"
-        raise UserError(f"{key} = {entry!r}: {what}; accepted: 'builtin', a shard directory, or data files"
-                        f"{_prepare_hint(entry, path, bad)}")
-    return found
-
-
-def _prepare_hint(entry: str, path: Path, bad: list[Path]) -> str:
-    """Plain text files (.txt, .md, .py) are what `treadle prepare` turns into shards: say so."""
-    from treadle.data.prepare import DIRECTORY_SUFFIXES
-
-    text = [p for p in (bad or (path.rglob("*") if path.is_dir() else [])) if p.suffix in DIRECTORY_SUFFIXES]
-    if not text:
-        return ""
-    named = path.stem if path.is_file() else path.name if path.is_dir() else text[0].parent.name  # a glob: its folder
-    out = f"shards/{named or 'train'}"
-    return f"; plain text is tokenized into shards first: treadle prepare {entry} --out {out}, then use {out} here"
-
-
 def resolve(entries: list[str], split: str, key: str) -> tuple[list[Path], list[Path]]:
     """(shard directories, data files) named by a source's path entries."""
     shard_dirs, files = [], []
     for entry in entries:
         if entry == "builtin":
             shard_dirs.append(builtin_shards(split, corpus.builtin_tokenizer_dir()))
-        elif (Path(entry).expanduser() / "meta.json").is_file():
+        elif is_shard_dir(entry):
             shard_dirs.append(Path(entry).expanduser())
         else:
-            files += _data_files(entry, key)
+            files += data_files(entry, key)
     if shard_dirs and files:
         raise UserError(f"{key}: mixes shard directories and data files in one source; accepted: one kind per source "
                         "(make them two sources)")
@@ -330,11 +297,7 @@ def tokenize_files(files: list[Path], kind: str, tokenizer_dir: Path, text_field
 def file_tokenizer(setting: str, candidates: list[Path | None]) -> Path:
     """The tokenizer for data files: ``data.tokenizer``, else the first candidate holding one, else the built-in."""
     if setting != "auto":
-        path = Path(setting).expanduser()
-        if not (path / "tokenizer.json").is_file():
-            raise UserError(f"data.tokenizer = {setting!r} is not a tokenizer directory (no tokenizer.json); "
-                            "accepted: 'auto' or a save_pretrained tokenizer directory")
-        return path
+        return check_tokenizer_dir(setting)
     for c in candidates:
         if c is not None and (Path(c) / "tokenizer.json").is_file():
             return Path(c)

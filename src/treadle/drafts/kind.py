@@ -65,6 +65,8 @@ class DraftKind:
         own names and config."""
         return weights, {**draft.export_config(), "dtype": dtype, **meta}
 
-    def write_extra(self, directory: Path, weights: dict, config: dict | None = None) -> None:
+    def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
+                    target_dir: Path | None = None) -> None:
         """Files beside model.safetensors and config.json that a consumer of this kind reads (none by default);
-        ``weights`` and ``config`` are what ``export`` returned."""
+        ``weights`` and ``config`` are what ``export`` returned, ``target_dir`` the target's directory (the config
+        names the target by what it is, not where it is)."""

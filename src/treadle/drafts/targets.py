@@ -34,7 +34,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from treadle.errors import UserError
-from treadle.drafts.glide.model import target_config_fingerprint
+from treadle.drafts.glide.model import target_config_fingerprint, target_summary
+from treadle.model_dirs import model_fingerprint
 from treadle.models.hf import load_causal_lm
 from treadle.tokenizer import tokenizer_fingerprint
 
@@ -168,12 +169,15 @@ def load_target(path: Path, key: str = "draft.target", empty: bool = False):
 
 
 def target_identity(target_dir: Path, target) -> dict:
-    """What a draft records about its target, and what a resume must find unchanged."""
+    """What a draft records about its target, and what a resume must find unchanged: what the target is (its
+    summary, the fingerprints of its architecture, tokenizer and files), never where it sat (a draft export is read
+    on other machines; spec-eval checks the target it is given against this)."""
     tok = target_dir / "tokenizer.json"
     return {
-        "path": str(target_dir.resolve()),
+        **target_summary(target.config),
         "config_fingerprint": target_config_fingerprint(target.config),
         "tokenizer_fingerprint": tokenizer_fingerprint(target_dir) if tok.is_file() else None,
+        "content_fingerprint": model_fingerprint(target_dir),
     }
 
 

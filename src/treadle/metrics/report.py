@@ -1,8 +1,11 @@
 """``treadle report RUN [RUN ...] --out report.png``: a run's curves from its metrics.jsonl, several runs overlaid.
 
 Panels (each only where some run has the data): train and eval loss against steps and against tokens, lr, grad
-norm, tokens/s, per-source losses (``loss/<name>``), a draft's tau_sim and per-position acceptance, and
-tflops_per_s / mfu. Skipped (non-finite) steps are marked with an x on the loss panels, rollbacks with a dotted
+norm, tokens/s, per-source losses (``loss/<name>``), a draft's tau_sim and per-position acceptance (as many
+positions as the run with most has), and tflops_per_s (with mfu on a right axis where a run has it: a CPU has no
+peak figure). A draft run's loss is its objective (a KL, a CE or a mix) and its eval loss the draft's CE: its
+cross-entropies (the draft's, train and eval, and the target's, the floor) get a panel of their own, its KL another,
+so that no axis holds a KL beside a CE. Skipped (non-finite) steps are marked with an x on the loss panels, rollbacks with a dotted
 vertical line. matplotlib is an optional extra (``pip install treadle[report]``), imported only here.
 """
 
@@ -29,6 +32,16 @@ class Run:
     acceptance: dict[int, dict] = field(default_factory=dict)
     skipped: list[int] = field(default_factory=list)
     rollbacks: list[int] = field(default_factory=list)
+
+    @property
+    def is_draft(self) -> bool:
+        """A draft run (its steps report the frozen target's own CE beside the draft's objective)."""
+        return any("target_loss" in rec for rec in self.steps.values())
+
+    def positions(self) -> int:
+        """Draft positions of the last acceptance record (accept_1 .. accept_K)."""
+        last = self.acceptance[max(self.acceptance)] if self.acceptance else {}
+        return sum(1 for k in last if k.startswith("accept_"))
 
     def series(self, key: str, records: str = "steps") -> tuple[list[int], list[float]]:
         rows = getattr(self, records)
@@ -86,10 +99,14 @@ def build_figure(runs: list[Run]):
     sources = sorted({k for r in runs for rec in r.steps.values() for k in rec if k.startswith("loss/")})
     if sources:
         panels.append(("sources", "loss per source"))
+    if any(r.is_draft for r in runs):
+        panels += [("ce", "cross-entropy (draft: solid / dashed eval; target: dotted)"),
+                   ("kl", "KL(target || draft), train")]
     if any(r.acceptance for r in runs):
         panels += [("tau_sim", "tau_sim (simulated tokens per verification)"), ("accept", "acceptance per position")]
     if any("tflops_per_s" in rec for r in runs for rec in r.steps.values()):
-        panels.append(("tflops_per_s", "TFLOP/s per device (mfu: right axis)"))
+        mfu = any("mfu" in rec for r in runs for rec in r.steps.values())  # only where a peak figure is known
+        panels.append(("tflops_per_s", "TFLOP/s per device" + (" (mfu: right axis)" if mfu else "")))
     cols = 3
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False)
@@ -100,6 +117,10 @@ def build_figure(runs: list[Run]):
         ax.grid(alpha=0.3)
         for i, run in enumerate(runs):
             _plot(ax, name, run, colors[i % len(colors)], sources)
+        if name == "accept":  # the axis of the run with most positions (DFlash: block_size - 1), whatever the order
+            positions = max(r.positions() for r in runs)
+            ax.set_xticks(range(1, positions + 1))
+            ax.set_xlim(0.5, positions + 0.5)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
@@ -117,7 +138,8 @@ def _plot(ax, name: str, run: Run, color: str, sources: list[str]) -> None:
         if name == "loss_tokens":
             xs, ex = run.tokens_at(xs), run.tokens_at(ex)
         ax.plot(xs, ys, color=color, lw=1, label=f"{label} train")
-        ax.plot(ex, ey, color=color, ls="--", marker="o", ms=3, label=f"{label} eval")
+        if not run.is_draft:  # a draft's eval loss is its CE, not its objective: on the cross-entropy panel
+            ax.plot(ex, ey, color=color, ls="--", marker="o", ms=3, label=f"{label} eval")
         if name == "loss":
             marks = [s for s in run.skipped if s in run.steps]
             if marks:
@@ -129,6 +151,19 @@ def _plot(ax, name: str, run: Run, color: str, sources: list[str]) -> None:
             xs, ys = run.series(key)
             if xs:
                 ax.plot(xs, ys, color=color, lw=1, ls=("-", "--", ":", "-.")[j % 4], label=f"{label} {key[5:]}")
+    elif name == "ce":
+        for key, records, style, what in (("draft_ce", "steps", {"lw": 1}, "draft train"),
+                                          ("eval_loss", "evals", {"ls": "--", "marker": "o", "ms": 3}, "draft eval"),
+                                          ("target_loss", "steps", {"ls": ":", "lw": 1}, "target train"),
+                                          ("eval_target_loss", "evals", {"ls": ":", "marker": "s", "ms": 3},
+                                           "target eval")):
+            xs, ys = run.series(key, records)
+            if xs and run.is_draft:
+                ax.plot(xs, ys, color=color, label=f"{label} {what}", **style)
+    elif name == "kl":
+        xs, ys = run.series("draft_kl")
+        if xs:
+            ax.plot(xs, ys, color=color, lw=1, label=label)
     elif name == "tau_sim":
         xs, ys = run.series("tau_sim", "acceptance")
         if xs:
@@ -139,7 +174,6 @@ def _plot(ax, name: str, run: Run, color: str, sources: list[str]) -> None:
         if keys:
             ax.set_xlabel("draft position")
             ax.set_ylim(0, 1.02)
-            ax.set_xticks(range(1, len(keys) + 1))
             ax.plot([int(k.split("_")[1]) for k in keys], [last[k] for k in keys], color=color, marker="o", ms=3,
                     label=f"{label} at step {max(run.acceptance)}")
     elif name == "tflops_per_s":

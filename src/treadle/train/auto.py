@@ -7,6 +7,7 @@ what ran and a resume runs the same. The run's first steps then check the probe'
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -95,19 +96,23 @@ def resolve_auto(cfg: Config, model: nn.Module, engine: str,
 
 
 class StepTimeCheck(Callback):
-    """The auto probe's figure against the run's own first steps, once, after ``CHECK_STEPS`` steps that follow a
-    warm-up step (of this process: a resume warms up again).
+    """The auto probe's figure against the run's own first steps, after ``CHECK_STEPS`` steps that follow a warm-up
+    step (of this process: a resume warms up again).
 
     - A step cannot be faster than its decoder layers: a figure that says the layers alone take ``STALE`` times
       longer than the run's fastest step was taken under load. Its cache entry is dropped (the next run measures
       again) and a line says so.
     - The compile estimate (decoder layers only, from the probe) against the run's pace: where the first steps
       project an eager time past ``COMPILE_PAYS_AFTER_S`` that the estimate had below it, a line says so (the
-      choice itself stands: compiling mid-run would recompile every graph under the engine's wrapping).
+      choice itself stands: compiling mid-run would recompile every graph under the engine's wrapping). First steps
+      taken under load (a neighbour's job at start-up) project far too long a run, so, as the probe measures a
+      figure again, the pace is measured again ``RECHECK_SHARE`` of the run later, and the faster of the two decides.
+      Said at a fresh start only: it is about the choice made then, and a resumed run would repeat it.
     Only rank 0 writes or prints; no collective, so the ranks need not agree on when it runs.
     """
 
     CHECK_STEPS = 3
+    RECHECK_SHARE = 0.1  # of the run's steps between the first window and the second: time for a load to pass
 
     def __init__(self, layer_seconds: float | None, floor_seconds: float | None, cache: str | None,
                  compile_auto: bool, compiled: bool, estimate_s: float | None):
@@ -117,43 +122,67 @@ class StepTimeCheck(Callback):
         self.compile_auto = compile_auto
         self.compiled = compiled
         self.estimate_s = estimate_s
-        self.seconds: list[float] = []
+        self.seconds: list[float] = []  # the window being measured
+        self.windows: list[tuple[int, float]] = []  # (last step, median step seconds) of each window measured
+        self.start_after: int | None = None  # the step after which the next window starts (None: the warm-up)
         self.warmed = False
-        self.done = False
+        self.floor_checked = False
+        self.compile_settled = not (compile_auto and not compiled and estimate_s is not None)
+
+    def on_train_start(self, trainer) -> None:
+        if trainer.state.step > 0:  # resumed: the advice, if any, was the first process's to give
+            self.compile_settled = True
 
     def on_step_end(self, trainer, result) -> None:
-        if self.done:
+        if self.floor_checked and self.compile_settled:
             return
+        step = trainer.state.step
         if not self.warmed:  # the first step allocates, and with compile it compiles
             self.warmed = True
+            return
+        if self.start_after is not None and step <= self.start_after:
             return
         self.seconds.append(trainer.last_step_seconds)
         if len(self.seconds) < self.CHECK_STEPS:
             return
-        self.done = True
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
-        for line in self.lines(min(self.seconds), statistics.median(self.seconds),
-                               trainer.max_steps - trainer.state.step, trainer.state.elapsed_s):
+        self.windows.append((step, statistics.median(self.seconds)))
+        main = not (dist.is_initialized() and dist.get_rank() != 0)
+        out = []
+        if not self.floor_checked:
+            self.floor_checked = True
+            out += self.floor_lines(min(self.seconds)) if main else []
+        if not self.compile_settled:
+            steps_left = trainer.max_steps - step
+            line = self.compile_line(self.windows, steps_left, trainer.state.elapsed_s)
+            if line is not None and len(self.windows) == 1:  # measured again later before it is said
+                self.start_after = step + max(self.CHECK_STEPS, math.ceil(self.RECHECK_SHARE * trainer.max_steps))
+            else:
+                self.compile_settled = True
+                out += [line] if line is not None and main else []
+        self.seconds = []
+        for line in out:
             trainer.console.print(line)
 
-    def lines(self, fastest: float, typical: float, steps_left: int, elapsed: float) -> list[str]:
-        out = []
-        if self.floor_seconds is not None and not self.compiled:
-            if self.floor_seconds > autotune.STALE * fastest:
-                dropped = ""
-                if self.cache and Path(self.cache).is_file():
-                    Path(self.cache).unlink(missing_ok=True)
-                    dropped = f"; {self.cache} is dropped, the next run measures again"
-                out.append(f"treadle: auto: the run's steps take {fastest * 1e3:.0f} ms, but by the probe's figure "
-                           f"({self.layer_seconds * 1e3:.0f} ms per layer and micro-batch) their decoder layers alone "
-                           f"take at least {self.floor_seconds * 1e3:.0f} ms: the figure was taken under load{dropped}")
-        if self.compile_auto and not self.compiled and self.estimate_s is not None:
-            projected = elapsed + typical * steps_left
-            threshold = autotune.COMPILE_PAYS_AFTER_S
-            if projected >= threshold > self.estimate_s:
-                out.append(f"treadle: auto: the first steps ({typical:.2f} s each) project the run's eager time at "
-                           f"{projected:.0f} s, not the {self.estimate_s:.0f} s estimated from the probe: past "
-                           f"{threshold:.0f} s a compile may pay back (model.compile = true); model.compile stays "
-                           "false for this run")
-        return out
+    def floor_lines(self, fastest: float) -> list[str]:
+        if self.floor_seconds is None or self.compiled or self.floor_seconds <= autotune.STALE * fastest:
+            return []
+        dropped = ""
+        if self.cache and Path(self.cache).is_file():
+            Path(self.cache).unlink(missing_ok=True)
+            dropped = f"; {self.cache} is dropped, the next run measures again"
+        return [f"treadle: auto: the run's steps take {fastest * 1e3:.0f} ms, but by the probe's figure "
+                f"({self.layer_seconds * 1e3:.0f} ms per layer and micro-batch) their decoder layers alone "
+                f"take at least {self.floor_seconds * 1e3:.0f} ms: the figure was taken under load{dropped}"]
+
+    def compile_line(self, windows: list[tuple[int, float]], steps_left: int, elapsed: float) -> str | None:
+        """The advice to compile, when the pace of the faster window (``windows``: (last step, median seconds))
+        projects an eager time past the threshold that the probe's estimate had below it; else None."""
+        typical = min(seconds for _, seconds in windows)
+        projected = elapsed + typical * steps_left
+        threshold = autotune.COMPILE_PAYS_AFTER_S
+        if not projected >= threshold > self.estimate_s:
+            return None
+        paces = " and ".join(f"{seconds:.2f} s each to step {step}" for step, seconds in windows)
+        return (f"treadle: auto: the run's steps ({paces}) project its eager time at {projected:.0f} s, not the "
+                f"{self.estimate_s:.0f} s estimated from the probe: past {threshold:.0f} s a compile may pay back "
+                "(model.compile = true); model.compile stays false for this run")

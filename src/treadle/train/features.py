@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from treadle import distributed
-from treadle.drafts.features.run import fingerprints, refuse_unstorable
-from treadle.drafts.features.store import (DTYPES, FORMAT, MANIFEST, TOKEN_KEYS, VERSION, bytes_per_token, encode,
-                                           first_difference, shard_complete, shard_name)
+from treadle.drafts.features.run import data_settings, fingerprints, refuse_unstorable
+from treadle.drafts.features.store import (DTYPES, FORMAT, MANIFEST, TOKEN_KEYS, VERSION, bytes_per_token,
+                                           data_differences, encode, first_difference, shard_complete, shard_name,
+                                           stored_settings)
 from treadle.errors import UserError
 from treadle.fsutil import fsync, write_atomic
 
@@ -80,6 +81,7 @@ def _claim(out: Path, manifest: dict) -> None:
         found = first_difference({k: old.get(k) for k in ("fingerprints", "dtype", "shard_samples", "reads")},
                                  {k: manifest[k] for k in ("fingerprints", "dtype", "shard_samples", "reads")})
         if found is not None:
+            found, _ = data_differences(found.removeprefix("fingerprints."), stored_settings(old), manifest["settings"])
             raise UserError(f"--out {out} holds a feature store written for another run ({found}); accepted: the "
                             "same config, --dtype and --shard-samples to continue it, or another --out")
         for tmp in out.glob(".*.tmp"):
@@ -147,7 +149,8 @@ def write_features(cfg, out: Path, dtype: str = "bf16", shard_samples: int = 0, 
         splits = {"train": data.train, **({"val": data.val} if data.val is not None else {})}
         manifest = {"format": FORMAT, "version": VERSION, "kind": cfg.draft.kind, "dtype": dtype,
                     "shard_samples": n, "seq_len": seq_len, "reads": reads, "target_dtype": "bf16" if bf16 else "fp32",
-                    "fingerprints": fingerprints(cfg, model, target_dir, identity, data.train, data.val)}
+                    "fingerprints": fingerprints(cfg, model, target_dir, identity, data.train, data.val),
+                    "settings": data_settings(cfg)}
         distributed.on_main(_claim, out, manifest)
         distributed.barrier()
         jobs = [(split, j) for split, ds in splits.items() for j in range(math.ceil(len(ds) / n))]

@@ -26,6 +26,18 @@ def fingerprints(cfg, model, target_dir: Path, identity: dict, train_ds, val_ds)
     }
 
 
+# The data settings that cut a store's windows, by config key (the tokenizer has a fingerprint of its own). The
+# windows themselves are compared by a hash (``dataset_fingerprint``); where it differs, these name the setting.
+WINDOW_SETTINGS = ("seq_len", "train", "val", "val_fraction", "sources", "mask_cross_doc", "chat_template",
+                   "overlong", "bad_rows")
+
+
+def data_settings(cfg) -> dict:
+    """This run's ``WINDOW_SETTINGS`` as ``{"data.seq_len": 256, ...}`` (JSON values, as a manifest holds them)."""
+    data = cfg.data.model_dump(mode="json")
+    return {f"data.{k}": data[k] for k in WINDOW_SETTINGS}
+
+
 def refuse_unstorable(cfg, key: str) -> None:
     """What a store cannot serve, refused in one line before anything is built."""
     d = cfg.draft
@@ -68,7 +80,7 @@ def attach_store(cfg, model, target_dir: Path, identity: dict, train_ds, val_ds)
     if isinstance(train_ds, SpeculatorsSamples):
         return train_ds, None
     store = Store(cfg.draft.features)
-    store.check(fingerprints(cfg, model, target_dir, identity, train_ds, val_ds))
+    store.check(fingerprints(cfg, model, target_dir, identity, train_ds, val_ds), data_settings(cfg))
     model.stored = store.stored_eval()
     if model.stored is None:
         raise UserError(f"draft.features {store.path} holds no acceptance texts (eval.safetensors); write it again "

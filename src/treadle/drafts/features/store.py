@@ -138,6 +138,24 @@ def first_difference(want: dict, have: dict, where: str = "") -> str | None:
     return None
 
 
+def data_differences(found: str, stored: dict, settings: dict) -> tuple[str, list[str]]:
+    """``found`` (``first_difference``'s line) in the user's terms: where it is the data's windows (a hash, which says
+    that they differ, not why), the data settings that cut them differently (``stored``: the store's, ``settings``:
+    this run's, config key -> value), every one with both values; and those settings as the store has them."""
+    if not found.startswith("data."):
+        return found, []
+    named = [k for k in settings if k in stored and stored[k] != settings[k]]
+    if not named:
+        return f"{found}: the same data settings, so the data's files changed since the store was written", []
+    return ("; ".join(f"{k}: the store's {stored[k]!r}, this run's {settings[k]!r}" for k in named),
+            [f"{k} = {stored[k]!r}" for k in named])
+
+
+def stored_settings(manifest: dict) -> dict:
+    """The data settings a store's windows were cut with (a store written before they were recorded: its seq_len)."""
+    return manifest.get("settings") or {"data.seq_len": manifest.get("seq_len")}
+
+
 # ----------------------------------------------------------------------------- reading
 
 
@@ -164,13 +182,16 @@ class Store:
                             f"records {size}); run the `treadle features` command that wrote the store again: it "
                             "rewrites damaged shards")
 
-    def check(self, fingerprints: dict) -> None:
+    def check(self, fingerprints: dict, settings: dict) -> None:
         """Refuse, in one line naming the first difference, a store written for another target, tokenizer, data,
-        draft or configuration than ``fingerprints`` (``features_fingerprints`` of this run)."""
+        draft or configuration than ``fingerprints`` (``features.run.fingerprints`` of this run); other data is
+        named by the settings that differ (``settings``: this run's, ``features.run.data_settings``)."""
         found = first_difference(self.manifest["fingerprints"], fingerprints)
         if found is not None:
+            found, theirs = data_differences(found, stored_settings(self.manifest), settings)
+            also = f"the store's {', '.join(theirs)}, or " if theirs else ""
             raise UserError(f"{self.key} {self.path} was written for another run than this one ({found}); "
-                            "accepted: a store written by `treadle features` with this run's config")
+                            f"accepted: {also}a store written by `treadle features` with this run's config")
 
     def samples(self, split: str, base) -> "StoredSamples | None":
         return StoredSamples(self, split, base) if split in self.manifest["splits"] else None

@@ -33,7 +33,8 @@ class FrozenKv(DraftKind):
         name = str(torch_dtype).removeprefix("torch.")
         return layout.export(draft.assistant.config, weights, name, {**draft.export_config(), **meta})
 
-    def write_extra(self, directory: Path, weights: dict, config: dict | None = None) -> None:
+    def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
+                    target_dir: Path | None = None) -> None:
         """``generation_config.json`` with ``num_assistant_tokens`` = the trained unroll depth."""
         steps = (config or {}).get("training", {}).get("ttt_steps") or settings.TTT_STEPS  # the [draft] dump
         layout.write_generation_config(Path(directory), steps)

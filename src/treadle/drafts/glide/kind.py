@@ -42,7 +42,8 @@ class Glide(DraftKind):
             return longspec_export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
         return super().export(draft, weights, target_config, torch_dtype, dtype, meta)
 
-    def write_extra(self, directory: Path, weights: dict, config: dict | None = None) -> None:
+    def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
+                    target_dir: Path | None = None) -> None:
         """``draft_model_weights.pth``: the same tensors, what LongSpec's trainer reloads (in layout ``treadle`` the
         file name and prefix stripping of LongSpec's trainer, not its names: LongSpec cannot load it)."""
         torch.save(weights, directory / "draft_model_weights.pth")

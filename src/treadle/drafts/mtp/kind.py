@@ -39,11 +39,11 @@ class Mtp(DraftKind):
         tensors = {prefix + k: v for k, v in layout.to_checkpoint(weights, draft.family).items()}
         return tensors, layout.alone_config(target_config.to_dict(), {**draft.export_config(), "dtype": dtype, **meta})
 
-    def write_extra(self, directory: Path, weights: dict, config: dict | None = None) -> None:
+    def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
+                    target_dir: Path | None = None) -> None:
         """``stitched/``: a copy of the target checkpoint with the layer put back at its family's place (DeepSeek:
         ``model.layers.{N}.*`` with the target's embedding and head copied beside it, which vLLM's DeepSeekMTP loads
         from there; Qwen: ``mtp.*``)."""
-        target_dir = Path(config["target"]["path"])
         target_config = config["target_config"]
         family = layout.family_of_config(target_config)
         alone = family.prefix(target_config["num_hidden_layers"], alone=True)
