@@ -33,7 +33,8 @@ class DFlash(DraftKind):
         with dflash_config, ``model.safetensors`` under z-lab's names, no embedding or head)."""
         return dflash_export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
 
-    def write_extra(self, directory: Path, weights: dict, config: dict | None = None) -> None:
+    def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
+                    target_dir: Path | None = None) -> None:
         """``dflash.py``, the model config.json's ``auto_map`` names: transformers' remote code for the directory
         (``AutoModel.from_pretrained(dir, trust_remote_code=True)``, as z-lab's drafts load; dflash/remote_code.py).
         vLLM and SGLang read the directory without it."""
