@@ -66,3 +66,25 @@ def test_a_dependency_outside_its_range_is_refused_in_one_line(tmp_path):
                           env={**env, "TREADLE_IGNORE_VERSIONS": "1"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("transformers 4.50.0") == 1 and "[train]" in proc.stdout
+
+
+def test_a_model_type_the_installed_transformers_lacks_is_refused_in_one_line(tmp_path):
+    """A family newer than the installed transformers (on the oldest end: Mistral Large 4, added after 5.17) is
+    refused naming the installed release and the supported range, not by transformers' own error mid-load."""
+    import json
+
+    import pytest
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from treadle.errors import UserError
+    from treadle.models.hf import load_causal_lm
+
+    newer = "mistral_large4" if "mistral_large4" not in CONFIG_MAPPING_NAMES else "a_family_of_transformers_6"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": newer, "vocab_size": 64}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError) as caught:
+        load_causal_lm(tmp_path, "draft.target")
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith(f"draft.target {tmp_path}: model_type {newer!r}")
+    assert f"transformers {transformers.__version__}" in line and "treadle supports transformers >=5.17," in line

@@ -48,11 +48,11 @@ def out_of_range(required: list[str]) -> list[str]:
             continue
         # A local build tag (torch 2.13.0+cpu) is the same release for the range.
         if not req.specifier.contains(Version(installed).public, prereleases=True):
-            problems.append(f"{req.name} {installed} is installed; treadle supports {req.name}{_spec(req)}")
+            problems.append(f"{req.name} {installed} is installed; treadle supports {req.name}{spec(req)}")
     return problems
 
 
-def _spec(req) -> str:
+def spec(req) -> str:
     """A requirement's range, lower bound first (packaging sorts it the other way): ``>=2.11,<2.16``."""
     return ",".join(sorted((str(s) for s in req.specifier), key=lambda s: not s.startswith(">")))
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from treadle.compat import require_model_type
 from treadle.config import ModelConfig
 from treadle.corpus import cache_dir
 from treadle.errors import UserError, first_line
@@ -82,6 +83,7 @@ def _config_json(path: Path, cfg: ModelConfig):
     vocab_size above all: a config written for another tokenizer)."""
     from treadle.quiet import hf_quiet
 
+    require_model_type(path, "model.path")
     try:
         with hf_quiet():
             read = AutoConfig.from_pretrained(path)
@@ -89,6 +91,9 @@ def _config_json(path: Path, cfg: ModelConfig):
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"model.path {path}: its config.json (with model.overrides) cannot build an "
                         f"AutoModelForCausalLM: {first_line(exc)}") from None
+    if type(hf_config) not in AutoModelForCausalLM._model_mapping:  # a config with no causal LM (a multimodal one)
+        raise UserError(f"model.path {path}: model_type {hf_config.model_type!r} has no AutoModelForCausalLM in "
+                        "the installed transformers; accepted: a decoder-only language model's config.json")
     check_overrides(hf_config, cfg.overrides)
     return hf_config
 
@@ -197,6 +202,7 @@ def load_causal_lm(path: Path, key: str, empty: bool = False) -> PreTrainedModel
     from treadle.quiet import hf_quiet
 
     path = resolve_model_dir(path, key)
+    require_model_type(path, key)
     if empty:
         from treadle.models.sharded_load import empty_causal_lm
 
