@@ -134,3 +134,11 @@ def record_accepted_rounds(monkeypatch, generator_cls) -> list[int]:
     monkeypatch.setattr(generator_cls, "update_candidate_strategy", record)
     return rounds
 
+
+
+def activation_checkpointing_on(model) -> bool:
+    """Whether an HF model checkpoints its layers: ``is_activation_checkpointing`` from transformers 5.23, before
+    it ``is_gradient_checkpointing`` (the oldest supported, 5.17)."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"
+    return bool(getattr(model, name))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.helpers import TARGET, args, draft_args, records
+from tests.helpers import TARGET, activation_checkpointing_on, args, draft_args, records
 from treadle.cli import main
 from treadle.config import ModelConfig
 from treadle.models.checkpointing import apply_activation_checkpointing
@@ -105,7 +105,7 @@ def test_glide_draft_checkpointing_is_exact_and_leaves_the_target_alone():
             out = model(ids, pos, lag=2)
             out.logits.float().log_softmax(-1).mean().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        return grads, counter.counts, model.target.is_activation_checkpointing
+        return grads, counter.counts, activation_checkpointing_on(model.target)
 
     grads0, counts0, _ = run("none")
     grads, counts, target_checkpointed = run("full")
@@ -140,7 +140,7 @@ def test_a_checkpoint_written_with_checkpointing_resumes_without_it(shards, tmp_
     assert [rest[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-6)
     # Equal numbers would also come from a run that never checkpointed: the run's model really is.
     probe = built(args(shards, tmp_path / "probe", *common, "--model.activation_checkpointing=selective"))
-    assert probe.engine.module.is_activation_checkpointing
+    assert activation_checkpointing_on(probe.engine.module)
 
 
 def test_a_draft_run_with_checkpointing_trains_like_one_without(shards, target_dir, tmp_path):
@@ -155,4 +155,4 @@ def test_a_draft_run_with_checkpointing_trains_like_one_without(shards, target_d
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
     probe = built(draft_args(shards, target_dir, tmp_path / "probe", "--model.activation_checkpointing=full"))
     assert probe.engine.module.draft_model.checkpoint_kwargs is not None  # the run's draft block is checkpointed
-    assert not probe.engine.module.target.is_activation_checkpointing
+    assert not activation_checkpointing_on(probe.engine.module.target)
