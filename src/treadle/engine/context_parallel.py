@@ -52,6 +52,10 @@ from transformers.masking_utils import find_packed_sequence_indices
 
 from treadle.errors import UserError
 
+# A differentiable all-gather along a dim: torch 2.13's all_gather_single; before it, all_gather_tensor_autograd
+# (deprecated from 2.13, when all_gather_single gained a backward).
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
+
 ATTENTION_NAME = "treadle_context_parallel"
 
 
@@ -109,7 +113,7 @@ class SequenceSlices:
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim``, in rank order (= sequence order); the backward sums the
         gradients of the whole and hands each rank its part."""
-        return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, self.group))
+        return funcol.wait_tensor(_all_gather(x.contiguous(), dim, self.group))
 
     def start(self, length: int) -> int:
         return self.rank * length
@@ -128,8 +132,9 @@ class SequenceSlices:
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """Chunk ``i`` of dim 0 to rank ``i``; chunk ``i`` of the result from rank ``i``. Differentiable: backward is the
     same exchange of the gradients (torch's functional collective; its older twin in torch.distributed.nn is
-    deprecated in 2.13)."""
-    return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group))
+    deprecated in 2.13). The ``_autograd`` name: before torch 2.13 the plain one has no backward; from 2.13 both
+    are the same function."""
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x, None, None, group))
 
 
 def _seq_to_heads(x: torch.Tensor, cp: int, group) -> torch.Tensor:
