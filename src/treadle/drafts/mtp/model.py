@@ -40,6 +40,7 @@ from treadle.drafts.run_model import DraftRunModel
 from treadle.drafts.targets import checked_target
 from treadle.errors import UserError
 from treadle.models.checkpoint_files import read_layer, read_target_tensor
+from treadle.models.hf import cache_kwargs
 from treadle.model_dirs import resolve_model_dir
 
 KIND = "mtp"
@@ -95,7 +96,7 @@ class MtpDraft(nn.Module):
         e, h = self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))
         x = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
         return self.mtp_block(x, attention_mask=mask, position_embeddings=rope, position_ids=position_ids,
-                              cache=cache)
+                              **cache_kwargs(self.mtp_block, cache))
 
     def carry(self, x: torch.Tensor) -> torch.Tensor:
         """What the next replayed step reads of this step's block output ``x`` (layout.Family.chain_normed)."""
