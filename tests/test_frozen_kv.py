@@ -16,6 +16,12 @@ from treadle.cli import main
 from treadle.drafts.frozen_kv.model import FrozenKvDraft, FrozenKvModel, new_assistant, store_layers
 from treadle.errors import UserError
 
+from treadle import compat
+
+# Gemma 4's K/V-sharing config (transformers 5.23): on an older release the kind is refused, which
+# tests/test_versions.py asserts on the oldest end.
+pytestmark = pytest.mark.skipif(not compat.gemma4_kv_sharing(), reason="frozen_kv needs transformers >= 5.23")
+
 TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 # 4 layers, both attention types, the last layer kv-shared (the store layers are 1 and 2, not the last ones) and
 # per-layer embeddings, as Gemma 4 E2B/E4B (transformers 5.24 needs the latter with the former: its kv-shared slicing

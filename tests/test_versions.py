@@ -88,3 +88,21 @@ def test_a_model_type_the_installed_transformers_lacks_is_refused_in_one_line(tm
     line = str(caught.value)
     assert "\n" not in line and line.startswith(f"draft.target {tmp_path}: model_type {newer!r}")
     assert f"transformers {transformers.__version__}" in line and "treadle supports transformers >=5.17," in line
+
+
+def test_a_draft_kind_the_installed_transformers_cannot_serve_is_refused_in_one_line():
+    """frozen_kv reads Gemma 4's K/V-sharing config, which transformers has from 5.23: on the oldest end (5.17) the
+    kind is refused naming the release it needs; on the newest it passes the check."""
+    import pytest
+
+    from treadle import compat
+    from treadle.drafts.frozen_kv.model import refuse_non_gemma4
+    from treadle.errors import UserError
+
+    if compat.gemma4_kv_sharing():
+        refuse_non_gemma4("gemma4_text", "draft.target x")  # nothing to refuse
+        return
+    with pytest.raises(UserError) as caught:
+        refuse_non_gemma4("gemma4_text", "draft.target x")
+    line = str(caught.value)
+    assert "\n" not in line and "draft.kind = 'frozen_kv'" in line and "needs transformers >= 5.23" in line

@@ -8,12 +8,35 @@ naming the release that has it. docs/training.md "Versions" lists each one.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 from treadle.errors import UserError
 
 # torch 2.13: the fused chunked ``F.linear_cross_entropy``. Older: models/chunked_ce.py's own chunked op.
 HAS_LINEAR_CROSS_ENTROPY = hasattr(F, "linear_cross_entropy")
+
+# FSDP2 trains a draft beside a frozen target from torch 2.13 on; under 2.11 the run fails in backward (the frozen
+# root weights freed after forward: "setStorage ... storage of size 0") or leaves the draft unchanged. A fixed bug,
+# not an API, so the only probe is the version (2.12 untested: refused with 2.11).
+FSDP2_TRAINS_DRAFTS = TorchVersion(torch.__version__) >= (2, 13)
+
+
+def gemma4_kv_sharing() -> bool:
+    """transformers 5.23: Gemma 4's config says which layer stores the K/V its shared layers reuse
+    (``kv_sharing_modes``), which the frozen_kv kind (Gemma 4's assistant) reads. Older: that kind is refused."""
+    from transformers import Gemma4TextConfig
+
+    return hasattr(Gemma4TextConfig, "kv_sharing_modes")
+
+
+def require(available: bool, feature: str, needs: str, remedy: str) -> None:
+    """Refuse ``feature`` in one line when the installed release lacks it: ``needs`` names the release that has it
+    ("transformers >= 5.23"), ``remedy`` what else is accepted."""
+    if not available:
+        raise UserError(f"{feature} needs {needs} (installed: torch {torch.__version__}, transformers "
+                        f"{_transformers_version()}); accepted: {remedy}")
 
 
 def require_model_type(path, key: str) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from treadle import compat
 from treadle.config import Config
 from treadle.distributed import DistInfo
 from treadle.engine.local import LocalEngine
@@ -22,9 +23,19 @@ __all__ = ["LocalEngine", "build_engine", "builds_empty", "read_deepspeed_config
 ENGINES = ("local", "ddp", "fsdp2", "deepspeed")
 
 
-def resolve_engine(name: str, info: DistInfo, pipeline_parallel: int = 1) -> str:
+def resolve_engine(name: str, info: DistInfo, pipeline_parallel: int = 1, draft: bool = False) -> str:
     """``auto`` -> local for one process, fsdp2 under a launcher (pipeline with pipeline stages: ``auto`` or
-    ``fsdp2`` say how the stages' data ranks work, ``build_engine``); refuse combinations that cannot work."""
+    ``fsdp2`` say how the stages' data ranks work, ``build_engine``); refuse combinations that cannot work
+    (``draft``: a draft run, whose frozen target FSDP2 shards beside the draft)."""
+    resolved = _resolve(name, info, pipeline_parallel)
+    if resolved == "fsdp2" and draft and not compat.FSDP2_TRAINS_DRAFTS:
+        raise UserError(f"distributed.engine = {name!r} (fsdp2) for a draft run needs torch >= 2.13: under torch "
+                        f"{torch.__version__}'s FSDP2 the draft beside a frozen target fails in backward or is not "
+                        "updated; accepted: distributed.engine = 'deepspeed', or torch 2.13 to 2.15")
+    return resolved
+
+
+def _resolve(name: str, info: DistInfo, pipeline_parallel: int) -> str:
     if pipeline_parallel > 1:
         from treadle.engine.pipeline import check_layout
 

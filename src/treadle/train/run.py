@@ -350,7 +350,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     d = cfg.distributed
     info = init_distributed(cfg.train.device, num_threads=cfg.train.threads or None,
                             timeout=datetime.timedelta(seconds=d.timeout_s))
-    engine_name = resolve_engine(d.engine, info, d.pipeline_parallel)
+    engine_name = resolve_engine(d.engine, info, d.pipeline_parallel, draft=bool(cfg.draft.kind))
     mesh = build_mesh(d, info)  # every axis; one line when their product does not fit the launch
     layout = mesh.layout  # data-parallel x context ranks
     elastic = elastic_callbacks(cfg, info.rank, info.world_size)  # torchrun restarts; a drill's keys checked now

@@ -48,6 +48,7 @@ from treadle.drafts.recurrent import UnrollOutput, guesses_by_step
 from treadle.drafts.ttt_scores import chunked_unroll_scores
 from treadle.drafts.run_model import DraftRunModel
 from treadle.drafts.targets import checked_target
+from treadle import compat
 from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
 
@@ -58,6 +59,8 @@ ACCEPTED_TARGET = "accepted: a text-only Gemma 4 (config model_type 'gemma4_text
 
 
 def refuse_non_gemma4(model_type, where: str) -> None:
+    compat.require(compat.gemma4_kv_sharing(), "draft.kind = 'frozen_kv' (Gemma 4's assistant)", "transformers >= 5.23",
+                   "a transformers release from 5.23 (pip install 'transformers>=5.23'), or another draft.kind")
     if model_type != TARGET_TYPE:
         raise UserError(f"{where} is a {model_type!r} model; draft.kind = 'frozen_kv' trains Gemma 4's assistant, "
                         f"which reads a Gemma 4 target's K/V; {ACCEPTED_TARGET}")
