@@ -591,8 +591,7 @@ def test_a_frozen_kv_run_refuses_a_target_that_is_not_gemma_4(world, refused, ta
 
     out = world.root / "runs" / "new"
     if not compat.gemma4_kv_sharing():  # transformers < 5.23: the kind itself is refused first
-        line = refused(draft_args(world.shards, target_dir, out, "--draft.kind=frozen_kv"),
-                       "needs transformers >= 5.23", out)
+        refused(draft_args(world.shards, target_dir, out, "--draft.kind=frozen_kv"), "needs transformers >= 5.23", out)
         return
     line = refused(draft_args(world.shards, target_dir, out, "--draft.kind=frozen_kv"), "trains Gemma 4's assistant",
                    out)
