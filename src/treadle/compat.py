@@ -59,9 +59,9 @@ def require_model_type(path, key: str) -> None:
 
 
 def _supported(name: str) -> str:
-    from treadle.versions import requirements, spec
-
     from packaging.requirements import Requirement
+
+    from treadle.versions import requirements, spec
 
     found = [Requirement(r) for r in requirements() if Requirement(r).name == name]
     return spec(found[0]) if found else "(see pyproject.toml)"
