@@ -40,6 +40,7 @@ from treadle.metrics.flops import (attention_dims, forward_flops_per_token, matm
 from treadle.metrics.sinks import Console, JsonlSink, Sinks, check_sinks_installed, open_optional_sinks
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
+from treadle.models import attention
 from treadle.models.hf import (build_model, compile_layers, count_parameters, from_scratch_line, persistent_compile_cache,
                                trainable_parameters, vocabulary_fit)
 from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
@@ -252,6 +253,17 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
                       DraftExportCallback(out, target_dir, identity, cfg.draft), step_callbacks=step_callbacks)
 
 
+def choose_attention(cfg: Config, model: torch.nn.Module, device: torch.device, cp: int) -> list[str]:
+    """``model.attention`` resolved and applied to the model that reads the packed rows (a draft run's target);
+    the line that says what ``auto`` chose."""
+    reader = model.target if cfg.draft.kind else model
+    if reader is None:  # a draft trained from a store: no target runs
+        return []
+    choice, why = attention.resolve(cfg.model.attention, reader.config, device, cfg.data.seq_len, cp)
+    attention.use(reader, choice)
+    return [f"treadle: model.attention = auto -> {choice}: {why}"] if cfg.model.attention == "auto" else []
+
+
 def model_flops_per_token(model: torch.nn.Module, seq_len: int, draft: bool) -> float:
     """FLOPs one trained token costs (metrics/flops.py). A draft run: the draft block trained (two attentions: its
     own and the cross-attention into the target's K/V), the target's head it scores through (frozen: no weight
@@ -386,6 +398,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         plan_stages(setup.model, d.pipeline_parallel, d.pipeline_schedule)
     # model.dtype / compile = auto -> what runs fastest here, before check_resume compares and config.toml records it
     cfg, auto_lines, step_time_check = resolve_auto(cfg, setup.model, engine_name, device)
+    auto_lines += choose_attention(cfg, setup.model, device, layout.cp_size)
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
