@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - every supported torch has it
 _VARLEN_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 # Below this many tokens a CPU row attends through the dense mask: the mask is small, and one masked call beats a
 # call per document (bench/attention.py measures the crossing).
-CPU_DENSE_UP_TO = 1024
+CPU_DENSE_UP_TO = 2048
 
 
 @dataclass(frozen=True)
