@@ -44,7 +44,7 @@ from treadle.drafts.dflash import layout as dflash_layout
 from treadle.drafts.dflash import settings
 from treadle.drafts.eagle3.model import capture_features, draft_rotary, draft_shape
 from treadle.drafts.glide.model import (
-    WHOLE, RMSNorm, causal_document_mask, checked_export, document_ids, init_linears, rotate, sdpa,
+    WHOLE, RMSNorm, checked_export, document_ids, init_linears, rotate, sdpa, target_mask,
 )
 from treadle.drafts.run_model import DraftRunModel, FusedFeatureReads
 from treadle.drafts.targets import checked_target
@@ -263,7 +263,7 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
             return self.from_reads(reads, hidden)
         self.check_live()
         run = self.target.model if hidden else self.target
-        mask = causal_document_mask(position_ids, self.target)
+        mask = target_mask(position_ids, self.target)
         with torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap:
             out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)
             return out.last_hidden_state if hidden else out.logits, tap.take()

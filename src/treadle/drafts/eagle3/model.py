@@ -44,8 +44,8 @@ from treadle.drafts.kind import init_dir
 from treadle.drafts.eagle3 import layout as eagle3_layout
 from treadle.drafts.eagle3.attention import UnrollKeys
 from treadle.drafts.glide.model import (
-    WHOLE, GlideShape, RMSNorm, WholeSequences, attention_mask, causal_document_mask, checked_export,
-    document_ids, init_linears, read_draft_config, sdpa, self_attention_inputs, ttt_mask,
+    WHOLE, GlideShape, RMSNorm, WholeSequences, attention_mask, checked_export,
+    document_ids, init_linears, read_draft_config, sdpa, self_attention_inputs, target_mask, ttt_mask,
 )
 from treadle.drafts.run_model import DraftRunModel, FusedFeatureReads
 from treadle.models.hf import decoder_layers
@@ -282,7 +282,7 @@ class Eagle3Model(FusedFeatureReads, DraftRunModel):
             return self.from_reads(reads, hidden)
         self.check_live()
         run = self.target.model if hidden else self.target
-        mask = causal_document_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
+        mask = target_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
         with (torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap,
               seq.attention(self.target)):
             out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)

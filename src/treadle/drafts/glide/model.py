@@ -387,6 +387,18 @@ def causal_document_mask(position_ids: torch.Tensor, target=None):
     return as_mask(mask, c, dtype)
 
 
+def target_mask(position_ids: torch.Tensor, target):
+    """What a draft run hands its target as ``attention_mask``: nothing when the target attends through
+    ``model.attention``'s varlen or flex (models/attention.py: they find the documents from ``position_ids`` and take
+    each layer's own window, so no [T, T] mask is built), else ``causal_document_mask``. Both start a document where
+    a position restarts at 0 (treadle's rows; anchor offsets jump forward, never back)."""
+    from treadle.models.attention import NAMES
+
+    if target.config._attn_implementation in NAMES.values():
+        return None
+    return causal_document_mask(position_ids, target)
+
+
 def as_mask(mask: torch.Tensor, config, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True: may attend) as a model's attention wants it: boolean for sdpa, additive (0 / the
     dtype's min) for eager and flex, which add it to the scores."""
@@ -482,7 +494,7 @@ class GlideModel(DraftRunModel):
             return out, (seq.gather(k, 2), seq.gather(v, 2))
         self.check_live()
         run = self.target.model if hidden else self.target
-        mask = causal_document_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
+        mask = target_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
         with torch.no_grad(), capture_last_kv(self.target) as kv, seq.attention(self.target):
             out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)
         return out.last_hidden_state if hidden else out.logits, (seq.gather(kv["k"], 2), seq.gather(kv["v"], 2))
