@@ -1,6 +1,6 @@
 """model.attention in draft runs (issue 40): the frozen target on varlen is handed no [T, T] mask (the attention finds
 the documents from the position ids), and every kind's training loss and draft gradients equal those with the target
-on the dense mask. float64 on CPU, on packed rows of many short documents (1 to 3 tokens among them) and documents
+on the dense mask; the drafts' own masks through FlexAttention (drafts/masks.py) give the dense masks' logits. float64 on CPU, on packed rows of many short documents (1 to 3 tokens among them) and documents
 longer than the target's sliding window, with an anchor offset that makes positions jump forward inside a document."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from tests.helpers import TARGET
 from treadle import compat
 from treadle.config import DraftConfig
 from treadle.data.packed import IGNORE_INDEX
+from treadle.drafts.masks import Rule
 from treadle.models import attention
 from treadle.models.hf import decoder_layers
 
@@ -55,7 +56,7 @@ def glide():
 
     target = windowed_target(2)
     cfg = DraftConfig(kind="glide", loss="mix", kl_weight=0.3)
-    return GlideModel(target, GlideDraft(target.config).double()), lambda m, b: GlideObjective(cfg, 512, T).losses(
+    return GlideModel(target, GlideDraft(target.config, window=WINDOW - 1).double()), lambda m, b: GlideObjective(cfg, 512, T).losses(
         m, b, lag=2, offset=40, train=True)
 
 
@@ -147,3 +148,41 @@ def test_a_target_on_varlen_gets_no_mask_and_trains_the_draft_as_on_dense(kind):
         assert (g is None) == (got_grads[name] is None), name
         if g is not None:
             torch.testing.assert_close(got_grads[name], g, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def draft_logits(kind: str, model, steps: int) -> list[torch.Tensor]:
+    """The draft's logits on the packed batch (positions offset by 40 past the anchor, as training draws them)."""
+    from treadle.drafts.glide.model import anchored_positions
+
+    batch = packed_batch()
+    ids, doc_positions = batch["input_ids"], batch["position_ids"]
+    positions = anchored_positions(doc_positions, 4, 40)
+    if kind == "glide":
+        out = model(ids, positions, lag=2, doc_position_ids=doc_positions, steps=steps)
+        return [out.logits, *(out.chain_logits or [])]
+    if kind == "eagle3":
+        return model(ids, positions, steps=steps, doc_position_ids=doc_positions).logits
+    # DFlash: blocks anchored in 1-token documents (0, 6 of row 0; 21 of row 1), at a document's end and mid-document
+    anchors = torch.tensor([[0, 1, 3, 6, 16, 24], [0, 5, 20, 21, 25, 30]])
+    return [model(ids, positions, anchors, doc_position_ids=doc_positions).logits]
+
+
+@pytest.mark.parametrize("kind, steps", [("glide", 1), ("glide", 3), ("eagle3", 3), ("dflash", 1)])
+def test_the_drafts_masks_through_flex_give_the_dense_masks_logits(kind, steps, monkeypatch):
+    """Each draft mask is one rule (drafts/masks.py): its BlockMask through FlexAttention (eager on CPU, forward
+    only: torch has no CPU flex backward) gives the logits of its dense form through sdpa. GLIDE with a
+    self-attention window and a lagged cross-attention, plain and unrolled; EAGLE-3's unroll (its dense-free step-0
+    attention against every step's keys under the rule); DFlash's anchored blocks."""
+    model, _ = build(kind)
+    model.eval()
+    attention.use(model.target, "varlen")  # as a run sets both: the target builds no mask either
+    with torch.no_grad():
+        want = draft_logits(kind, model, steps)
+        model.flex_masks = True
+        with monkeypatch.context() as m:  # the flex path builds no dense mask
+            m.setattr(Rule, "dense", lambda self: pytest.fail("a dense draft mask on the flex path"))
+            got = draft_logits(kind, model, steps)
+    assert len(got) == len(want) == steps
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float64
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
