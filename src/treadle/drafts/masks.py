@@ -4,7 +4,7 @@ Each rule gives both forms a draft attends through, so they cannot disagree:
 
 - ``Rule.dense()``: the boolean ``[B, 1, Q, K]`` mask (the rule evaluated on broadcast index tensors), attended by
   sdpa: the CPU path, and every decode;
-- ``Rule.block_mask()``: a FlexAttention ``BlockMask`` (blocks the rule masks whole are skipped, no ``[Q, K]`` mask or
+- ``Rule.block_mask``: a FlexAttention ``BlockMask`` (blocks the rule masks whole are skipped, no ``[Q, K]`` mask or
   score kept): a training run whose ``model.attention`` resolved to varlen or flex on CUDA (``DraftRunModel.flex_masks``,
   set by train/run.py's ``choose_attention``).
 
@@ -16,6 +16,7 @@ go into transformers modules as 4-D tensors (their dense forms, from the same ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -39,6 +40,7 @@ class Rule:
                            k[None, None, None, :])
         return out.expand(self.batch, 1, self.queries, self.keys)
 
+    @cached_property  # once per rule: every layer of a forward, and its recomputation, attends with the same one
     def block_mask(self):
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -94,7 +96,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         if mask.flex:
             from treadle.models.attention import flex_function
 
-            return flex_function(q.device)(q, k, v, block_mask=mask.block_mask(), enable_gqa=k.shape[1] != q.shape[1])
+            return flex_function(q.device)(q, k, v, block_mask=mask.block_mask, enable_gqa=k.shape[1] != q.shape[1])
         mask = mask.dense()
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
