@@ -186,3 +186,18 @@ def test_the_drafts_masks_through_flex_give_the_dense_masks_logits(kind, steps, 
     for g, w in zip(got, want):
         assert g.dtype == torch.float64
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("device, flex", [("cpu", False), ("cuda", True)])
+def test_a_draft_run_attends_through_block_masks_where_its_target_runs_varlen_on_cuda(device, flex):
+    """train/run.py's choose_attention: model.attention = varlen applied to the target; the draft's own masks
+    follow as BlockMasks on CUDA only (torch has no FlexAttention backward on CPU). Nothing runs on the device."""
+    from treadle.config.load import load_config
+    from treadle.train.run import choose_attention
+
+    model, _ = build("dflash")
+    cfg = load_config(None, ["--draft.kind=dflash", "--draft.target=unread", "--model.attention=varlen",
+                             f"--data.seq_len={T}"])
+    assert choose_attention(cfg, model, torch.device(device), 1) == []
+    assert model.target.config._attn_implementation == attention.NAMES["varlen"]
+    assert model.flex_masks is flex
