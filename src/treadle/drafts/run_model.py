@@ -59,6 +59,9 @@ class DraftRunModel(nn.Module):
         self.stored: StoredEval | None = None  # a store-backed run's evaluation reads (set with ``live`` False)
         self.live = True  # False: the target's decoder layers are not built (the run reads a feature store)
         self.origin: str | None = None  # where the draft's weights came from, for the run's start line (kinds that say)
+        # True: the draft's training attention goes through FlexAttention BlockMasks of its mask rules (drafts/masks.py)
+        # instead of dense [T, T] masks; set by train/run.py's choose_attention (model.attention varlen / flex on CUDA).
+        self.flex_masks = False
 
     def train(self, mode: bool = True):
         super().train(mode)

@@ -167,18 +167,23 @@ _block_masks = _LastBlockMasks()
 _compiled_flex = None
 
 
-def flex(query, key, value, docs: Documents, scale, window: int) -> torch.Tensor:
-    """FlexAttention over the documents' BlockMask: [B, H, T, D] -> [B, T, H, D]. Compiled when called on CUDA
-    (eager FlexAttention computes every score); the tests run it eager on CPU, forward only."""
+def flex_function(device: torch.device):
+    """``flex_attention``, compiled on CUDA (eager FlexAttention computes every score); eager elsewhere, which the
+    tests run on CPU, forward only."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    fn = flex_attention
-    if query.device.type == "cuda":
-        _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
-        fn = _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def flex(query, key, value, docs: Documents, scale, window: int) -> torch.Tensor:
+    """FlexAttention over the documents' BlockMask: [B, H, T, D] -> [B, T, H, D] (``flex_function``)."""
     mask = _block_masks(docs, query.shape[1], window, query.device)
-    out = fn(query, key, value, block_mask=mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1])
+    out = flex_function(query.device)(query, key, value, block_mask=mask, scale=scale,
+                                      enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous()
 
 

@@ -254,13 +254,15 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
 
 
 def choose_attention(cfg: Config, model: torch.nn.Module, device: torch.device, cp: int) -> list[str]:
-    """``model.attention`` resolved and applied to the model that reads the packed rows (a draft run's target);
-    the line that says what ``auto`` chose."""
+    """``model.attention`` resolved and applied to the model that reads the packed rows (a draft run's target, and
+    then the draft's own masks: BlockMasks on CUDA); the line that says what ``auto`` chose."""
     reader = model.target if cfg.draft.kind else model
     if reader is None:  # a draft trained from a store: no target runs
         return []
     choice, why = attention.resolve(cfg.model.attention, reader.config, device, cfg.data.seq_len, cp)
     attention.use(reader, choice)
+    if cfg.draft.kind:  # the draft's own masks as FlexAttention BlockMasks where flex can train (drafts/masks.py)
+        model.flex_masks = choice in attention.NAMES and device.type == "cuda"
     return [f"treadle: model.attention = auto -> {choice}: {why}"] if cfg.model.attention == "auto" else []
 
 

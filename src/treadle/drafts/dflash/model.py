@@ -44,8 +44,9 @@ from treadle.drafts.dflash import layout as dflash_layout
 from treadle.drafts.dflash import settings
 from treadle.drafts.eagle3.model import capture_features, draft_rotary, draft_shape
 from treadle.drafts.glide.model import (
-    WHOLE, RMSNorm, causal_document_mask, checked_export, document_ids, init_linears, rotate, sdpa,
+    WHOLE, RMSNorm, checked_export, document_ids, init_linears, rotate, sdpa, target_mask,
 )
+from treadle.drafts.masks import Rule
 from treadle.drafts.run_model import DraftRunModel, FusedFeatureReads
 from treadle.drafts.targets import checked_target
 from treadle.errors import UserError
@@ -93,19 +94,24 @@ def default_mask_token(target_vocab: int, data_vocab: int) -> int:
 # ----------------------------------------------------------------------------- masks
 
 
-def block_mask(doc: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[B, 1, N * block_size, T + N * block_size] bool: what the rows of N anchored blocks may read among a packed
-    row's T context keys followed by the blocks' own keys. Block j (anchor index ``anchors[b, j]``) reads context
-    index t iff t < anchor and t is in the anchor's document, and every row of its own block."""
+def block_rule(doc: torch.Tensor, anchors: torch.Tensor, block_size: int, flex: bool = False) -> Rule:
+    """What the rows of N anchored blocks may read among a packed row's T context keys followed by the blocks' own
+    N * block_size keys. Block j (anchor index ``anchors[b, j]``) reads context index t iff t < anchor and t is in
+    the anchor's document, and every row of its own block."""
     B, T = doc.shape
     N = anchors.shape[1]
-    idx = torch.arange(T, device=doc.device)
-    anchor_doc = doc.gather(1, anchors)  # [B, N]
-    ctx = (idx[None, None] < anchors[..., None]) & (doc[:, None] == anchor_doc[..., None])  # [B, N, T]
-    ctx = ctx.repeat_interleave(block_size, dim=1)  # [B, N * bs, T]
-    block = torch.arange(N * block_size, device=doc.device) // block_size
-    own = (block[:, None] == block[None]).expand(B, -1, -1)
-    return torch.cat((ctx, own), dim=-1).unsqueeze(1)
+
+    def allowed(b, h, q, k):
+        block, anchor = q // block_size, anchors[b, q // block_size]
+        context = (k < anchor) & (doc[b, k.clamp(max=T - 1)] == doc[b, anchor])  # k < anchor < T
+        return context | ((k >= T) & ((k - T) // block_size == block))
+
+    return Rule(allowed, B, N * block_size, T + N * block_size, doc.device, flex)
+
+
+def block_mask(doc: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, 1, N * block_size, T + N * block_size] bool: ``block_rule``'s dense form."""
+    return block_rule(doc, anchors, block_size).dense()
 
 
 # ----------------------------------------------------------------------------- the draft
@@ -263,7 +269,7 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
             return self.from_reads(reads, hidden)
         self.check_live()
         run = self.target.model if hidden else self.target
-        mask = causal_document_mask(position_ids, self.target)
+        mask = target_mask(position_ids, self.target)
         with torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap:
             out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)
             return out.last_hidden_state if hidden else out.logits, tap.take()
@@ -282,7 +288,7 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
         block_pos = (position_ids.gather(1, anchors)[..., None] + torch.arange(bs, device=anchors.device)).flatten(1)
         context = draft.fuse(features)
         kv = draft.context_kv(context, self.rotary(context, position_ids))
-        hidden = draft(embeds, self.rotary(embeds, block_pos), kv, block_mask(doc, anchors, bs))
+        hidden = draft(embeds, self.rotary(embeds, block_pos), kv, block_rule(doc, anchors, bs, self.flex_masks))
         return hidden.view(B, N, bs, -1)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -44,9 +44,10 @@ from treadle.drafts.kind import init_dir
 from treadle.drafts.eagle3 import layout as eagle3_layout
 from treadle.drafts.eagle3.attention import UnrollKeys
 from treadle.drafts.glide.model import (
-    WHOLE, GlideShape, RMSNorm, WholeSequences, attention_mask, causal_document_mask, checked_export,
-    document_ids, init_linears, read_draft_config, sdpa, self_attention_inputs, ttt_mask,
+    WHOLE, GlideShape, RMSNorm, WholeSequences, attention_mask, checked_export,
+    document_ids, init_linears, read_draft_config, sdpa, self_attention_inputs, target_mask, ttt_mask,
 )
+from treadle.drafts.masks import ttt_rule
 from treadle.drafts.run_model import DraftRunModel, FusedFeatureReads
 from treadle.models.hf import decoder_layers
 from treadle.drafts.targets import checked_target
@@ -214,10 +215,10 @@ class Eagle3Draft(nn.Module):
         cos, sin = rope
         h = torch.cat((self.embed_norm(embeds), self.feature_norm(feature)), dim=-1)
         q, k, v, new_kv = self_attention_inputs(self, h, cos, sin, past_kv)
-        if isinstance(mask, torch.Tensor):  # a dense mask (decoding, and the reference unroll)
-            attn = sdpa(q, k, v, mask)
-        else:  # a training unroll's keys, attended without a dense mask (drafts/eagle3/attention.py)
+        if isinstance(mask, UnrollKeys):  # a training unroll's keys, without a dense mask (drafts/eagle3/attention.py)
             attn, new_kv = mask.attend(q, k, v)
+        else:  # a dense mask (decoding, the reference unroll) or a mask rule (drafts/masks.py: flex on CUDA)
+            attn = sdpa(q, k, v, mask)
         x = feature + self.o_proj(attn.transpose(1, 2).flatten(2))
         h = self.mlp_norm(x)
         return x + self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h)), new_kv
@@ -282,7 +283,7 @@ class Eagle3Model(FusedFeatureReads, DraftRunModel):
             return self.from_reads(reads, hidden)
         self.check_live()
         run = self.target.model if hidden else self.target
-        mask = causal_document_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
+        mask = target_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
         with (torch.no_grad(), capture_features(self.target, self.draft_model.feature_layers) as tap,
               seq.attention(self.target)):
             out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)
@@ -306,8 +307,9 @@ class Eagle3Model(FusedFeatureReads, DraftRunModel):
         for k in range(steps):
             embeds = embed(padded[:, first + 1 + k : first + 1 + k + T])
             rope = self.rotary(embeds, position_ids + k)
-            if self.dense_attention:
-                feature, (nk, nv) = self.draft_model(embeds, feature, rope, ttt_mask(doc, k), past_kv=keys)
+            if self.dense_attention or self.flex_masks:  # every step's keys, under the unroll's mask rule
+                mask = ttt_rule(doc, k, flex=self.flex_masks)
+                feature, (nk, nv) = self.draft_model(embeds, feature, rope, mask, past_kv=keys)
                 keys = (nk, nv) if keys is None else (torch.cat((keys[0], nk), 2), torch.cat((keys[1], nv), 2))
             else:
                 feature, kv = self.draft_model(embeds, feature, rope, unroll)

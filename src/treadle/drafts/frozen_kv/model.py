@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treadle.drafts.glide.model import as_mask, attention_mask, causal_document_mask, checked_export, document_ids
+from treadle.drafts.glide.model import as_mask, attention_mask, checked_export, document_ids, target_mask
 from treadle.drafts.kind import init_dir
 from treadle.drafts.recurrent import UnrollOutput, guesses_by_step
 from treadle.drafts.ttt_scores import chunked_unroll_scores
@@ -127,7 +127,7 @@ class FrozenKvModel(DraftRunModel):
                   store_layers(self.target.config)}
             return reads["hidden"], kv
         self.check_live()
-        mask = causal_document_mask(position_ids, self.target)  # a dict per layer type: the target's window kept
+        mask = target_mask(position_ids, self.target)  # a dict per layer type: the target's window kept
         with torch.no_grad():
             out = self.target.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                                     use_cache=False, return_shared_kv_states=True)

@@ -41,13 +41,13 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
 from treadle.models.chunked_ce import chunked_distillation_scores, model_logits
+from treadle.drafts.masks import index_rule, sdpa, ttt_rule  # sdpa: the kinds import it from here
 from treadle.drafts.identity import describe_target, target_config_fingerprint, target_differences
 from treadle.drafts.run_model import DraftRunModel
 
@@ -65,34 +65,23 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 def attention_mask(q_idx: torch.Tensor, k_idx: torch.Tensor, *, min_gap: int = 0, window: int = 0,
                    q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean [B, 1, Tq, Tk]: query i may read key j iff k_idx[j] <= q_idx[i] - min_gap,
-    within ``window`` tokens (0 = unlimited) and, when documents are given, in the same document.
+    within ``window`` tokens (0 = unlimited) and, when documents are given, in the same document
+    (the dense form of ``masks.index_rule``).
 
     Indices count tokens (not RoPE positions, which anchor offsets may shift).
     """
-    q = q_idx.unsqueeze(-1)  # [B, Tq, 1]
-    k = k_idx.unsqueeze(-2)  # [B, 1, Tk]
-    allowed = k <= q - min_gap
-    if window:
-        allowed = allowed & (q - k < window)
-    if q_doc is not None:
-        allowed = allowed & (q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2))
-    return allowed.unsqueeze(1)
+    return index_rule(q_idx, k_idx, min_gap=min_gap, window=window, q_doc=q_doc, k_doc=k_doc).dense()
 
 
 def ttt_mask(doc: torch.Tensor, step: int, window: int = 0) -> torch.Tensor:
     """[B, 1, T, T * (step + 1)]: what training-time-test step ``step``'s row t attends to among the keys of steps
-    0..step (GLIDE's and EAGLE-3's unrolls; key blocks in step order).
+    0..step (GLIDE's and EAGLE-3's unrolls; key blocks in step order); the dense form of ``masks.ttt_rule``.
 
     Row t of step ``step`` stands at index t + step of a decode chain started after token t: it sees step 0's rows
     s <= t of t's document (the context a decode has accepted) and row t of each later step (the chain proposed
     from t), all within ``window`` tokens of t + step (0 = unlimited), as a decode's causal window would.
     """
-    T = doc.shape[-1]
-    idx = torch.arange(T, device=doc.device).expand_as(doc)
-    blocks = [attention_mask(idx + step, idx, min_gap=step, window=window, q_doc=doc, k_doc=doc)]
-    diagonal = torch.eye(T, dtype=torch.bool, device=doc.device).expand(doc.shape[0], 1, T, T)
-    blocks += [diagonal if not window or step - j < window else torch.zeros_like(diagonal) for j in range(1, step + 1)]
-    return torch.cat(blocks, dim=-1)
+    return ttt_rule(doc, step, window).dense()
 
 
 def anchored_positions(position_ids: torch.Tensor, anchor: int, offset: int) -> torch.Tensor:
@@ -117,20 +106,6 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.to(self.weight.dtype))
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention with grouped K/V heads and rows that may see nothing.
-
-    A fully masked row would come out of SDPA as NaN (PLATFORM.md): such rows are
-    unmasked for the kernel and their output zeroed, so they contribute nothing.
-    """
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    seen = mask.any(-1, keepdim=True)  # [B, 1, Tq, 1]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~seen)
-    return out * seen.to(out.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -387,6 +362,18 @@ def causal_document_mask(position_ids: torch.Tensor, target=None):
     return as_mask(mask, c, dtype)
 
 
+def target_mask(position_ids: torch.Tensor, target):
+    """What a draft run hands its target as ``attention_mask``: nothing when the target attends through
+    ``model.attention``'s varlen or flex (models/attention.py: they find the documents from ``position_ids`` and take
+    each layer's own window, so no [T, T] mask is built), else ``causal_document_mask``. Both start a document where
+    a position restarts at 0 (treadle's rows; anchor offsets jump forward, never back)."""
+    from treadle.models.attention import NAMES
+
+    if target.config._attn_implementation in NAMES.values():
+        return None
+    return causal_document_mask(position_ids, target)
+
+
 def as_mask(mask: torch.Tensor, config, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True: may attend) as a model's attention wants it: boolean for sdpa, additive (0 / the
     dtype's min) for eager and flex, which add it to the scores."""
@@ -482,7 +469,7 @@ class GlideModel(DraftRunModel):
             return out, (seq.gather(k, 2), seq.gather(v, 2))
         self.check_live()
         run = self.target.model if hidden else self.target
-        mask = causal_document_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
+        mask = target_mask(seq.gather(position_ids, 1), self.target)  # the whole sequence's, on every rank
         with torch.no_grad(), capture_last_kv(self.target) as kv, seq.attention(self.target):
             out = run(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=mask)
         return out.last_hidden_state if hidden else out.logits, (seq.gather(kv["k"], 2), seq.gather(kv["v"], 2))
@@ -501,8 +488,9 @@ class GlideModel(DraftRunModel):
         idx = torch.arange(doc.shape[1], device=input_ids.device).expand_as(doc)
         mine = slice(seq.start(input_ids.shape[1]), seq.start(input_ids.shape[1]) + input_ids.shape[1])
         q_idx, q_doc = idx[:, mine], doc[:, mine]
-        self_mask = attention_mask(q_idx, idx, window=self.draft_model.window, q_doc=q_doc, k_doc=doc)
-        cross_mask = attention_mask(q_idx, idx, min_gap=lag, q_doc=q_doc, k_doc=doc)
+        flex = self.flex_masks
+        self_mask = index_rule(q_idx, idx, window=self.draft_model.window, q_doc=q_doc, k_doc=doc, flex=flex)
+        cross_mask = index_rule(q_idx, idx, min_gap=lag, q_doc=q_doc, k_doc=doc, flex=flex)
         embeds = self.target.get_input_embeddings()(input_ids)
         rope = self.rotary(embeds, position_ids)
         hidden, _ = self.draft_model(embeds, rope, target_kv, self_mask, cross_mask, gather=seq.gather)
@@ -515,14 +503,14 @@ class GlideModel(DraftRunModel):
         doc = document_ids(position_ids if doc_position_ids is None else doc_position_ids)
         idx = torch.arange(doc.shape[1], device=input_ids.device).expand_as(doc)
         # Row t of every step reads target K/V <= t - lag: link lag + k of a chain started after token t.
-        cross_mask = attention_mask(idx, idx, min_gap=lag, q_doc=doc, k_doc=doc)
+        cross_mask = index_rule(idx, idx, min_gap=lag, q_doc=doc, k_doc=doc, flex=self.flex_masks)
         embed, head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
         tokens, keys, out = input_ids, None, []
         for k in range(steps):
             embeds = embed(tokens)
             rope = self.rotary(embeds, position_ids + k)
-            hidden, (nk, nv) = self.draft_model(embeds, rope, target_kv, ttt_mask(doc, k, self.draft_model.window),
-                                                cross_mask, past_kv=keys)
+            self_mask = ttt_rule(doc, k, self.draft_model.window, flex=self.flex_masks)
+            hidden, (nk, nv) = self.draft_model(embeds, rope, target_kv, self_mask, cross_mask, past_kv=keys)
             keys = (nk, nv) if keys is None else (torch.cat((keys[0], nk), 2), torch.cat((keys[1], nv), 2))
             out.append(model_logits(self.target.config, head(hidden)))  # the shared head scores as the target's does
             tokens = out[-1].detach().argmax(-1)  # the draft's own guess is the next step's input; no gradient

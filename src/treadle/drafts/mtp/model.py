@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treadle.drafts.glide.model import as_mask, causal_document_mask, document_ids, ttt_mask
+from treadle.drafts.glide.model import as_mask, document_ids, target_mask, ttt_mask
 from treadle.drafts.kind import init_dir
 from treadle.drafts.mtp import layout
 from treadle.drafts.recurrent import UnrollOutput, guesses_by_step
@@ -161,7 +161,7 @@ class MtpModel(DraftRunModel):
         if reads is not None:
             return reads["hidden"]
         self.check_live()
-        mask = causal_document_mask(position_ids, self.target)
+        mask = target_mask(position_ids, self.target)
         with torch.no_grad():
             return self.target.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                      attention_mask=mask).last_hidden_state
