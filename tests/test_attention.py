@@ -77,14 +77,21 @@ def test_document_attention_equals_the_dense_mask_for_every_family(family):
     torch.testing.assert_close(run(flex, ids, positions, grad=False)[0], want, rtol=0, atol=1e-12)
 
 
-def test_documents_start_where_positions_do_not_grow():
+def test_documents_start_where_positions_do_not_grow(monkeypatch):
     # A draft run's anchor offsets jump forward inside a document (7 -> 12); a restart, or a repeat, starts one.
     positions = torch.tensor([[3, 4, 5, 0, 1, 7, 12, 13, 0, 0, 1]])
     docs = attention.Documents.of(positions)
     assert docs.spans == (((0, 3), (3, 8), (8, 9), (9, 11)),)
     assert docs.ids.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1, 2, 3, 3]]
-    cu, longest = attention.Documents.of(torch.stack([positions[0], torch.arange(11)])).cumulative(torch.device("cpu"))
+    cu, longest = attention.Documents.of(torch.stack([positions[0], torch.arange(11)])).cumulative
     assert cu.tolist() == [0, 3, 8, 9, 11, 22] and longest == 11
+    # Found once per forward: every layer is handed the same position tensor.
+    found = []
+    monkeypatch.setattr(attention.Documents, "of", lambda p, of=attention.Documents.of: found.append(p) or of(p))
+    model = family_model("llama")
+    attention.use(model, "varlen")
+    model(input_ids=torch.zeros_like(positions), position_ids=positions, use_cache=False)
+    assert len(found) == 1 and model.config.num_hidden_layers > 1
 
 
 def test_a_switched_model_still_generates_a_padded_batch_as_before():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -67,26 +68,29 @@ class Documents:
         spans = tuple(tuple(zip(r, r[1:] + [T])) for r in rows)
         return cls(spans, ids)
 
-    def cumulative(self, device: torch.device) -> tuple[torch.Tensor, int]:
-        """The batch flattened row after row: cumulative document lengths (int32, varlen's ``cu_seq``) and the
-        longest document."""
+    @cached_property  # once per forward, with the spans
+    def cumulative(self) -> tuple[torch.Tensor, int]:
+        """The batch flattened row after row: cumulative document lengths (int32 on the ids' device, varlen's
+        ``cu_seq``) and the longest document."""
         T = self.ids.shape[-1]
         bounds = [b * T + s for b, row in enumerate(self.spans) for s, _ in row] + [len(self.spans) * T]
         longest = max(e - s for row in self.spans for s, e in row)
-        return torch.tensor(bounds, dtype=torch.int32, device=device), longest
+        return torch.tensor(bounds, dtype=torch.int32, device=self.ids.device), longest
 
 
 class _LastDocuments:
     """The documents of the last position-id tensor seen: every layer of one forward (and its recomputation under
-    activation checkpointing) is handed the same tensor, so the spans are found once per forward."""
+    activation checkpointing) is handed the same tensor, so the spans are found once per forward. Outside any
+    compiled graph: finding them reads the positions on the host."""
 
     def __init__(self):
-        self.key: torch.Tensor | None = None
+        self.key: tuple[torch.Tensor, int] | None = None
         self.value: Documents | None = None
 
-    def __call__(self, position_ids: torch.Tensor) -> Documents:
-        if self.key is not position_ids:
-            self.key, self.value = position_ids, Documents.of(position_ids)
+    @torch.compiler.disable
+    def __call__(self, position_ids: torch.Tensor, batch: int) -> Documents:
+        if self.key is None or self.key[0] is not position_ids or self.key[1] != batch:
+            self.key, self.value = (position_ids, batch), Documents.of(position_ids.expand(batch, -1))
         return self.value
 
 
@@ -132,7 +136,7 @@ def flash_varlen(query, key, value, docs: Documents, scale, window: int) -> torc
         rep = H // key.shape[1]
         key, value = repeat_kv(key, rep), repeat_kv(value, rep)
     q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (query, key, value))
-    cu, longest = docs.cumulative(query.device)
+    cu, longest = docs.cumulative
     out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale,
                       window_size=(window - 1 if window else -1, 0), **extra)
     return out.reshape(B, T, H, D)
@@ -195,7 +199,7 @@ def _attention(kind: str):
                                           sliding_window=sliding_window, **kwargs)
         if position_ids is None:  # every HF decoder treadle trains hands them on; a row of one document otherwise
             position_ids = torch.arange(query.shape[2], device=query.device)[None]
-        docs = _documents(position_ids.expand(query.shape[0], -1))
+        docs = _documents(position_ids, query.shape[0])
         window = sliding_window or 0
         if kind == "flex":
             return flex(query, key, value, docs, scaling, window), None
