@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover - every supported torch has it
     varlen_attn = None
 # enable_gqa appeared after 2.11: before it, keys and values are repeated per query head first.
 _VARLEN_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash's; an fp32 CUDA run attends per document through sdpa
 # Below this many tokens a CPU row attends through the dense mask: the mask is small, and one masked call beats a
 # call per document (bench/attention.py measures the crossing).
 CPU_DENSE_UP_TO = 2048
@@ -203,7 +204,7 @@ def _attention(kind: str):
         window = sliding_window or 0
         if kind == "flex":
             return flex(query, key, value, docs, scaling, window), None
-        if query.is_cuda and varlen_attn is not None and not dropout:
+        if query.is_cuda and varlen_attn is not None and not dropout and query.dtype in _FLASH_DTYPES:
             return flash_varlen(query, key, value, docs, scaling, window), None
         return per_document(query, key, value, docs, scaling, window, dropout), None
     return attend
