@@ -24,6 +24,8 @@ the others go on:
   mtp-1b-shipped    its MTP head trained as pretraining trains one (1 step, ce), stitched into a copy of it
   mtp-1b-ft   that shipped head fine-tuned from the stitched checkpoint (kl, 3 replayed steps)
   spec-mtp-1b-before / -after  spec-eval of the head before and after fine-tuning (chains of 3): issue 31's tau
+  fp8         bench/fp8.py: bf16 against torchao float8 (tensorwise, rowwise) at 1.1B and on an 8B-wide slice, and
+              the 200-step loss check (its table in fp8/fp8.md); N/A without CUDA capability 8.9 or torchao
 
 The table (tokens/s, MFU, peak memory per row) goes to stdout and to runs/gpu-check/gpu-check.md; each item's
 command and output are in runs/gpu-check/<item>.log, its run in runs/gpu-check/<item>/. tokens/s and MFU are
@@ -123,7 +125,8 @@ GPU = Sizes(tiny_steps=200, tiny_seq=256, tiny_batch=8, big=LLAMA_1B, big_steps=
                      "glide-1b": 300, "eagle3-1b": 300, "dflash-1b": 300,
                      "spec-glide-1b": 300, "spec-eagle3-1b": 300, "spec-dflash-1b": 300, "samples": 120, "features-1b": 600, "eagle3-1b-stored": 300,
                      "dsv3-1b": 600, "mtp-1b-shipped": 300, "mtp-1b-ft": 300, "spec-mtp-1b-before": 300,
-                     "spec-mtp-1b-after": 300},
+                     "spec-mtp-1b-after": 300,
+                     "fp8": 600},
             samples=300)
 TOY = Sizes(tiny_steps=4, tiny_seq=64, tiny_batch=2, big=LLAMA_TOY, big_steps=4, big_seq=64, big_batch=2,
             dist_steps=2, draft_steps=2, draft_batch=2, log_every=2, eval_batches=1, chunk_tokens=32,
@@ -134,7 +137,8 @@ TOY = Sizes(tiny_steps=4, tiny_seq=64, tiny_batch=2, big=LLAMA_TOY, big_steps=4,
                      "glide-1b": 300, "eagle3-1b": 300, "dflash-1b": 300,
                      "spec-glide-1b": 300, "spec-eagle3-1b": 300, "spec-dflash-1b": 300, "samples": 120, "features-1b": 300, "eagle3-1b-stored": 300,
                      "dsv3-1b": 300, "mtp-1b-shipped": 300, "mtp-1b-ft": 300, "spec-mtp-1b-before": 300,
-                     "spec-mtp-1b-after": 300},
+                     "spec-mtp-1b-after": 300,
+                     "fp8": 120},
             samples=20, mtp_big=DSV3_TOY)
 
 
@@ -230,7 +234,34 @@ def plan(out: Path, device: str, s: Sizes, only: list[str] | None = None) -> lis
               f"--draft.features={out / 'features-1b'}"], needs=out / "features-1b" / "manifest.json"),
     ]
     items += mtp_items(out, device, s, common, short)
+    items += fp8_items(out)
     return [i for i in items if only is None or i.name in only]
+
+
+def fp8_items(out: Path) -> list[Item]:
+    """Issue 40's FP8 item: bench/fp8.py in one process (its own runs and sizes, the same on every plan: it runs
+    only on float8 hardware, and says N/A elsewhere)."""
+    return [Item("fp8", "bf16 vs torchao float8 tensorwise / rowwise: 1.1B and an 8B-wide slice (8 layers), seq "
+                        "2048 x 4, compile; 200-step loss check", ["--out", str(out / "fp8")],
+                 launcher=[sys.executable, str(REPO / "bench" / "fp8.py")])]
+
+
+def fp8_row(item: Item, out: Path, result: dict) -> dict:
+    """bench/fp8.py's summary: each shape's fp8 speed-ups over bf16 and the loss check; N/A where it did not run."""
+    r = json.loads((out / "fp8" / "fp8.json").read_text())
+    if "skipped" in r:
+        return {**result, "status": "N/A", "note": f"not run: {r['skipped']}"}
+    rows, check = r["rows"], r["loss_check"]
+    notes = []
+    for shape in dict.fromkeys(k.split()[0] for k in rows):
+        base = rows[f"{shape} bf16"]
+        ratios = ", ".join(f"{v.split('-')[1]} {rows[f'{shape} {v}']['tokens_per_s'] / base['tokens_per_s']:.2f}x"
+                           for v in ("fp8-tensorwise", "fp8-rowwise") if f"{shape} {v}" in rows)
+        notes.append(f"{shape}: bf16 {base['tokens_per_s']:,.0f} tokens/s, {ratios}")
+    if check is not None:
+        notes.append(f"loss max rel. diff {100 * check['max_rel']:.2f}% (tolerance {100 * check['tolerance']:.0f}%)")
+    return {**result, "tokens_per_s": rows["1b fp8-tensorwise"]["tokens_per_s"] if "1b fp8-tensorwise" in rows
+            else None, "note": "; ".join(notes) + "; table in fp8/fp8.md"}
 
 
 def mtp_items(out: Path, device: str, s: Sizes, common: list[str], short) -> list[Item]:
@@ -439,7 +470,13 @@ def dry_run(items: list[Item]) -> int:
     bad = 0
     for item in items:
         try:
-            if item.treadle[0] in ("train", "features"):  # features: a draft run's config, plus its own flags
+            if item.name == "fp8":  # bench/fp8.py validates its own runs' configs
+                sys.path.insert(0, str(REPO / "bench"))
+                import fp8
+
+                if fp8.dry_run(Path(item.treadle[1])) != 0:
+                    raise UserError("bench/fp8.py --dry-run: a run's config is invalid")
+            elif item.treadle[0] in ("train", "features"):  # features: a draft run's config, plus its own flags
                 words = [w for w in item.treadle[1:] if not w.startswith(("--out=", "--dtype="))]
                 files = [w for w in words if not w.startswith("-")]
                 cfg = load_config(files[0] if files else None, [w for w in words if w.startswith("-")])
@@ -504,7 +541,8 @@ def main() -> int:
         if result["status"] == "OK":
             try:
                 rows_of = {"spec-eval": spec_row, "features": features_row, "samples": features_row}
-                result = rows_of.get(item.treadle[0], training_row)(item, out, result)
+                row = fp8_row if item.name == "fp8" else rows_of.get(item.treadle[0], training_row)
+                result = row(item, out, result)
             except (OSError, ValueError, KeyError) as exc:  # ran, but left no readable figures
                 result = {**result, "status": "FAIL", "note": f"its results cannot be read: {exc!r}"}
         print(f"gpu-check: {item.name} {result['status']} {result.get('wall', 0):.0f} s", file=sys.stderr, flush=True)
@@ -514,7 +552,7 @@ def main() -> int:
     (out / "gpu-check.md").write_text(text)
     print(text, end="")
     print(f"(written to {out / 'gpu-check.md'})")
-    return 0 if all(r["status"] == "OK" for _, r in rows) else 1
+    return 0 if all(r["status"] in ("OK", "N/A") for _, r in rows) else 1  # N/A: needs hardware this one lacks
 
 
 if __name__ == "__main__":

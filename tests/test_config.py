@@ -40,7 +40,7 @@ def test_file_then_overrides(tmp_path):
         ("--optim.learning_rate=1", "unknown key optim.learning_rate"),
         ("--lr=1", "did you mean optim.lr?"),
         ("--train.max_steps=abc", "train.max_steps = 'abc' is invalid"),
-        ("--model.dtype=fp16", "model.dtype = 'fp16' is invalid: Input should be 'auto', 'fp32', 'bf16' or 'bf16-weights'"),
+        ("--model.dtype=fp16", "model.dtype = 'fp16' is invalid: Input should be 'auto', 'fp32', 'bf16', 'bf16-weights' or 'fp8'"),
         ("--model.compile=maybe", "model.compile = 'maybe' is invalid: accepted: 'auto', true or false"),
         ("--schedule.decay=step", "'cosine', 'linear', 'constant' or 'wsd'"),
         ("--train.grad_clip=-1", "greater than or equal to 0"),

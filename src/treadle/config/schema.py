@@ -145,10 +145,15 @@ class ModelConfig(Section):
     path: str | None = Field(None, description="local Hugging Face model directory to load (a treadle run directory: "
                              "its hf/); one holding a config.json and no weights: that architecture, random weights, "
                              "model.overrides on top")
-    dtype: Literal["auto", "fp32", "bf16", "bf16-weights"] = Field(
+    dtype: Literal["auto", "fp32", "bf16", "bf16-weights", "fp8"] = Field(
         "auto", description="bf16 = autocast over fp32 weights; bf16-weights = bf16 parameters and activations, the "
-        "optimizer updating an fp32 master copy (local engine); auto = the fastest here: bf16 on CUDA from Ampere on, "
-        "on CPU measured on one decoder layer of the run's shape (cached per machine and shape)")
+        "optimizer updating an fp32 master copy (local engine); fp8 = bf16 plus torchao's float8 for the large linear "
+        "layers (CUDA capability >= 8.9, torchao installed; engines local, ddp, fsdp2; models/fp8.py); auto = the "
+        "fastest here, never fp8 (it changes the math): bf16 on CUDA from Ampere on, on CPU measured on one decoder "
+        "layer of the run's shape (cached per machine and shape)")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise", description="model.dtype = fp8: torchao's float8 scaling, one scale per tensor (tensorwise, "
+        "the faster) or per row (rowwise, the more accurate)")
     compile: Literal["auto"] | bool = Field(
         "auto", description="torch.compile each decoder layer; auto = when the run's estimated eager time is long "
         "enough for the compile to pay back (models/autotune.py)")

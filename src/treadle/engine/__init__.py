@@ -149,7 +149,7 @@ def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device,
     if name == "fsdp2":
         from treadle.engine.fsdp2 import FSDP2Engine
 
-        bf16 = cfg.model.dtype == "bf16"
+        bf16 = cfg.model.dtype in ("bf16", "fp8")  # fp8: torchao's float8 layers take the bf16 weights (torchtitan)
         return FSDP2Engine(model, lambda m: build_optimizer(m, cfg), device,
                            mp_param_dtype=torch.bfloat16 if bf16 else None,
                            reduce_dtype=torch.bfloat16 if d.reduce_dtype == "bf16" else torch.float32,

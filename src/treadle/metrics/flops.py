@@ -29,14 +29,28 @@ PEAK_TFLOPS = {
 }
 
 
-def peak_tflops(device: torch.device, bf16: bool, configured: float | None) -> float | None:
-    """One device's peak for this run's dtype: the configured one, a known GPU's, else None (CPU: no mfu)."""
+# fp8's dense peak is twice bf16's on every card with float8 tensor cores (the Hopper and Ada datasheets: H100 SXM
+# 1,979 against 989 TFLOP/s; L40S 733 against 362); fp8 runs only there (models/fp8.py).
+FP8_OVER_BF16 = 2.0
+
+
+def peak_tflops(device: torch.device, dtype: str, configured: float | None) -> float | None:
+    """One device's peak for this run's ``model.dtype``: the configured one, a known GPU's, else None (CPU: no
+    mfu). bf16 and bf16-weights: its bf16 peak; fp8: twice that (the matmuls torchao leaves in bf16 are counted
+    against it too, so an fp8 run's MFU reads low beside a bf16 run's at the same speed); else fp32's."""
     if configured is not None:
         return configured
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((pair[0 if bf16 else 1] for key, pair in PEAK_TFLOPS.items() if key in name), None)
+    return device_peak(torch.cuda.get_device_name(device), dtype)
+
+
+def device_peak(name: str, dtype: str) -> float | None:
+    """``peak_tflops`` of the GPU named ``name`` (as torch.cuda.get_device_name says it), None if unknown."""
+    pair = next((pair for key, pair in PEAK_TFLOPS.items() if key in name), None)
+    if pair is None:
+        return None
+    return pair[0] * FP8_OVER_BF16 if dtype == "fp8" else pair[0] if dtype in ("bf16", "bf16-weights") else pair[1]
 
 
 def matmul_parameters(model: nn.Module) -> float:

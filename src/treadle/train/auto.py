@@ -20,6 +20,7 @@ from treadle.config import Config
 from treadle.errors import UserError
 from treadle.models import autotune
 from treadle.models.autotune import choose_compile, choose_dtype, probe_path, safe_probe
+from treadle.models.fp8 import check_fp8
 from treadle.models.hf import decoder_layers
 from treadle.train.callbacks import Callback
 
@@ -34,20 +35,31 @@ def dtype_candidates(cfg: Config, engine: str) -> tuple[str, ...]:
     return tuple(found)
 
 
-def check_dtype(cfg: Config, engine: str) -> None:
+def check_dtype(cfg: Config, engine: str, device: torch.device | None = None) -> None:
+    """Refuse a dtype this run cannot train in (fp8: also by ``device``, the run's own, and torchao; None: the
+    engine alone, without the device checks)."""
+    accepted = ", ".join(("auto", *dtype_candidates(cfg, engine)))
+    if cfg.model.dtype == "fp8":  # never a candidate of auto: it changes the math, so only when asked for
+        check_fp8(engine, bool(cfg.draft.kind), cfg.distributed.tensor_parallel, device, accepted)
+        return
     if cfg.model.dtype not in ("auto", *dtype_candidates(cfg, engine)):
         what = "a draft run" if cfg.draft.kind else f"distributed.engine {engine!r}"
         raise UserError(f"model.dtype = {cfg.model.dtype!r} is not available to {what} (bf16 weights with fp32 masters "
                         "are the local engine's, for a model run; FSDP2's bf16 already computes in bf16 weights over "
-                        f"fp32 shards); accepted: {', '.join(('auto', *dtype_candidates(cfg, engine)))}")
+                        f"fp32 shards); accepted: {accepted}")
 
 
 def resolve_auto(cfg: Config, model: nn.Module, engine: str,
                  device: torch.device) -> tuple[Config, list[str], StepTimeCheck | None]:
     """``cfg`` with ``auto`` replaced by the choices for this run, a line per choice saying why, and the callback
     that checks the choices' figure against the run's first steps (None when nothing was ``auto``)."""
-    check_dtype(cfg, engine)
+    check_dtype(cfg, engine, device)
     m, t = cfg.model, cfg.train
+    if m.dtype == "fp8" and m.compile == "auto":  # no probe: it measures the dtypes auto chooses between
+        cfg = cfg.model_copy(deep=True)
+        cfg.model.compile = True
+        return cfg, ["treadle: model.compile = auto -> true: torchao's float8 pays only compiled (its speed-ups are "
+                     "measured with torch.compile fusing its casts and scales; torchao/float8/README.md)"], None
     if m.dtype != "auto" and m.compile != "auto":
         return cfg, [], None
     rows, seq_len = t.micro_batch_size, cfg.data.seq_len

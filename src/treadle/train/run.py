@@ -40,6 +40,7 @@ from treadle.metrics.flops import (attention_dims, forward_flops_per_token, matm
 from treadle.metrics.sinks import Console, JsonlSink, Sinks, check_sinks_installed, open_optional_sinks
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
+from treadle.models.fp8 import apply_fp8
 from treadle.models import attention
 from treadle.models.hf import (build_model, compile_layers, count_parameters, from_scratch_line, persistent_compile_cache,
                                trainable_parameters, vocabulary_fit)
@@ -401,6 +402,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # model.dtype / compile = auto -> what runs fastest here, before check_resume compares and config.toml records it
     cfg, auto_lines, step_time_check = resolve_auto(cfg, setup.model, engine_name, device)
     auto_lines += choose_attention(cfg, setup.model, device, layout.cp_size)
+    if cfg.model.dtype == "fp8":  # a model transform: before checkpointing wraps layers, compile and the engine
+        auto_lines.append(apply_fp8(setup.model, cfg.model.fp8_recipe))
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
@@ -437,7 +440,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # Order matters: the guard may roll back before eval and checkpoint see the step,
     # and eval (which may set the "best" metric) runs before the checkpoint; user callbacks come
     # after eval (they see its result) and before the checkpoint (which saves their state).
-    peak = peak_tflops(device, cfg.model.dtype in ("bf16", "bf16-weights"), cfg.metrics.peak_tflops)
+    peak = peak_tflops(device, cfg.model.dtype, cfg.metrics.peak_tflops)
     callbacks = [*setup.step_callbacks, MetricsCallback(t.log_every, flops_per_token, peak), NanGuardCallback(r)]
     if step_time_check is not None:  # the auto choices' figure against the first steps
         callbacks.append(step_time_check)
@@ -457,7 +460,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if cfg.checkpoint.export_hf:
         callbacks.append(setup.export)
     callbacks += elastic  # last: a drill's kill comes after the step's checkpoint
-    bf16 = cfg.model.dtype == "bf16"
+    bf16 = cfg.model.dtype in ("bf16", "fp8")  # fp8: what torchao leaves in high precision runs in bf16 autocast
     console = Console(t.max_steps, enabled=main, live=live, records="console" in cfg.metrics.sinks)
     metrics = Sinks(JsonlSink(out / "metrics.jsonl", enabled=main and "jsonl" in cfg.metrics.sinks), warn=console.print)
     opened.callback(metrics.close)
