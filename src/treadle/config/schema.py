@@ -386,6 +386,8 @@ class DraftConfig(Section):
     mask_token_id: int | None = Field(None, ge=0, description="dflash: the target-embedding row fed at a block's "
                                       "masked positions; unset = the first row past the data's tokenizer, else the "
                                       "last row")
+    markov_rank: int | None = Field(None, ge=1, description="dspark: rank r of the Markov head's transition bias "
+                                    "W2 W1[previous token] (V x r, r x V); unset = 256 (DeepSpec's)")
 
 
 class DistributedConfig(Section):

@@ -354,7 +354,9 @@ def speculative_generate(
                 tokens += path + ([bonus] if bonus is not None else [])
             else:
                 proposal = drafter.propose(torch.tensor([context]), state, gamma, sampler)
-                if len(proposal.tokens) != gamma:
+                # A drafter that cuts its proposal (DSpark's confidence early stop) may propose fewer, never more.
+                if len(proposal.tokens) > gamma or (len(proposal.tokens) < gamma
+                                                    and not getattr(drafter, "cuts_proposals", False)):
                     raise RuntimeError(
                         f"drafter {drafter.name!r} proposed {len(proposal.tokens)} tokens, expected {gamma}")
                 verify = torch.tensor([[tokens[-1], *proposal.tokens]])

@@ -65,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto",
                         help="where target and draft decode: auto (an accelerator when there is one), cpu, cuda, "
                              "cuda:N (default: auto); the weights stay in fp32")
+    parser.add_argument("--confidence-threshold", type=float, default=0.0, metavar="P",
+                        help="a DSpark draft's confidence early stop, as the engines serve it: verify only the "
+                             "drafts its confidence head keeps at this threshold (default: 0, the whole block, "
+                             "both engines' default)")
+    parser.add_argument("--confidence-rule", choices=("sglang", "vllm"), default="sglang",
+                        help="with --confidence-threshold: sglang = up to the first draft whose confidence < P "
+                             "(SGLang, DeepSpec); vllm = the drafts whose cumulative confidence >= P (default: sglang)")
 
 
 # --------------------------------------------------------------------------- loading
@@ -371,7 +378,8 @@ def _print_report(result: dict, target_dir: Path) -> None:
 def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Path | None = None, num_prompts: int = 8,
               prompt_len: int = 64, max_new_tokens: int = 64, json_path: Path | None = None, threads: int = 0,
               tree: str | tuple[int, ...] | DynamicTree | None = None, temperature: float = 0.0, top_p: float = 1.0,
-              seed: int = 0, device: str = "auto") -> dict:
+              seed: int = 0, device: str = "auto", confidence_threshold: float = 0.0,
+              confidence_rule: str = "sglang") -> dict:
     """Speculative decoding of ``target`` with ``draft``: the result record (``--json`` writes it, with
     ``written_by``). The keywords are the command's flags; its defaults are theirs (a test compares them)."""
     json_path = Path(json_path) if json_path is not None else None
@@ -403,6 +411,11 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
     target_model = load_causal_lm(target_dir, "--target")
     _check_croppable(target_model, target_dir)
     drafter = load_drafter(str(draft), target_model, tokenizer)
+    if confidence_threshold:
+        if not 0.0 <= confidence_threshold <= 1.0 or not hasattr(drafter, "confidence_threshold"):
+            raise UserError(f"--confidence-threshold {confidence_threshold} with drafter {drafter.name!r}; accepted: "
+                            "0..1 with a draft that has a confidence head (dspark), else leave it unset")
+        drafter.confidence_threshold, drafter.confidence_rule = confidence_threshold, confidence_rule
     target_model.to(where)
     if isinstance(getattr(drafter, "model", None), torch.nn.Module):  # a draft model (it may hold the target too)
         drafter.model.to(where)
@@ -420,7 +433,8 @@ def run(args: argparse.Namespace) -> int:
     result = spec_eval(args.target, args.draft, gamma=args.gamma, prompts=args.prompts, num_prompts=args.num_prompts,
                        prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, json_path=args.json,
                        threads=args.threads, tree=args.tree, temperature=args.temperature, top_p=args.top_p,
-                       seed=args.seed, device=args.device)
+                       seed=args.seed, device=args.device, confidence_threshold=args.confidence_threshold,
+                       confidence_rule=args.confidence_rule)
     _print_report(result, Path(result["target"]))
     warning = _degenerate_warning(result)
     if warning is not None:

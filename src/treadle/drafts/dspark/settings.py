@@ -1,0 +1,50 @@
+"""DSpark's [draft] keys and refusals (drafts/settings.py says what a kind's settings provide)."""
+
+from __future__ import annotations
+
+NAME = "dspark"
+KEYS = ("feature_layers", "init", "block_size", "num_layers", "anchors", "slot_gamma", "mask_token_id", "markov_rank")
+TTT_STEPS = 1  # no unroll: one backbone forward, then the Markov head left to right over the block
+LAYOUTS = ("treadle",)  # its export is always the Qwen3DSparkModel layout vLLM and SGLang load
+LAYOUT_NOTE = "its layout is the Qwen3DSparkModel one vLLM and SGLang load"
+WINDOW_NOTE = "its block attends to the whole context"
+
+# DeepSpec's recipe (deepseek-ai/DeepSpec config/dspark/dspark_qwen3_8b.py): block 7 (every slot a draft), 5 layers,
+# Markov rank 256, slot k's loss weighed exp(-k / 4).
+BLOCK_SIZE = 7
+NUM_LAYERS = 5
+SLOT_GAMMA = 4.0
+MARKOV_RANK = 256
+
+
+def block_size(draft) -> int:
+    return draft.block_size or BLOCK_SIZE
+
+
+def num_layers(draft) -> int:
+    return draft.num_layers or NUM_LAYERS
+
+
+def slot_gamma(draft) -> float:
+    return draft.slot_gamma or SLOT_GAMMA
+
+
+def markov_rank(draft) -> int:
+    return draft.markov_rank or MARKOV_RANK
+
+
+def check(draft) -> None:
+    layers = draft.feature_layers
+    if layers is not None and (not layers or layers[0] < 1 or any(a >= b for a, b in zip(layers, layers[1:]))):
+        raise ValueError(f"draft.feature_layers = {layers}: accepted: one or more strictly increasing "
+                         "output_hidden_states indices >= 1 (i = decoder layer i's output; < the target's layer "
+                         "count); unset = z-lab's picks spread over the target's layers")
+    if draft.gamma > block_size(draft):
+        raise ValueError(f"draft.gamma = {draft.gamma} with draft.kind = 'dspark' and a block of {block_size(draft)}: "
+                         f"one draft forward proposes block_size = {block_size(draft)} tokens (the anchor's slot "
+                         "drafts too); accepted: draft.gamma <= draft.block_size")
+
+
+def check_context_parallel(draft, cp: int, loss_chunk_tokens: str | int) -> None:
+    raise ValueError(f"distributed.context_parallel = {cp} with draft.kind = 'dspark': its anchored blocks are not "
+                     "built for sliced sequences yet; accepted: context_parallel = 1")
