@@ -187,7 +187,7 @@ class DFlashObjective:
         return loss, side
 
 
-def dflash_setup(cfg, model) -> DFlashObjective:
+def dflash_setup(cfg, model, objective_class=None) -> DFlashObjective:
     """What a dflash run adds to a draft run's setup: ``model.loss_chunk_tokens`` resolved (auto: on from a 32k
     vocabulary; then the slots' and the target's logits are scored a chunk of rows at a time, never whole, the
     target's logit transform applied inside each chunk), and its objective."""
@@ -198,9 +198,10 @@ def dflash_setup(cfg, model) -> DFlashObjective:
     unhandled = chunk and unhandled_logit_transforms(model.target.config)
     if unhandled:
         if cfg.model.loss_chunk_tokens != "auto":
-            raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with a dflash draft: the target "
-                            f"transforms its logits ({', '.join(unhandled)}) in a way the chunked scores do not "
-                            "apply; accepted: model.loss_chunk_tokens = 0")
+            raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with a {cfg.draft.kind} "
+                            f"draft: the target transforms its logits ({', '.join(unhandled)}) in a way the chunked "
+                            "scores do not apply; accepted: model.loss_chunk_tokens = 0")
         chunk = 0
     model.loss_chunk_tokens = chunk
-    return DFlashObjective(cfg.draft, cfg.data.seq_len, model.target.config.max_position_embeddings, cfg.train.seed)
+    objective_class = objective_class or DFlashObjective  # a kind built on DFlash brings its own (DFlash2)
+    return objective_class(cfg.draft, cfg.data.seq_len, model.target.config.max_position_embeddings, cfg.train.seed)
