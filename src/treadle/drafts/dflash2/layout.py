@@ -90,9 +90,10 @@ def options(config: dict, target_config, where) -> dict:
                             "integer (vLLM's DFlash2 loader requires it)")
         values[key] = value
     want = logit_keys(target_config)
-    for key in ("final_logit_softcapping", "output_multiplier"):
-        have, neutral = dc.get(key), None if key == "final_logit_softcapping" else 1.0
-        have = None if have in (None, 0, 0.0) and key == "final_logit_softcapping" else have
+    # As vLLM reads them: a cap of 0 / none is no cap, a missing multiplier is 1.
+    cap = dc.get("final_logit_softcapping") or None
+    for key, have, neutral in (("final_logit_softcapping", cap, None),
+                               ("output_multiplier", dc.get("output_multiplier", 1.0), 1.0)):
         if not _same(have, want.get(key, neutral)):
             raise UserError(f"draft {where}: config.json dflash_config.{key} = {have!r} but the target's logit "
                             f"transform gives {want.get(key, neutral)!r}; accepted: a DFlash2 draft for this target")
