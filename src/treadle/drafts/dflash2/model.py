@@ -97,13 +97,22 @@ class GroupedConv(nn.Module):
             out = out + taps[:, :, :, j] * F.pad(blocks[:, :, :-j], (0, 0, 0, 0, j, 0))
         return out.view(B, Q, d)
 
+    # One ``forward`` for both convolutions: DeepSpeed ZeRO-3 gathers a module's own parameters (base_kernel) only
+    # around its forward, never around another method.
+    def forward(self, x: torch.Tensor, after: torch.Tensor | None = None):
+        """The sublayer's input ``x`` -> (it convolved, the corrections for the convolution after the sublayer); with
+        those corrections (``after``), the sublayer's output ``x`` -> it convolved."""
+        if after is not None:
+            return self._convolve(x, after, 1)
+        correction = self.kernel_projection(x).view(*x.shape[:-1], 2, self.taps, self.groups)
+        return self._convolve(x, correction[..., 0, :, :], 0), correction[..., 1, :, :]
+
     def prepare(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the convolved sublayer input, the corrections ``finish`` applies after the sublayer)."""
-        correction = self.kernel_projection(h).view(*h.shape[:-1], 2, self.taps, self.groups)
-        return self._convolve(h, correction[..., 0, :, :], 0), correction[..., 1, :, :]
+        return self(h)
 
     def finish(self, y: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
-        return self._convolve(y, correction, 1)
+        return self(y, correction)
 
 
 class DFlash2Layer(DFlashLayer):
@@ -139,8 +148,11 @@ class CandidateSelector(nn.Module):
             self.successor_codebook.zero_()
             self.hidden_projection.weight.normal_(0.0, std)
 
-    def scores(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
-               predecessors: torch.Tensor) -> torch.Tensor:
+    def scores(self, hidden, unary, candidates, predecessors) -> torch.Tensor:
+        return self(hidden, unary, candidates, predecessors)  # through forward: ZeRO-3 gathers the codebooks there
+
+    def forward(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
+                predecessors: torch.Tensor) -> torch.Tensor:
         """[..., k] S(a, b) for slots with final hidden states ``hidden`` [..., d], candidates ``candidates`` [..., k]
         with logits ``unary`` [..., k], each after the token ``predecessors`` [...]."""
         gate = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)
