@@ -35,7 +35,9 @@ RUN = ("--train.max_steps=4", "--draft.max_position_offset=0", "--draft.loss=mix
 # unrolls 3 steps on whole logits.
 KINDS = {"glide": ("--model.loss_chunk_tokens=64",), "eagle3": ("--draft.kind=eagle3", "--draft.ttt_steps=3"),
          "dflash": ("--draft.kind=dflash", "--draft.block_size=6", "--draft.num_layers=2"),
-         "dspark": ("--draft.kind=dspark", "--draft.block_size=5", "--draft.num_layers=2", "--draft.markov_rank=8")}
+         "dspark": ("--draft.kind=dspark", "--draft.block_size=5", "--draft.num_layers=2", "--draft.markov_rank=8"),
+         "dflash2": ("--draft.kind=dflash2", "--draft.block_size=6", "--draft.num_layers=2", "--draft.selector_top_k=4",
+                     "--draft.selector_rank=16")}
 
 
 def features_args(shards, target, out, *extra):

@@ -176,6 +176,12 @@ DRAFT_ENGINES["eagle3-cp2"] = DRAFT_ENGINES["cp2"] + EAGLE3
 DFLASH = ["--draft.kind=dflash", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4",
           "--draft.anchors=4"]
 DRAFT_ENGINES["dflash-fsdp2"] = DRAFT_ENGINES["fsdp2"] + DFLASH
+# DFlash2 on fsdp2 (its selector in the root unit) and ZeRO-3 (its convolutions' and selector's own parameters
+# gathered around their forwards).
+DFLASH2 = ["--draft.kind=dflash2", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4", "--draft.anchors=4",
+           "--draft.conv_group_size=8", "--draft.selector_rank=16", "--draft.selector_top_k=4"]
+DRAFT_ENGINES["dflash2-fsdp2"] = DRAFT_ENGINES["fsdp2"] + DFLASH2
+DRAFT_ENGINES["dflash2-zero3"] = DRAFT_ENGINES["zero3"] + DFLASH2
 # The frozen target split over 2 tensor-parallel ranks for its forward (one data-parallel replica: GA 4), the draft
 # whole on both: EAGLE-3 and DFlash read its hidden states.
 TP2 = ["--distributed.tensor_parallel=2", "--train.grad_accum_steps=4"]
@@ -234,9 +240,9 @@ def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, 
                                                                          tmp_path):
     res = run_distributed(_draft_runs, world_size=2, timeout=360, shards=shards, target_dir=target_dir,
                           eagle3_target_dir=eagle3_target_dir, out=tmp_path)[0]
-    one = {kind: tmp_path / f"one-{kind}" for kind in ("glide", "eagle3", "dflash")}
+    one = {kind: tmp_path / f"one-{kind}" for kind in ("glide", "eagle3", "dflash", "dflash2")}
     for kind, extra, target in (("glide", [], target_dir), ("eagle3", EAGLE3, eagle3_target_dir),
-                                ("dflash", DFLASH, eagle3_target_dir)):
+                                ("dflash", DFLASH, eagle3_target_dir), ("dflash2", DFLASH2, eagle3_target_dir)):
         assert main(draft_args(shards, target, one[kind], "--train.max_steps=3", "--train.grad_accum_steps=4",
                                *extra)) == 0
     if REFUSED:  # those runs are refused in one line naming the release that has it, before any rank starts work
@@ -251,9 +257,10 @@ def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, 
         assert got["target_keys"] > 0 and got["draft_keys"] > 0
         assert got["target_same"] and got["draft_changed"], got
         # The same draft run as one process: lags and anchors are drawn per global micro-batch, not per rank.
-        kind = next((k for k in ("eagle3", "dflash") if name.startswith(k)), "glide")
+        kind = next((k for k in ("eagle3", "dflash2", "dflash") if name.startswith(k)), "glide")
         ref = one[kind]
-        accuracies = {"eagle3": ("acc_1", "acc_3"), "dflash": ("acc_1", "acc_5", "eal")}.get(kind, ())
+        accuracies = {"eagle3": ("acc_1", "acc_3"), "dflash": ("acc_1", "acc_5", "eal"),
+                      "dflash2": ("acc_1", "acc_5", "eal", "selector_ce")}.get(kind, ())
         for key in ("loss", "draft_kl", "eval_loss", "tau_sim", "grad_norm") + accuracies:
             a, b = records(ref, key), records(run, key)
             atol = KL_ATOL if key in ("loss", "draft_kl") else 0.0  # draft.loss = "kl": the loss is a KL too

@@ -388,6 +388,16 @@ class DraftConfig(Section):
                                       "last row")
     markov_rank: int | None = Field(None, ge=1, description="dspark: rank r of the Markov head's transition bias "
                                     "W2 W1[previous token] (V x r, r x V); unset = 256 (DeepSpec's)")
+    # dflash2 (drafts/dflash2/settings.py: the defaults are z-lab's released DFlash2's)
+    conv_group_size: int | None = Field(None, ge=1, description="dflash2: hidden channels sharing one dynamic tap "
+                                        "correction of the in-block convolutions (divides the target's hidden "
+                                        "size); unset = 16")
+    selector_rank: int | None = Field(None, ge=1, description="dflash2: width of the selector's token codebooks "
+                                      "(predecessor x successor); unset = 256")
+    selector_top_k: int | None = Field(None, ge=1, description="dflash2: candidates per slot the selector walks "
+                                       "through (the draft's top-k); unset = 16")
+    selector_weight: float | None = Field(None, ge=0.0, description="dflash2: weight of the selector's cross-entropy "
+                                          "over the candidates, added to each slot's loss; unset = 1")
 
 
 class DistributedConfig(Section):

@@ -8,6 +8,8 @@ from __future__ import annotations
 from treadle.drafts.dflash.kind import DFLASH
 from treadle.drafts.dspark.kind import DSPARK
 from treadle.drafts.dspark.layout import read_config as read_dspark_config
+from treadle.drafts.dflash2.kind import DFLASH2
+from treadle.drafts.dflash2.layout import read_config as read_dflash2_config
 from treadle.drafts.eagle3.kind import EAGLE3
 from treadle.drafts.frozen_kv.kind import FROZEN_KV
 from treadle.drafts.frozen_kv.layout import read_config as read_frozen_kv_config
@@ -19,7 +21,7 @@ from treadle.drafts.glide.model import read_draft_config as read_treadle_config
 from treadle.drafts.kind import DraftKind
 from treadle.errors import UserError
 
-KINDS: dict[str, DraftKind] = {k.name: k for k in (GLIDE, EAGLE3, DFLASH, MTP, FROZEN_KV, DSPARK)}  # drafts/settings.py's order (tests/test_drafts.py)
+KINDS: dict[str, DraftKind] = {k.name: k for k in (GLIDE, EAGLE3, DFLASH, MTP, FROZEN_KV, DSPARK, DFLASH2)}  # drafts/settings.py's order (tests/test_drafts.py)
 
 __all__ = ["KINDS", "build_draft", "drafter", "kind", "load_draft", "read_draft_config"]
 
@@ -28,7 +30,8 @@ def read_draft_config(draft_dir) -> dict | None:
     """The config.json of a draft export of any kind (with its ``treadle_draft_kind``), or None if ``draft_dir`` is
     not one."""
     return (read_frozen_kv_config(draft_dir) or read_mtp_config(draft_dir) or read_treadle_config(draft_dir)
-            or read_dflash_config(draft_dir) or read_dspark_config(draft_dir))
+            or read_dflash_config(draft_dir) or read_dspark_config(draft_dir)
+            or read_dflash2_config(draft_dir))
 
 
 def kind(name: str) -> DraftKind:

@@ -36,6 +36,7 @@ from treadle.drafts.kind import layout_config
 from treadle.errors import UserError
 
 ARCHITECTURE = "DFlashDraftModel"
+TITLE = "DFlash"
 MODEL_TYPE = "qwen3"
 # transformers' remote code beside the weights, what ``auto_map`` names (z-lab's drafts ship theirs the same way).
 REMOTE_CODE = "dflash.py"
@@ -93,13 +94,15 @@ def from_zlab(ids) -> tuple[int, ...]:
     return tuple(int(i) + 1 for i in ids)
 
 
-def export(draft, weights: dict, target_config, dtype: torch.dtype, extra: dict) -> tuple[dict, dict]:
+def export(draft, weights: dict, target_config, dtype: torch.dtype, extra: dict,
+           table: dict | None = None) -> tuple[dict, dict]:
     """(tensors, config) of ``draft`` in z-lab's layout. ``weights``: the draft's state dict on the CPU, in
-    treadle's names and already in the export dtype; ``extra``: treadle's metadata keys for config.json."""
-    table = names(draft.num_layers)
+    treadle's names and already in the export dtype; ``extra``: treadle's metadata keys for config.json;
+    ``table``: treadle name -> layout name (``names``, or a kind's built on DFlash)."""
+    table = table or names(draft.num_layers)
     unknown, missing = sorted(weights.keys() - table.keys()), sorted(table.keys() - weights.keys())
     if unknown or missing:
-        raise UserError(f"dflash export: the draft's weights do not match z-lab's DFlash layout (no name for "
+        raise UserError(f"{draft.kind} export: the draft's weights do not match z-lab's layout (no name for "
                         f"{unknown}, missing {missing}); nothing was written")
     tensors = {table[k]: v.contiguous() for k, v in weights.items()}
     return tensors, config_of(draft, target_config, dtype, extra)
@@ -188,15 +191,16 @@ def check_fits(config: dict, target_config, where) -> None:
                         "full_attention layers, bidirectional inside the block (what treadle trains)")
 
 
-def import_weights(tensors: dict, draft, where) -> dict:
-    """The state dict of ``draft`` (a DFlashDraft) from the layout's tensors; any name left over or missing is
-    refused. A ``model.`` prefix is dropped (vLLM accepts both); a shipped embedding or head is not the draft's."""
+def import_weights(tensors: dict, draft, where, table: dict | None = None) -> dict:
+    """The state dict of ``draft`` (a DFlashDraft) from the layout's tensors (``table`` as ``export``'s); any name
+    left over or missing is refused. A ``model.`` prefix is dropped (vLLM accepts both); a shipped embedding or head
+    is not the draft's."""
     tensors = {re.sub(r"^model\.", "", k): v for k, v in tensors.items()}
     for shared in ("embed_tokens.weight", "lm_head.weight"):
         tensors.pop(shared, None)
-    internal = {v: k for k, v in names(draft.num_layers).items()}
+    internal = {v: k for k, v in (table or names(draft.num_layers)).items()}
     unknown, missing = sorted(tensors.keys() - internal.keys()), sorted(internal.keys() - tensors.keys())
     if unknown or missing:
-        raise UserError(f"draft {where}: model.safetensors does not match z-lab's DFlash layout for "
+        raise UserError(f"draft {where}: model.safetensors does not match z-lab's {draft.layout.TITLE} layout for "
                         f"{draft.num_layers} layers (unknown {unknown[:6]}, missing {missing[:6]})")
     return {internal[k]: v for k, v in tensors.items()}

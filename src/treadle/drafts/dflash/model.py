@@ -146,16 +146,21 @@ class DFlashLayer(nn.Module):
         v = self._heads(self.v_proj(h)).transpose(1, 2)
         return k, v
 
-    def forward(self, x: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
-                sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def attend(self, h: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
+               sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The attention sublayer's output for the normed block rows ``h`` (queries, and keys after the context's)."""
         q = rotate(self.q_norm(self._heads(self.q_proj(h))).transpose(1, 2), cos, sin)
         k, v = self.keys(h, cos, sin)
         k, v = torch.cat((context_kv[0].to(k.dtype), k), 2), torch.cat((context_kv[1].to(v.dtype), v), 2)
-        attn = sdpa(q, k, v, mask)
-        x = x + self.o_proj(attn.transpose(1, 2).flatten(2))
-        h = self.post_attention_layernorm(x)
-        return x + self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
+        return self.o_proj(sdpa(q, k, v, mask).transpose(1, 2).flatten(2))
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
+
+    def forward(self, x: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attend(self.input_layernorm(x), context_kv, cos, sin, mask)
+        return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
 class DFlashDraft(nn.Module):
@@ -176,9 +181,30 @@ class DFlashDraft(nn.Module):
                             f"accepted: 0..{target_config.vocab_size - 1}")
         self.fc = nn.Linear(len(self.feature_layers) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, eps=s.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(s) for _ in range(num_layers))
+        self.layers = nn.ModuleList(self.new_layer(s) for _ in range(num_layers))
         self.norm = RMSNorm(d, eps=s.rms_norm_eps)
         init_linears(self, target_config)
+
+    kind = KIND
+    layout = dflash_layout  # the module that writes and reads its z-lab layout
+
+    @classmethod
+    def run_options(cls, cfg) -> dict:
+        """Constructor keywords a new draft takes from a ``DraftConfig`` beyond DFlash's (none)."""
+        return {}
+
+    @classmethod
+    def layout_options(cls, config: dict, target_config, where) -> dict:
+        """Constructor keywords a draft in its layout takes from its config.json beyond DFlash's (none)."""
+        return {}
+
+    def init_keys(self) -> tuple:
+        """(draft.key, this draft's value) pairs a ``draft.init`` run must not contradict beyond DFlash's (none)."""
+        return ()
+
+    def new_layer(self, s) -> nn.Module:
+        """One draft layer of shape ``s`` (a kind built on this draft, DFlash2, makes its own)."""
+        return DFlashLayer(s)
 
     # torch.utils.checkpoint's keyword arguments when activation checkpointing is on (models/checkpointing.py).
     checkpoint_kwargs: dict | None = None
@@ -213,7 +239,7 @@ class DFlashDraft(nn.Module):
 
     def export_config(self) -> dict:
         """treadle's own keys in config.json; the rest is z-lab's layout (``dflash_layout.config_of``)."""
-        return {"treadle_draft_kind": KIND}
+        return {"treadle_draft_kind": self.kind}
 
 
 # ----------------------------------------------------------------------------- draft and target together
@@ -228,19 +254,25 @@ class DFlashOutput:
     ce: torch.Tensor | None = None  # the draft's CE on slot_labels (0 where ignored)
     kl: torch.Tensor | None = None  # KL(target || draft) (0 where ignored)
     hit: torch.Tensor | None = None  # the draft's argmax equals the target's (bool)
+    teacher_top: torch.Tensor | None = None  # the target's argmax (its greedy token) per slot, [B, N, K]
+    # The draft's final hidden states of slots 1.. [B, N, K, d]: what a reader of the slots' candidates (DFlash2's
+    # selector, a correlator) scores beside the logits.
+    hidden: torch.Tensor | None = None
 
 
 def _slot_scores(hidden: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, config):
-    """One chunk of slot rows through the shared head: the draft's CE on ``labels``, KL(target || draft) and whether
-    the two argmaxes agree (fp32 softmaxes; the target's logit transform applied to both, as its forward does)."""
+    """One chunk of slot rows through the shared head: the draft's CE on ``labels``, KL(target || draft), whether
+    the two argmaxes agree and the target's argmax (fp32 softmaxes; the target's logit transform applied to both, as
+    its forward does)."""
     logp = F.log_softmax(at_least_fp32(model_logits(config, F.linear(hidden, weight))), -1)
     with torch.no_grad():  # the teacher is fixed: recomputed in backward, never differentiated
         teacher_logp = F.log_softmax(at_least_fp32(model_logits(config, F.linear(teacher, weight))), -1)
     valid = labels != IGNORE_INDEX
     ce = F.nll_loss(logp, labels, ignore_index=IGNORE_INDEX, reduction="none")
     kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1) * valid
-    hit = (logp.detach().argmax(-1) == teacher_logp.argmax(-1)) & valid
-    return ce, kl, hit
+    teacher_top = teacher_logp.argmax(-1)
+    hit = (logp.detach().argmax(-1) == teacher_top) & valid
+    return ce, kl, hit, teacher_top
 
 
 def _target_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, config) -> tuple[torch.Tensor]:
@@ -251,6 +283,8 @@ def _target_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
 
 class DFlashModel(FusedFeatureReads, DraftRunModel):
     """What a dflash draft run trains: a frozen target and a trainable ``draft_model`` on its fused features."""
+
+    draft_class = DFlashDraft  # what build_dflash / load_dflash make for this run model
 
     def __init__(self, target, draft_model: DFlashDraft):
         super().__init__(target, draft_model)
@@ -316,19 +350,27 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
             hidden = self._blocks(input_ids, position_ids, features, anchors, doc)[:, :, 1:]
             teacher = target_hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_hidden.shape[-1]))
             weight, config, chunk = self.target.get_output_embeddings().weight, self.target.config, self.loss_chunk_tokens
-            ce, kl, hit = chunked_rows(lambda h, t, y: _slot_scores(h, t, weight, y, config),
-                                       [hidden.flatten(0, -2), teacher.flatten(0, -2), slot_labels.flatten()], chunk)
+            ce, kl, hit, top = chunked_rows(lambda h, t, y: _slot_scores(h, t, weight, y, config),
+                                            [hidden.flatten(0, -2), teacher.flatten(0, -2), slot_labels.flatten()],
+                                            chunk)
             target_ce = target_hidden.new_zeros(())
             if labels is not None:
                 with torch.no_grad():
                     target_ce = chunked_rows(lambda t, y: _target_ce(t, weight, y, config),
                                              [target_hidden.flatten(0, -2), labels.flatten()], chunk)[0].sum()
-            return DFlashOutput(None, None, target_ce, ce.view(B, N, K), kl.view(B, N, K), hit.view(B, N, K))
+            return DFlashOutput(None, None, target_ce, ce.view(B, N, K), kl.view(B, N, K), hit.view(B, N, K),
+                                top.view(B, N, K), hidden)
         target_logits, features = self._target_forward(input_ids, position_ids, reads=reads)
         hidden = self._blocks(input_ids, position_ids, features, anchors, doc)
         teacher = target_logits.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1]))
         target_ce = row_cross_entropy(target_logits, labels).sum() if labels is not None else target_logits.new_zeros(())
-        return DFlashOutput(self.draft_logits(hidden[:, :, 1:]), teacher.view(B, N, K, -1), target_ce)
+        return DFlashOutput(self.draft_logits(hidden[:, :, 1:]), teacher.view(B, N, K, -1), target_ce,
+                            hidden=hidden[:, :, 1:])
+
+    def slot_guesses(self, texts: torch.Tensor, anchors: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, n, k] the draft's guesses at slots 1..k of the blocks anchored at ``anchors`` [N, n] in ``texts``, from
+        their final hidden states [N, n, k, d]: each slot's argmax (DFlash2 walks its selector instead)."""
+        return self.draft_logits(hidden).argmax(-1)
 
     @torch.no_grad()
     def chain_guesses(self, texts: torch.Tensor, gamma: int, chunk: int = 64) -> list[torch.Tensor]:
@@ -344,8 +386,8 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
         slots = []  # per anchor chunk: [N, n, gamma] argmaxes of slots 1..gamma
         for first in range(0, L, chunk):
             anchors = torch.arange(first, min(L, first + chunk), device=texts.device).expand(N, -1)
-            hidden = self._blocks(texts, positions, features, anchors, doc)
-            slots.append(self.draft_logits(hidden[:, :, 1 : gamma + 1]).argmax(-1))
+            hidden = self._blocks(texts, positions, features, anchors, doc)[:, :, 1 : gamma + 1]
+            slots.append(self.slot_guesses(texts, anchors, hidden))
         guess = torch.cat(slots, dim=1)  # [N, L, gamma]: anchor a's slot k guesses token a + k
         out = []
         for k in range(1, gamma + 1):  # entry i = a + k - 1
@@ -357,60 +399,67 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
 # ----------------------------------------------------------------------------- building and loading
 
 
-def build_dflash(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
+def build_dflash(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False,
+                 model_class=None):
     """(DFlashModel, target dir, target identity) for a ``DraftConfig``; from ``draft.init`` the directory's draft
-    (its layers, block size and mask token are the run's)."""
+    (its layers, block size and mask token are the run's). ``model_class``: the run model of a kind built on DFlash
+    (DFlash2Model), whose ``draft_class`` says what it reads from the config and from its layout."""
+    model_class = model_class or DFlashModel
+    draft_class = model_class.draft_class
     target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
     target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
     if cfg.init is not None:
-        draft = draft_from_layout(init_dir(cfg.init), target, "draft.init")
-        for key, want, have in (("feature_layers", cfg.feature_layers, list(draft.feature_layers)),
-                                ("num_layers", cfg.num_layers, draft.num_layers),
-                                ("block_size", cfg.block_size, draft.block_size),
-                                ("mask_token_id", cfg.mask_token_id, draft.mask_token_id)):
+        draft = draft_from_layout(init_dir(cfg.init), target, "draft.init", draft_class)
+        for key, have in (("feature_layers", list(draft.feature_layers)), ("num_layers", draft.num_layers),
+                          ("block_size", draft.block_size), ("mask_token_id", draft.mask_token_id),
+                          *draft.init_keys()):
+            want = getattr(cfg, key)
             if want is not None and want != have:
                 raise UserError(f"draft.{key} = {want} but draft.init {cfg.init} has {have}; accepted: draft.{key} "
                                 "unset (the initial draft's) or equal to it")
-        return DFlashModel(target, draft), target_dir, ident
+        return model_class(target, draft), target_dir, ident
     n = target.config.num_hidden_layers
     if n < 2:
-        raise UserError(f"draft.target {target_dir} has {n} decoder layer; a dflash draft reads states of decoder "
-                        "layers before the last; accepted: a target with 2 or more layers")
+        raise UserError(f"draft.target {target_dir} has {n} decoder layer; a {cfg.kind} draft reads states of "
+                        "decoder layers before the last; accepted: a target with 2 or more layers")
     count = settings.num_layers(cfg)
     layers = tuple(cfg.feature_layers) if cfg.feature_layers else default_feature_layers(n, count)
     check_feature_layers(layers, n, "draft.feature_layers")
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token(target.config.vocab_size,
                                                                                          data_vocab)
-    draft = DFlashDraft(target.config, layers, count, settings.block_size(cfg), mask)
-    return DFlashModel(target, draft), target_dir, ident
+    draft = draft_class(target.config, layers, count, settings.block_size(cfg), mask, **draft_class.run_options(cfg))
+    return model_class(target, draft), target_dir, ident
 
 
-
-def draft_from_layout(draft_dir, target, where: str) -> DFlashDraft:
-    """The DFlashDraft a z-lab-layout directory holds, checked against ``target`` (a treadle export also by its
-    target's config fingerprint, one trained elsewhere by its dimensions)."""
+def draft_from_layout(draft_dir, target, where: str, draft_class=None) -> DFlashDraft:
+    """The draft (a ``draft_class``, DFlashDraft by default) a z-lab-layout directory holds, checked against
+    ``target`` (a treadle export also by its target's config fingerprint, one trained elsewhere by its dimensions)."""
     from safetensors.torch import load_file
 
     from treadle.models.finite import check_tensors
 
-    config = dflash_layout.read_config(draft_dir)
+    draft_class = draft_class or DFlashDraft
+    lay = draft_class.layout
+    config = lay.read_config(draft_dir)
     if config is None:
-        raise UserError(f"{where} {draft_dir} is not a DFlash draft in z-lab's layout (config.json with "
-                        f"architectures = [{dflash_layout.ARCHITECTURE!r}])")
+        raise UserError(f"{where} {draft_dir} is not a {lay.TITLE} draft in z-lab's layout (config.json with "
+                        f"architectures = [{lay.ARCHITECTURE!r}])")
     if "target" in config:
-        checked_export(draft_dir, target, KIND, "a dflash")
+        checked_export(draft_dir, target, draft_class.kind, f"a {draft_class.kind}")
     dflash_layout.check_fits(config, target.config, draft_dir)
     layers = dflash_layout.feature_layers(config, target.config.num_hidden_layers, draft_dir)
     check_feature_layers(layers, target.config.num_hidden_layers, f"{draft_dir}/config.json target_layer_ids + 1")
-    draft = DFlashDraft(target.config, layers, config["num_hidden_layers"], dflash_layout.block_size(config),
-                        dflash_layout.mask_token_id(config, draft_dir))
+    draft = draft_class(target.config, layers, config["num_hidden_layers"], dflash_layout.block_size(config),
+                        dflash_layout.mask_token_id(config, draft_dir),
+                        **draft_class.layout_options(config, target.config, draft_dir))
     file = Path(draft_dir) / "model.safetensors"
     tensors = check_tensors(load_file(str(file)), file, where)
-    draft.load_state_dict(dflash_layout.import_weights(tensors, draft, draft_dir))
+    draft.load_state_dict(lay.import_weights(tensors, draft, draft_dir))
     return draft
 
 
-def load_dflash(draft_dir, target) -> DFlashModel:
+def load_dflash(draft_dir, target, model_class=None) -> DFlashModel:
     """A DFlash draft in z-lab's layout (treadle's export, or one trained elsewhere for this target) attached to
-    ``target``."""
-    return DFlashModel(target, draft_from_layout(draft_dir, target, "draft")).eval()
+    ``target`` (``model_class``: as ``build_dflash``'s)."""
+    model_class = model_class or DFlashModel
+    return model_class(target, draft_from_layout(draft_dir, target, "draft", model_class.draft_class)).eval()

@@ -137,6 +137,11 @@ class DFlashObjective:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + first + 7_919)
         return int(torch.randint(0, self.max_offset + 1, (), generator=g))
 
+    def more_slot_terms(self, out, token: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(per-slot token losses [B, N, K], side sums) with a kind's own slot terms added (DFlash2's selector); the
+        slot weights apply to the sum. DFlash adds none."""
+        return token, {}
+
     def __call__(self, model, batch: Batch):
         return self.losses(model, batch, self._offset(batch), train=True)
 
@@ -157,7 +162,8 @@ class DFlashObjective:
             ce = -draft_log.gather(-1, tokens[..., None]).squeeze(-1) * scored  # [B, N, K]
             target_log = F.log_softmax(at_least_fp32(out.target_logits), -1)
             kl = (target_log.exp() * (target_log - draft_log)).sum(-1) * scored
-            hit = (out.logits.detach().argmax(-1) == out.target_logits.argmax(-1)) & scored
+            hit = out.hit if out.hit is not None else (
+                (out.logits.detach().argmax(-1) == out.target_logits.argmax(-1)) & scored)
         if not train:
             return ce.sum((1, 2)), {"target_loss": out.target_ce}
         if self.dpace:
@@ -168,8 +174,9 @@ class DFlashObjective:
             token = (1.0 - self.cfg.kl_weight) * ce + self.cfg.kl_weight * kl
         else:
             token = ce if self.cfg.loss == "ce" else kl
+        token, more = self.more_slot_terms(out, token)
         loss = (token * w).sum((1, 2))
-        side = {"target_loss": out.target_ce, "draft_ce": ce.detach().sum(), "draft_kl": kl.detach().sum()}
+        side = {"target_loss": out.target_ce, "draft_ce": ce.detach().sum(), "draft_kl": kl.detach().sum(), **more}
         prefix = hit.long().cumprod(-1).bool()
         for k in range(self.block_size - 1):
             side[f"ttt_hits_{k + 1}"] = hit[..., k].sum().double()
@@ -180,7 +187,7 @@ class DFlashObjective:
         return loss, side
 
 
-def dflash_setup(cfg, model) -> DFlashObjective:
+def dflash_setup(cfg, model, objective_class=None) -> DFlashObjective:
     """What a dflash run adds to a draft run's setup: ``model.loss_chunk_tokens`` resolved (auto: on from a 32k
     vocabulary; then the slots' and the target's logits are scored a chunk of rows at a time, never whole, the
     target's logit transform applied inside each chunk), and its objective."""
@@ -191,9 +198,10 @@ def dflash_setup(cfg, model) -> DFlashObjective:
     unhandled = chunk and unhandled_logit_transforms(model.target.config)
     if unhandled:
         if cfg.model.loss_chunk_tokens != "auto":
-            raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with a dflash draft: the target "
-                            f"transforms its logits ({', '.join(unhandled)}) in a way the chunked scores do not "
-                            "apply; accepted: model.loss_chunk_tokens = 0")
+            raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with a {cfg.draft.kind} "
+                            f"draft: the target transforms its logits ({', '.join(unhandled)}) in a way the chunked "
+                            "scores do not apply; accepted: model.loss_chunk_tokens = 0")
         chunk = 0
     model.loss_chunk_tokens = chunk
-    return DFlashObjective(cfg.draft, cfg.data.seq_len, model.target.config.max_position_embeddings, cfg.train.seed)
+    objective_class = objective_class or DFlashObjective  # a kind built on DFlash brings its own (DFlash2)
+    return objective_class(cfg.draft, cfg.data.seq_len, model.target.config.max_position_embeddings, cfg.train.seed)
