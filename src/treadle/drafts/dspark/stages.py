@@ -6,7 +6,8 @@ DeepSeek-V4 / V4.1 (``model_type = "deepseek_v4"``; transformers 5.24 drops them
 consumers' loaders require it (lightseekorg/tokenspeed ``python/tokenspeed/runtime/models/deepseek_v4_dspark.py``
 @07ad1c91672fa4134594f005fae2f38bc09a0054, ``_STAGE_ZERO_CORE`` / ``_STAGE_COMMON_CORE`` / ``_LAST_STAGE_CORE`` /
 ``_ATTENTION_TENSORS`` and ``load_weights``; ``deepseek_v41_dspark.py`` @326a64f8572aa52544bf45c1a44d488338c26b44 for
-V4.1's head names; vLLM's DeepSeek-V4 DSpark draft module, ``DeepSeekV4DSparkLayer``, reads the same names):
+V4.1's head names and the optional ``model.`` prefix; a vLLM-derived ``DeepSeekV4DSparkLayer`` seen in a public fork,
+path not pinned, reads the same stage names):
 
     every stage   one DeepSeek-V4 decoder layer in the checkpoint's own names: attn.{wq_a, q_norm, wq_b, wkv, kv_norm,
                   wo_a, wo_b, attn_sink}, attn_norm, ffn_norm, hc_attn_{fn,base,scale}, hc_ffn_{fn,base,scale},
