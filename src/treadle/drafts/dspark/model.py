@@ -171,10 +171,26 @@ class DSparkModel(DFlashModel):
 # ----------------------------------------------------------------------------- building and loading
 
 
+def refuse_shipped_stages(target_dir: Path) -> None:
+    """A target that ships DSpark stages (DeepSeek-V4's ``mtp.{s}.*``) is refused rather than given a new draft
+    beside them: its stages are the draft, and fine-tuning them needs DeepSeek-V4's stage forward, which treadle does
+    not have yet (drafts/dspark/stages.py finds, checks and stitches them back)."""
+    from treadle.drafts.dspark import stages
+
+    found = stages.find(target_dir)
+    if found is not None:
+        raise UserError(f"draft.target {target_dir} ships {found.count} DSpark stages (mtp.{{s}}.*); fine-tuning them "
+                        "in place needs DeepSeek-V4's stage forward (mHC streams, windowed sink attention over the "
+                        "fused target states, MoE), which treadle does not implement yet; accepted: serve the stages "
+                        "as shipped (vLLM --speculative-config method dspark), or a target without stages")
+
+
 def build_dspark(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
     """(DSparkModel, target dir, target identity) for a ``DraftConfig``; from ``draft.init`` the directory's draft
     (its layers, block size, mask token and Markov rank are the run's)."""
     target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
+    if cfg.init is None:
+        refuse_shipped_stages(target_dir)
     target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
     if cfg.init is not None:
         draft = draft_from_layout(init_dir(cfg.init), target, "draft.init")
