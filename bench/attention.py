@@ -114,7 +114,7 @@ def table(results: list[dict], title: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)  # a typo is an error
     cuda = torch.cuda.is_available()
     ap.add_argument("--seqs", default="4096,16384", help="row lengths, comma-separated (default 4096,16384; "
                     "32768 is opt-in on a CPU: its dense case needs ~17 GB and several minutes)")
