@@ -78,15 +78,19 @@ class Documents:
 
 class _LastDocuments:
     """The documents of the last position-id tensor seen: every layer of one forward (and its recomputation under
-    activation checkpointing) is handed the same tensor, so the spans are found once per forward."""
+    activation checkpointing) is handed the same tensor, so the spans are found once per forward. The key is that
+    tensor itself (and its version: written in place, it is found again), not a view of it made per call (a new
+    object each time: one host sync per layer)."""
 
     def __init__(self):
-        self.key: torch.Tensor | None = None
+        self.key: tuple | None = None
         self.value: Documents | None = None
 
-    def __call__(self, position_ids: torch.Tensor) -> Documents:
-        if self.key is not position_ids:
-            self.key, self.value = position_ids, Documents.of(position_ids)
+    def __call__(self, position_ids: torch.Tensor, rows: int) -> Documents:
+        seen = self.key is not None and self.key[0] is position_ids
+        if not (seen and self.key[1:] == (position_ids._version, rows)):
+            self.key = (position_ids, position_ids._version, rows)
+            self.value = Documents.of(position_ids.expand(rows, -1))
         return self.value
 
 
@@ -190,7 +194,7 @@ def _attention(kind: str):
                                           sliding_window=sliding_window, **kwargs)
         if position_ids is None:  # every HF decoder treadle trains hands them on; a row of one document otherwise
             position_ids = torch.arange(query.shape[2], device=query.device)[None]
-        docs = _documents(position_ids.expand(query.shape[0], -1))
+        docs = _documents(position_ids, query.shape[0])
         window = sliding_window or 0
         if kind == "flex":
             return flex(query, key, value, docs, scaling, window), None
