@@ -26,6 +26,13 @@ the others go on:
   spec-mtp-1b-before / -after  spec-eval of the head before and after fine-tuning (chains of 3): issue 31's tau
   fp8         bench/fp8.py: bf16 against torchao float8 (tensorwise, rowwise) at 1.1B and on an 8B-wide slice, and
               the 200-step loss check (its table in fp8/fp8.md); N/A without CUDA capability 8.9 or torchao
+  side-by-side (a group: issue 40) the 1.1B Llama, 8 x 2048 packed built-in-corpus rows a step, bf16, fused AdamW,
+              each loop in its own process, one timer (bench/gpu_loops.py: cuda-synchronized wall clock over steps
+              16-40, peak = max_memory_allocated in each process): treadle-defaults, treadle-best (bf16, compile,
+              varlen, chunked loss off), hf-bf16 and hf-compile (HF Trainer bf16=True, and torch_compile=True),
+              bare-compile (a bare loop, each decoder layer compiled); then `attention` (bench/attention.py: dense /
+              varlen / flex at 8k and 32k tokens on a 4-layer slice of the 1.1B)
+              A second table puts each loop against the Trainer. ~7.3 minutes on an H200.
 
 The table (tokens/s, MFU, peak memory per row) goes to stdout and to runs/gpu-check/gpu-check.md; each item's
 command and output are in runs/gpu-check/<item>.log, its run in runs/gpu-check/<item>/. tokens/s and MFU are
@@ -36,6 +43,7 @@ Without CUDA the check says so in one line and exits 0.
     python bench/gpu.py --device cpu --tiny   # the same items at toy sizes on CPU (gloo, no compile): the plan's test
     python bench/gpu.py --dry-run [--tiny]    # print and validate every command; runs nothing
     python bench/gpu.py --only llama-1b       # some items (the drafts and spec-evals reuse an earlier `tiny` run)
+    python bench/gpu.py --only side-by-side   # issue 40's items (`--device cpu --tiny`: all of them on a CPU)
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 TREADLE = [sys.executable, "-m", "treadle"]  # the `treadle` script's own entry point, with this interpreter
@@ -92,6 +101,19 @@ SPEC_GAMMA = {"glide": 4, "eagle3": 4, "dflash": 7}
 LONG_ROWS = {"dflash": ["--draft.anchors=none"]}
 
 
+# Issue 40's items (bench/gpu_loops.py): the side-by-side loops, the attention rows and, once they exist, the FP8
+# rows; `--only side-by-side` runs them all (the GPU session's one script: about 6 minutes on an H100/H200).
+LOOPS = ["treadle-defaults", "treadle-best", "hf-bf16", "hf-compile", "bare-compile"]
+SIDE_BY_SIDE = [*LOOPS, "attention"]
+# Expected on an H200 from the first run's timings (research notes of 2026-11: a compiled 1.1B treadle run trained
+# 40 steps in ~26 s, compile included; eager 48-54k tokens/s): ~30 s of start-up each (imports, the corpus, a 1.1B
+# init), then 45 / 55 / 42 / 90 / 55 s for the loops and ~150 s for the six attention cases (two FlexAttention
+# compiles): ~7.3 minutes. The limits below bound a slow start at 10 minutes, the device's per-command limit.
+SIDE_BY_SIDE_TIMEOUTS = {"treadle-defaults": 75, "treadle-best": 90, "hf-bf16": 75, "hf-compile": 120,
+                         "bare-compile": 90, "attention": 150}
+GROUPS = {"side-by-side": SIDE_BY_SIDE}
+
+
 @dataclass(frozen=True)
 class Sizes:
     """Steps and shapes of one plan: the GPU check's, or the toy ones that run it on a CPU in a few minutes."""
@@ -114,6 +136,10 @@ class Sizes:
     timeout: dict         # seconds per item
     samples: int = 300    # rows per `treadle samples` file: the store items' data
     mtp_big: dict = field(default_factory=lambda: DSV3_1B)  # the MTP items' target (a DeepSeek-V3 shape)
+    loop_steps: int = 40  # the side-by-side: steps each loop runs; the last 25 are timed (gpu_loops.TIMED)
+    attn_seqs: str = "8192,32768"  # the attention rows' row lengths (micro-batch 1)
+    attn_model: dict = field(default_factory=lambda: dict(LLAMA_1B, num_hidden_layers=4, max_position_embeddings=32768))
+    attn_steps: int = 2   # timed, after a warm-up
 
 
 GPU = Sizes(tiny_steps=200, tiny_seq=256, tiny_batch=8, big=LLAMA_1B, big_steps=100, big_seq=2048, big_batch=8,
@@ -126,7 +152,7 @@ GPU = Sizes(tiny_steps=200, tiny_seq=256, tiny_batch=8, big=LLAMA_1B, big_steps=
                      "spec-glide-1b": 300, "spec-eagle3-1b": 300, "spec-dflash-1b": 300, "samples": 120, "features-1b": 600, "eagle3-1b-stored": 300,
                      "dsv3-1b": 600, "mtp-1b-shipped": 300, "mtp-1b-ft": 300, "spec-mtp-1b-before": 300,
                      "spec-mtp-1b-after": 300,
-                     "fp8": 600},
+                     "fp8": 600, **SIDE_BY_SIDE_TIMEOUTS},
             samples=300)
 TOY = Sizes(tiny_steps=4, tiny_seq=64, tiny_batch=2, big=LLAMA_TOY, big_steps=4, big_seq=64, big_batch=2,
             dist_steps=2, draft_steps=2, draft_batch=2, log_every=2, eval_batches=1, chunk_tokens=32,
@@ -138,8 +164,9 @@ TOY = Sizes(tiny_steps=4, tiny_seq=64, tiny_batch=2, big=LLAMA_TOY, big_steps=4,
                      "spec-glide-1b": 300, "spec-eagle3-1b": 300, "spec-dflash-1b": 300, "samples": 120, "features-1b": 300, "eagle3-1b-stored": 300,
                      "dsv3-1b": 300, "mtp-1b-shipped": 300, "mtp-1b-ft": 300, "spec-mtp-1b-before": 300,
                      "spec-mtp-1b-after": 300,
-                     "fp8": 120},
-            samples=20, mtp_big=DSV3_TOY)
+                     "fp8": 120, **{name: 300 for name in SIDE_BY_SIDE}},
+            samples=20, mtp_big=DSV3_TOY, loop_steps=4, attn_seqs="256", attn_model=LLAMA_TOY,
+            attn_steps=1)
 
 
 @dataclass
@@ -150,6 +177,8 @@ class Item:
     launcher: list[str] = field(default_factory=lambda: list(TREADLE))
     needs: Path | None = None        # what an earlier item writes (the tiny target)
     env: dict = field(default_factory=dict)
+    row: Callable | None = None      # reads its figures (default: by the treadle subcommand)
+    validate: Callable | None = None  # the dry run's check of a bench script's arguments (default: treadle's)
 
     @property
     def argv(self) -> list[str]:
@@ -235,6 +264,7 @@ def plan(out: Path, device: str, s: Sizes, only: list[str] | None = None) -> lis
     ]
     items += mtp_items(out, device, s, common, short)
     items += fp8_items(out)
+    items += side_by_side_items(out, device, s)
     return [i for i in items if only is None or i.name in only]
 
 
@@ -243,7 +273,16 @@ def fp8_items(out: Path) -> list[Item]:
     only on float8 hardware, and says N/A elsewhere)."""
     return [Item("fp8", "bf16 vs torchao float8 tensorwise / rowwise: 1.1B and an 8B-wide slice (8 layers), seq "
                         "2048 x 4, compile; 200-step loss check", ["--out", str(out / "fp8")],
-                 launcher=[sys.executable, str(REPO / "bench" / "fp8.py")])]
+                 launcher=[sys.executable, str(REPO / "bench" / "fp8.py")], row=fp8_row, validate=_fp8_dry_run)]
+
+
+def _fp8_dry_run(argv: list[str]) -> None:
+    """bench/fp8.py validates its own runs' configs."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import fp8
+
+    if fp8.dry_run(Path(argv[1])) != 0:
+        raise UserError("bench/fp8.py --dry-run: a run's config is invalid")
 
 
 def fp8_row(item: Item, out: Path, result: dict) -> dict:
@@ -300,6 +339,63 @@ def mtp_items(out: Path, device: str, s: Sizes, common: list[str], short) -> lis
               f"--draft.ttt_steps={MTP_GAMMA}", *mtp], needs=stitched / "config.json"),
         spec("spec-mtp-1b-after", stitched, tuned),
     ]
+
+
+def _bench(name: str):
+    """A module of bench/ (not a package): gpu_loops, attention."""
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def side_by_side_items(out: Path, device: str, s: Sizes) -> list[Item]:
+    """Issue 40's side-by-side: the 1.1B Llama, s.big_batch x s.big_seq packed built-in-corpus rows a step, bf16
+    autocast over fp32 weights, fused AdamW, each loop in its own process, timed by bench/gpu_loops.py's Timer
+    (cuda-synchronized wall clock over the last 25 of loop_steps; peak = max_memory_allocated in the process).
+    Then the attention rows: bench/attention.py on a 4-layer slice of the 1.1B (its width; micro-batch 1)."""
+    cuda = device == "cuda"
+    loops = [sys.executable, str(REPO / "bench" / "gpu_loops.py")]
+    inline = ", ".join(f"{k} = {json.dumps(v)}" for k, v in s.big.items())
+    n_big = "1.1B" if s.big is LLAMA_1B else "toy-size"
+    size = f"{n_big} Llama, {s.big_batch} x {s.big_seq}"
+
+    def treadle(name: str, what: str, settings: list[str]) -> Item:  # the timer: bench/side_by_side.toml
+        return Item(name, what, ["train", "bench/side_by_side.toml", f"--train.output_dir={out / name}", "--model.preset=tiny",
+                                 f"--model.overrides={{{inline}}}", f"--train.device={device}",
+                                 f"--train.threads={0 if cuda else 1}", "--checkpoint.resume=none", "--data.val=[]",
+                                 "--checkpoint.export_hf=false", "--checkpoint.every_minutes=0",
+                                 f"--data.seq_len={s.big_seq}", f"--train.micro_batch_size={s.big_batch}",
+                                 f"--train.max_steps={s.loop_steps}", "--optim.lr=3e-4", *settings],
+                    row=loop_row)
+
+    def script(name: str, what: str, args: list[str]) -> Item:
+        return Item(name, what, [*args, "--device", device, "--overrides", json.dumps(s.big), "--seq", str(s.big_seq),
+                                 "--batch", str(s.big_batch), "--steps", str(s.loop_steps), "--out", str(out / name)],
+                    launcher=loops, row=loop_row, validate=lambda argv: _bench("gpu_loops").parser().parse_args(argv))
+
+    compiled = "compile" if cuda else "compile skipped on CPU"
+    kinds = "dense,varlen,flex" if cuda else "dense,varlen"
+    attention_args = ["--seqs", s.attn_seqs, "--kinds", kinds, "--steps", str(s.attn_steps), "--device", device,
+                      "--threads", "4" if cuda else "1", "--dtype", "bf16" if cuda else "fp32",
+                      "--overrides", json.dumps(s.attn_model), "--json", str(out / "attention.json")]
+    return [
+        treadle("treadle-defaults", f"treadle at its defaults (dtype, compile, attention, chunked loss: auto), {size}",
+                []),
+        treadle("treadle-best", f"treadle at its best: bf16, {compiled}, varlen attention, chunked loss off, {size}",
+                ["--model.dtype=bf16", f"--model.compile={'true' if cuda else 'false'}", "--model.attention=varlen",
+                 "--model.loss_chunk_tokens=0"]),
+        script("hf-bf16", f"HF Trainer bf16=True, {size} (the same rows, position_ids)", ["hf"]),
+        script("hf-compile", f"HF Trainer bf16=True, torch_compile=True ({compiled}), {size}", ["hf", "--compile"]),
+        script("bare-compile", f"a bare loop, each decoder layer compiled ({compiled}), {size}", ["bare"]),
+        Item("attention", f"attention {kinds.replace(',', ' / ')} at {s.attn_seqs} tokens, micro-batch 1, a "
+                          f"{s.attn_model['num_hidden_layers']}-layer slice of the {n_big} width",
+             attention_args, launcher=[sys.executable, str(REPO / "bench" / "attention.py")], row=attention_row,
+             validate=lambda argv: _bench("attention").parser().parse_args(argv)),
+    ]
+
+
 
 
 # --------------------------------------------------------------------------- running
@@ -400,8 +496,47 @@ def features_row(item: Item, out: Path, result: dict) -> dict:
     return {**result, "tokens_per_s": tokens / seconds, "note": f"{mib:,.0f} MiB, {per:,.0f} bytes per token"}
 
 
+def loop_row(item: Item, out: Path, result: dict) -> dict:
+    """A side-by-side loop: the Timer's figures (gpu_loops.py), the same for every loop."""
+    r = json.loads((out / item.name / "step_timer.json").read_text())
+    first, last = r["steps"]
+    return {**result, "tokens_per_s": r["tokens_per_s"], "mfu": r["mfu"], "peak_gib": r["peak_gib"],
+            "peak_kind": r["peak_kind"], "note": f"{r['settings']}; steps {first}-{last} timed"}
+
+
+def attention_row(item: Item, out: Path, result: dict) -> dict:
+    """The attention cases: each path against dense per row length in the note; the whole table beside it."""
+    got = json.loads((out / "attention.json").read_text())
+    (out / "attention.md").write_text(_bench("attention").table(got["results"], got["title"]))
+    ok = [r for r in got["results"] if "error" not in r]
+    dense = {r["seq_len"]: r for r in ok if r["kind"] == "dense"}
+    notes = [f"{r['kind']} at {r['seq_len']:,}: {r['tokens_per_s']:,.0f} tokens/s"
+             + (f" ({r['tokens_per_s'] / dense[r['seq_len']]['tokens_per_s']:.2f}x dense), "
+                f"peak {r['peak_bytes'] / dense[r['seq_len']]['peak_bytes']:.2f}x" if r["kind"] != "dense"
+                and r["seq_len"] in dense else f", peak {r['peak_bytes'] / 2**30:.1f} GiB") for r in ok]
+    failed = [f"{r['kind']} at {r['seq_len']:,} FAILED: {r['error']}" for r in got["results"] if "error" in r]
+    return {**result, "status": "FAIL" if failed else "OK", "note": "; ".join(notes + failed) + " (attention.md)"}
+
+
+def side_by_side_table(rows: list[tuple[Item, dict]]) -> str:
+    """The loops against the Trainer: treadle at defaults against the Trainer at bf16=True, the compiled loops
+    against the Trainer with torch_compile (the targets of issue 40: >= 1.0x and >= 1.15x)."""
+    got = {item.name: r for item, r in rows if item.row is loop_row and r.get("tokens_per_s")}
+    if not got:
+        return ""
+    against = {"treadle-defaults": "hf-bf16", "treadle-best": "hf-compile", "bare-compile": "hf-compile",
+               "hf-compile": "hf-bf16"}
+    lines = ["", "| loop | tokens/s | vs Trainer | MFU | peak GiB |", "|---|---|---|---|---|"]
+    for name, r in got.items():
+        base = got.get(against.get(name, ""))
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x {against[name]}" if base else ""
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {ratio} | {mfu} | {r['peak_gib']:.1f} ({r['peak_kind']}) |")
+    return "\n".join(lines) + "\n"
+
+
 def spec_row(item: Item, out: Path, result: dict) -> dict:
-    r = json.loads((out / f"{item.name}.json").read_text())
+    r = json.loads((out / item.name / "step_timer.json").read_text())
     return {**result, "tokens_per_s": r["tokens_per_s_spec"],
             "note": f"tau {r['tau']:.2f}, {r['speedup']:.2f}x the target alone "
                     f"({r['tokens_per_s_target']:,.0f} tokens/s), "
@@ -470,12 +605,8 @@ def dry_run(items: list[Item]) -> int:
     bad = 0
     for item in items:
         try:
-            if item.name == "fp8":  # bench/fp8.py validates its own runs' configs
-                sys.path.insert(0, str(REPO / "bench"))
-                import fp8
-
-                if fp8.dry_run(Path(item.treadle[1])) != 0:
-                    raise UserError("bench/fp8.py --dry-run: a run's config is invalid")
+            if item.validate is not None:  # a bench script's own arguments
+                item.validate(item.treadle)
             elif item.treadle[0] in ("train", "features"):  # features: a draft run's config, plus its own flags
                 words = [w for w in item.treadle[1:] if not w.startswith(("--out=", "--dtype="))]
                 files = [w for w in words if not w.startswith("-")]
@@ -503,13 +634,14 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true", help="toy sizes and steps: the plan in a minute or two on a CPU")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check",
                    help="output directory (default: runs/gpu-check); its item directories are replaced")
-    p.add_argument("--only", help="comma-separated items (default: all): "
-                                  f"{','.join(i.name for i in plan(REPO / 'runs' / 'gpu-check', 'cuda', GPU))}")
+    p.add_argument("--only", help="comma-separated items or groups (default: all items): "
+                                  f"{','.join(i.name for i in plan(REPO / 'runs' / 'gpu-check', 'cuda', GPU))}; "
+                                  f"groups: {', '.join(f'{g} (= {chr(44).join(n)})' for g, n in GROUPS.items())}")
     p.add_argument("--max-item-s", type=int, help="cap every item's time limit at this many seconds")
     p.add_argument("--dry-run", action="store_true", help="print and validate every command; run nothing")
     args = p.parse_args()
     out = args.out.resolve()
-    only = args.only.split(",") if args.only else None
+    only = [n for w in args.only.split(",") for n in GROUPS.get(w, [w])] if args.only else None
     items = plan(out, args.device, TOY if args.tiny else GPU, only)
     if only and (unknown := set(only) - {i.name for i in plan(out, args.device, GPU)}):
         p.error(f"--only: unknown items {sorted(unknown)}")
@@ -541,14 +673,15 @@ def main() -> int:
         if result["status"] == "OK":
             try:
                 rows_of = {"spec-eval": spec_row, "features": features_row, "samples": features_row}
-                row = fp8_row if item.name == "fp8" else rows_of.get(item.treadle[0], training_row)
-                result = row(item, out, result)
+                result = (item.row or rows_of.get(item.treadle[0], training_row))(item, out, result)
             except (OSError, ValueError, KeyError) as exc:  # ran, but left no readable figures
                 result = {**result, "status": "FAIL", "note": f"its results cannot be read: {exc!r}"}
         print(f"gpu-check: {item.name} {result['status']} {result.get('wall', 0):.0f} s", file=sys.stderr, flush=True)
         rows.append((item, result))
 
-    text = table(rows, args.device, args.tiny)
+    text = table(rows, args.device, args.tiny) + side_by_side_table(rows)
+    if (out / "attention.md").exists() and any(item.name == "attention" for item, _ in rows):
+        text += "\n" + (out / "attention.md").read_text()
     (out / "gpu-check.md").write_text(text)
     print(text, end="")
     print(f"(written to {out / 'gpu-check.md'})")

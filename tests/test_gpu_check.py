@@ -7,6 +7,7 @@ fails here, not first on a GPU), and a plan with a typo is shown to fail that va
 """
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,8 @@ SCRIPT = REPO / "bench" / "gpu.py"
 ITEMS = ["tiny", "llama-1b", "torchrun", "glide", "eagle3", "dflash", "glide-1b", "eagle3-1b", "dflash-1b",
          "spec-glide", "spec-glide-1b", "spec-eagle3", "spec-eagle3-1b", "spec-dflash", "spec-dflash-1b",
          "samples", "features-1b", "eagle3-1b-stored", "dsv3-1b", "mtp-1b-shipped", "spec-mtp-1b-before",
-         "mtp-1b-ft", "spec-mtp-1b-after", "fp8"]
+         "mtp-1b-ft", "spec-mtp-1b-after", "fp8", "treadle-defaults", "treadle-best", "hf-bf16", "hf-compile",
+         "bare-compile", "attention"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -54,3 +56,51 @@ def test_gpu_check_without_cuda_says_so_in_one_line_and_its_plans_validate(tmp_p
         items[0].treadle.append(broken)
         assert gpu.dry_run(items) == 1
         assert f"{name}: INVALID" in capsys.readouterr().out
+
+
+def _load_gpu(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu)
+    spec.loader.exec_module(gpu)
+    return gpu
+
+
+def test_side_by_side_group_is_issue_40s_loops_with_one_timer_and_its_bench_scripts_arguments_are_checked(
+        tmp_path, capsys, monkeypatch):
+    gpu = _load_gpu(monkeypatch)
+    items = {i.name: i for i in gpu.plan(tmp_path, "cuda", gpu.GPU, gpu.GROUPS["side-by-side"])}
+    assert list(items) == ["treadle-defaults", "treadle-best", "hf-bf16", "hf-compile", "bare-compile", "attention"]
+    # Every loop: the 1.1B, 8 x 2048, 40 steps, timed by the same Timer (treadle's: a [[callbacks]] entry).
+    for name in gpu.LOOPS:
+        words = " ".join(items[name].argv)
+        assert "--steps 40" in words or ("--train.max_steps=40" in words and "bench/side_by_side.toml" in words), name
+        assert "2048" in words and "hidden_size" in words and f"{tmp_path / name}" in words, name
+    assert "--model.compile=true" in " ".join(items["treadle-best"].argv)
+    assert not any(w.startswith(("--model.dtype", "--model.compile", "--model.attention"))
+                   for w in items["treadle-defaults"].treadle)  # its defaults: nothing set but the run's size
+    assert "--kinds dense,varlen,flex" in " ".join(items["attention"].argv)
+    # A typo in a bench script's arguments is caught by the dry run, as a treadle key is.
+    for name, broken in (("hf-bf16", "--step=3"), ("attention", "--dtypes=bf16")):
+        item = gpu.plan(tmp_path, "cuda", gpu.GPU, [name])[0]
+        item.treadle.append(broken)
+        assert gpu.dry_run([item]) == 1
+        assert f"{name}: INVALID" in capsys.readouterr().out
+
+
+def test_the_loops_timer_counts_the_steps_it_names_and_writes_one_record(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import torch
+    from gpu_loops import Timer
+
+    from treadle.config import ModelConfig
+    from treadle.models.hf import build_model
+
+    model = build_model(ModelConfig(), 256)
+    clock = iter([10.0, 13.0])  # the end of step 15 starts it, the end of step 40 stops it: steps 16-40, 3 s
+    timer = Timer(str(tmp_path), last=40, tokens_per_step=600, device=torch.device("cpu"))
+    monkeypatch.setattr(timer, "_now", lambda: next(clock))
+    assert [timer.step_end(s, model, 64, settings="x") for s in range(1, 41)] == [False] * 39 + [True]
+    got = json.loads((tmp_path / "step_timer.json").read_text())
+    assert got["tokens_per_s"] == 25 * 600 / 3.0 and got["steps"] == [16, 40] and got["settings"] == "x"
+    assert got["peak_kind"] == "RSS" and got["peak_gib"] > 0 and got["mfu"] is None  # no peak known on a CPU

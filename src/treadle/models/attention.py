@@ -81,17 +81,21 @@ class Documents:
 
 class _LastDocuments:
     """The documents of the last position-id tensor seen: every layer of one forward (and its recomputation under
-    activation checkpointing) is handed the same tensor, so the spans are found once per forward. Outside any
-    compiled graph: finding them reads the positions on the host."""
+    activation checkpointing) is handed the same tensor, so the spans are found once per forward. The key is that
+    tensor itself (and its version: written in place, it is found again), not a view of it made per call (a new
+    object each time: one host sync per layer). Outside any compiled graph: finding them reads the positions on
+    the host."""
 
     def __init__(self):
-        self.key: tuple[torch.Tensor, int] | None = None
+        self.key: tuple | None = None
         self.value: Documents | None = None
 
     @torch.compiler.disable
-    def __call__(self, position_ids: torch.Tensor, batch: int) -> Documents:
-        if self.key is None or self.key[0] is not position_ids or self.key[1] != batch:
-            self.key, self.value = (position_ids, batch), Documents.of(position_ids.expand(batch, -1))
+    def __call__(self, position_ids: torch.Tensor, rows: int) -> Documents:
+        seen = self.key is not None and self.key[0] is position_ids
+        if not (seen and self.key[1:] == (position_ids._version, rows)):
+            self.key = (position_ids, position_ids._version, rows)
+            self.value = Documents.of(position_ids.expand(rows, -1))
         return self.value
 
 
