@@ -200,8 +200,9 @@ def test_console_script_runs_and_prints_summary(shards, tmp_path):
 
 
 def test_commands_that_do_not_use_deepspeed_never_import_it(shards, tmp_path):
-    """``--help``, a local run and the export of its DCP checkpoint, each a real ``python -m treadle``: DeepSpeed is
-    never imported (``-X importtime`` lists every module a process imports), so its accelerator warning cannot print."""
+    """``--help``, a local run and the export of its DCP checkpoint, each a real ``python -m treadle``: ``--help`` never
+    imports DeepSpeed (``-X importtime`` lists every module a process imports); a run and an export import it only
+    through accelerate (transformers' save_pretrained), and its accelerator warning never prints."""
     run = tmp_path / "run"
     commands = [["--help"], args(shards, run, "--train.max_steps=2", "--train.eval_batches=1"),
                 ["export", str(run / "checkpoints" / "step_2"), str(tmp_path / "out")]]
