@@ -11,7 +11,11 @@ self-attention state depend only on the tokens and the target, this is what the 
 from each start, not an approximation of it (up to ties in the argmax).
 
 tau_sim averages over every start, whereas a real decode visits only the starts its
-own acceptances lead to, so the two differ a little on short texts.
+own acceptances lead to, so the two differ a little on short texts. ``tau_decode`` walks
+the starts a decode visits (the first generated token, then one past each round's
+accepted drafts and bonus): on the same prompts, at the same precision, it is the tau
+``treadle spec-eval`` measures with ``--max-new-tokens`` = new tokens - gamma + 1 (the
+rounds whose chains fit in the texts), exactly up to argmax ties.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ def chain_acceptance(model, texts: torch.Tensor, prompt_len: int, gamma: int) ->
 
     Starts are the generated indices s >= prompt_len that leave room for a full chain.
     Returns ``tau_sim`` (= 1 + sum of unconditional rates), ``acceptance_conditional``
-    (P(step k accepted | steps < k accepted)) and ``acceptance_unconditional``.
+    (P(step k accepted | steps < k accepted)), ``acceptance_unconditional`` and ``tau_decode``
+    (the starts a greedy decode of each text visits; module docstring).
     """
     length = texts.shape[1]
     starts = torch.arange(prompt_len, length - gamma, device=texts.device)
@@ -44,7 +49,21 @@ def chain_acceptance(model, texts: torch.Tensor, prompt_len: int, gamma: int) ->
         "acceptance_conditional": conditional.tolist(),
         "acceptance_unconditional": reach.tolist(),
         "starts": int(accepted.shape[1] * accepted.shape[2]),
+        "tau_decode": decoded_tau(accepted.sum(0)),
     }
+
+
+def decoded_tau(accepted: torch.Tensor) -> float:
+    """tau of the rounds a greedy decode runs, from ``accepted`` [N, S]: drafts accepted by the round whose bonus is
+    each start. A round at start s emits its accepted drafts and the bonus, so the next starts s + n + 1."""
+    tokens = rounds = 0
+    for row in accepted.tolist():
+        s = 0
+        while s < len(row):
+            tokens += row[s] + 1
+            rounds += 1
+            s += row[s] + 1
+    return tokens / rounds
 
 
 def lookup_tau(texts, prompt_len, gamma: int) -> float | None:
