@@ -41,13 +41,12 @@ EVAL_PRECISION = {"fp32": "fp32", "bf16": "bf16 autocast", "bf16-weights": "bf16
 
 
 class AcceptanceCallback(EvalCallback):
-    """tau_sim, tau_decode and per-position acceptance of the draft, on the eval cadence (start unless off, every N,
-    end).
+    """tau_sim and per-position acceptance of the draft, on the eval cadence (start unless off, every N, end).
 
     The target's greedy continuations of fixed held-out prompts are generated once per
     process in fp32 (the target is frozen, so they never change) and scored by ``chain_acceptance``
-    under the run's precision: tau_sim over every start, tau_decode over the starts a greedy
-    decode visits (what ``treadle spec-eval`` measures on these prompts at that precision).
+    under the run's precision, over the rounds a greedy decode of them runs: what ``treadle
+    spec-eval`` measures on these prompts at that precision.
     """
 
     def __init__(self, cfg: DraftConfig, prompts: torch.Tensor, eval_every: int, at_start: bool = True):
@@ -76,7 +75,7 @@ class AcceptanceCallback(EvalCallback):
         with trainer.autocast():
             got = chain_acceptance(model, self.texts, self.prompts.shape[1], self.cfg.gamma)
         model.train()
-        return {"tau_sim": got["tau_sim"], "tau_decode": got["tau_decode"], **{f"accept_{k + 1}": a for k, a in enumerate(got["acceptance_conditional"])},
+        return {"tau_sim": got["tau_sim"], **{f"accept_{k + 1}": a for k, a in enumerate(got["acceptance_conditional"])},
                 "acceptance_s": round(time.perf_counter() - t0, 3)}
 
 
