@@ -125,6 +125,74 @@ def test_eagle3_speculative_decoding_is_lossless_and_chain_acceptance_is_consist
     assert acc["tau_sim"] == pytest.approx(1 + sum(acc["acceptance_unconditional"]))
 
 
+class HalfRightGuesses:
+    """A draft's ``chain_guesses`` that are the text's own tokens in its first half and wrong in its second."""
+
+    def chain_guesses(self, texts, gamma):
+        right = torch.cat((texts[:, 1:], texts[:, -1:]), dim=1)  # entry i guesses token i + 1
+        half = texts.shape[1] // 2
+        return [torch.cat((right[:, :half], -torch.ones_like(right[:, half:])), dim=1) for _ in range(gamma)]
+
+
+def test_tau_sim_is_tokens_per_round_of_a_decode_not_a_mean_over_starts():
+    """Issue 41: tau_sim read 3.80 on a GPU where spec-eval read 1.80. Averaged over every start, a text the draft
+    gets whole chains of in one stretch and nothing of in another counts each easy start once, where a decode
+    crosses the easy stretch gamma + 1 tokens a round: tokens per round is (E + H) / (E / 5 + H) at gamma 4."""
+    texts = torch.arange(92)[None]  # no prompt: 88 starts, guesses right at indices 0..45, wrong from 46
+    acc = chain_acceptance(HalfRightGuesses(), texts, 0, 4)
+    # Starts 0..42 take all 4 drafts; 43..45 run into the wrong half (3, 2, 1); 46..87 take none.
+    # The decode: rounds at 0, 5, ..., 40 (9 rounds of 5), 45 (1 draft: 2 tokens), then 47..87 one token a round.
+    assert acc["tau_sim"] == pytest.approx((9 * 5 + 2 + 41) / 51)  # 1.73
+    assert acc["rounds"] == 9 + 1 + 41
+    assert acc["tau_every_start"] == pytest.approx((43 * 5 + 4 + 3 + 2 + 42) / 88)  # what tau_sim was: 3.02
+    assert acc["tau_sim"] == pytest.approx(1 + sum(acc["acceptance_unconditional"]))
+
+
+def test_tau_sim_and_spec_eval_agree_on_the_same_prompts_and_precision():
+    """Issue 41: the training-time eval and spec-eval's decode loop measure one thing when given the same prompts at
+    the same precision. In float64 (no argmax ties) tau_sim and its per-position rates are exactly what spec-eval's
+    loop (evaluate_drafter) measures on those prompts (the rounds whose chains fit in the texts); the mean over every
+    start is not. In bf16 weights on both sides (spec-eval --dtype bf16) they agree within bf16's noise."""
+    from treadle.speculative.evaluate import evaluate_drafter
+
+    model, gamma, new, P = eagle3(seed=0), 4, 24, 6
+    torch.manual_seed(0)
+    texts = greedy_continuations(model.target, torch.randint(0, 512, (4, P)), new)
+    # A draft that accepts often but not always: a few steps of the training-time-test loss on these very texts.
+    positions = torch.arange(texts.shape[1]).expand_as(texts)
+    optimizer = torch.optim.Adam(model.draft_model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(20):
+        loss = sum(torch.nn.functional.cross_entropy(logits[:, : new + P - k - 2].flatten(0, 1),
+                                                     texts[:, k + 2:].flatten())
+                   for k, logits in enumerate(model(texts, positions, steps=3).logits))  # step k: token t + k + 2
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    prompts = texts[:, :P]
+    for dtype in ("float64", "bf16"):
+        if dtype == "float64":
+            model.double()
+        else:  # what spec-eval --dtype bf16 does to the models it decodes with
+            from treadle.speculative.evaluate import cast_weights
+
+            model.float()
+            cast_weights([model], "bf16")
+            texts = greedy_continuations(model.target, prompts, new)  # the target's own greedy text in bf16
+        acc = chain_acceptance(model, texts, P, gamma)
+        spec = evaluate_drafter(model.target, Eagle3Drafter(model), prompts.tolist(), gamma, new - gamma + 1, None)
+        assert spec["lossless"] and spec["generated_tokens"] == 4 * (new - gamma + 1)
+        assert 1.5 < spec["tau"] < gamma + 1  # rounds that stop early and rounds that take every draft
+        if dtype == "float64":
+            assert acc["tau_sim"] == spec["tau"]
+            assert acc["rounds"] == spec["verify_calls"]
+            assert acc["acceptance_unconditional"] == spec["acceptance_unconditional"]
+            assert acc["tau_every_start"] != pytest.approx(spec["tau"])
+        else:  # one parallel forward against one token at a time: bf16 rounds them apart, near ties flip
+            assert abs(acc["tau_sim"] - spec["tau"]) < 0.25
+
+
 def test_eagle3_tree_nodes_are_the_top_k_of_their_chain_unrolls():
     """Each tree node is among the top-k of the chain unroll (``_step``, the code ``propose`` runs) fed its path:
     a node's feature (its parent's output), token, position and mask are the chain's along that path."""

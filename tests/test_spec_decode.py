@@ -377,6 +377,33 @@ def test_spec_eval_tree_and_sampled(run_dir, tmp_path, capsys, monkeypatch):
     assert 2 <= r["tau"] <= 3 and r["acceptance_unconditional"][0] > 0.9
 
 
+def test_spec_eval_dtype_bf16_decodes_with_bf16_weights(run_dir, tmp_path, capsys, monkeypatch):
+    """--dtype bf16: target and draft decode with bf16 parameters (what the engines serve), their rotary frequencies
+    kept in fp32; the record and the report say which precision measured the tau."""
+    monkeypatch.setenv("COLUMNS", "200")
+    seen = []
+    real = evaluate.evaluate_drafter
+
+    def spy(target, drafter, *args, **kwargs):
+        seen.append((target, drafter))
+        return real(target, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "evaluate_drafter", spy)
+    out = tmp_path / "r.json"
+    for dtype, weights in (("bf16", torch.bfloat16), (None, torch.float32)):
+        flags = [] if dtype is None else ["--dtype", dtype]
+        assert spec_eval("--target", str(run_dir), "--draft", str(run_dir), "--num-prompts", "2", "--prompt-len", "16",
+                         "--max-new-tokens", "8", "--json", str(out), *flags) == 0
+        target, drafter = seen.pop()
+        for model in (target, drafter.model):
+            assert {p.dtype for p in model.parameters()} == {weights}
+            assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+        r = json.loads(out.read_text())
+        assert r["dtype"] == (dtype or "fp32") and r["lossless"] is True
+    printed = capsys.readouterr().out
+    assert "bf16 weights (--dtype bf16) on cpu" in printed and "fp32 weights on cpu" in printed
+
+
 def test_spec_eval_reports_a_lossy_decoder(run_dir, monkeypatch, capsys):
     from treadle.speculative import decode
 
@@ -409,6 +436,7 @@ def test_spec_eval_bad_input(run_dir, tmp_path):
                            (["--tree", "dynamic:4,0,8"], "--tree dynamic:4,0,8: accepted"),
                            (["--tree", "dynamic:2,3,6", "--gamma", "4"],
                             "--gamma 4 with --tree dynamic:2,3,6: the tree's depth is 3"),
+                           (["--dtype", "fp16"], r"^--dtype fp16: accepted: fp32 \(the default\) or bf16 "),
                            (["--temperature", "-1"], "--temperature -1.0: must be >= 0"),
                            (["--temperature", "1", "--top-p", "0"], r"--top-p 0.0: must be in \(0, 1\]")]:
         with pytest.raises(UserError, match=message):

@@ -10,8 +10,19 @@ EAGLE-3), every start s is scored at once; because the draft's one layer makes i
 self-attention state depend only on the tokens and the target, this is what the decode loop would do
 from each start, not an approximation of it (up to ties in the argmax).
 
-tau_sim averages over every start, whereas a real decode visits only the starts its
-own acceptances lead to, so the two differ a little on short texts.
+Every start is scored, but a decode visits only the starts its own acceptances lead to:
+the first generated token, then one past each round's accepted drafts and bonus. tau_sim
+is the tokens per round of that walk (``decoded_rounds``), so on the same prompts at the same
+precision it is the tau ``treadle spec-eval`` measures with ``--max-new-tokens`` = new tokens
+- gamma + 1 (the rounds whose chains fit in the texts), exactly up to argmax ties.
+
+The mean over every start (``tau_every_start``, what tau_sim was before issue 41) is not that
+figure. Where the draft takes whole chains in some stretches (a loop the target repeats) and
+nothing in others, a decode crosses an easy stretch of E tokens in E / (gamma + 1) rounds and
+a hard one of H tokens in H rounds: tokens per round is (E + H) / (E / (gamma + 1) + H), 1.67 at
+gamma 4 with E = H, while the mean over starts gives ((gamma + 1) E + H) / (E + H) = 3. A barely
+trained target's greedy text is exactly such a mix, which is how a GPU run read 3.80 here
+against spec-eval's 1.80 (docs/drafts.md, "tau_sim and spec-eval").
 """
 
 from __future__ import annotations
@@ -23,9 +34,10 @@ import torch
 def chain_acceptance(model, texts: torch.Tensor, prompt_len: int, gamma: int) -> dict:
     """Per-position acceptance and tau_sim of a draft model's (``chain_guesses``) on target-greedy ``texts``.
 
-    Starts are the generated indices s >= prompt_len that leave room for a full chain.
-    Returns ``tau_sim`` (= 1 + sum of unconditional rates), ``acceptance_conditional``
-    (P(step k accepted | steps < k accepted)) and ``acceptance_unconditional``.
+    Starts are the generated indices s >= prompt_len that leave room for a full chain; the rounds are those a greedy
+    decode of each text runs (module docstring). Returns ``tau_sim`` (tokens per round, bonus included: = 1 + sum of
+    unconditional rates), ``acceptance_conditional`` (P(step k accepted | steps < k accepted)),
+    ``acceptance_unconditional`` (P(n >= k)), ``rounds``, and ``tau_every_start`` (the mean over every start).
     """
     length = texts.shape[1]
     starts = torch.arange(prompt_len, length - gamma, device=texts.device)
@@ -35,16 +47,30 @@ def chain_acceptance(model, texts: torch.Tensor, prompt_len: int, gamma: int) ->
     for k, guess in enumerate(model.chain_guesses(texts, gamma), start=1):  # [N, L]: guess for index i + 1
         hit = guess[:, :-1] == texts[:, 1:]
         chain.append(hit[:, starts + k - 1])  # chain step k from start s predicts token s + k
-    accepted = torch.stack(chain).long().cumprod(0)  # [gamma, N, S]: 1 while every step so far was accepted
-    reach = accepted.float().mean(dim=(1, 2))  # P(n >= k)
-    previous = torch.cat([reach.new_ones(1), reach[:-1]])
-    conditional = torch.where(previous > 0, reach / previous.clamp_min(1e-12), torch.zeros_like(reach))
+    accepted = torch.stack(chain).long().cumprod(0).sum(0)  # [N, S]: drafts a round starting at s accepts
+    rounds = decoded_rounds(accepted)
+    reached = [sum(n >= k for n in rounds) for k in range(gamma + 1)]  # reached[0]: every round
     return {
-        "tau_sim": 1.0 + float(reach.sum()),
-        "acceptance_conditional": conditional.tolist(),
-        "acceptance_unconditional": reach.tolist(),
-        "starts": int(accepted.shape[1] * accepted.shape[2]),
+        "tau_sim": sum(n + 1 for n in rounds) / len(rounds),
+        "acceptance_conditional": [reached[k] / reached[k - 1] if reached[k - 1] else 0.0
+                                   for k in range(1, gamma + 1)],
+        "acceptance_unconditional": [reached[k] / len(rounds) for k in range(1, gamma + 1)],
+        "rounds": len(rounds),
+        "tau_every_start": 1.0 + float(accepted.float().mean()),
     }
+
+
+def decoded_rounds(accepted: torch.Tensor) -> list[int]:
+    """Drafts accepted per round of a greedy decode of each row, from ``accepted`` [N, S] (what the round whose bonus
+    is each start accepts): the first round starts at 0; one that accepts n drafts emits them and the bonus, so the
+    next starts n + 1 later."""
+    rounds = []
+    for row in accepted.tolist():
+        s = 0
+        while s < len(row):
+            rounds.append(row[s])
+            s += row[s] + 1
+    return rounds
 
 
 def lookup_tau(texts, prompt_len, gamma: int) -> float | None:

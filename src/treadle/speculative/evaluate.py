@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from treadle.speculative.decode import Drafter
 
 _WARMUP_TOKENS = 4
+# --dtype: the torch dtype of the decoding weights. bf16 means bf16 weights, not autocast: the engines a draft is
+# exported for load its checkpoint at dtype bfloat16 and run every activation in it (docs/drafts.md, precision).
+DTYPES = ("fp32", "bf16")
 WRITTEN_BY = "treadle spec-eval"
 _RESULT_KEYS = {"drafter", "tau", "lossless", "speedup"}  # a result written before it carried WRITTEN_BY
 
@@ -64,7 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = torch's default")
     parser.add_argument("--device", default="auto",
                         help="where target and draft decode: auto (an accelerator when there is one), cpu, cuda, "
-                             "cuda:N (default: auto); the weights stay in fp32")
+                             "cuda:N (default: auto)")
+    parser.add_argument("--dtype", default="fp32", metavar="fp32|bf16",
+                        help="the weights target and draft decode with: fp32 (default), or bf16 (parameters in "
+                             "bfloat16, every activation with them, rotary tables in fp32: what vLLM and SGLang serve "
+                             "at dtype bfloat16)")
     parser.add_argument("--confidence-threshold", type=float, default=0.0, metavar="P",
                         help="a DSpark draft's confidence early stop, as the engines serve it: verify only the "
                              "drafts its confidence head keeps at this threshold (default: 0, the whole block, "
@@ -291,6 +298,23 @@ def _check_args(gamma: int, num_prompts: int, prompt_len: int, max_new_tokens: i
         claim_output(json_path, "--json", "spec-eval", ours=is_spec_eval_json, file=True)
 
 
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: accepted: fp32 (the default) or bf16 (bf16 weights, as the engines serve)")
+
+
+def cast_weights(modules, dtype: str) -> None:
+    """Every floating parameter of ``modules`` (shared ones once) to ``dtype``; buffers stay as they are. A model's
+    buffers are its rotary frequencies: rounded to bf16 they would turn position p by up to p * 2^-9 radians too
+    much, whereas the engines and transformers compute the rotary tables in fp32 and cast only cos / sin."""
+    import torch
+
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    params = {id(p): p for m in modules for p in m.parameters() if p.is_floating_point()}
+    for p in params.values():
+        p.data = p.data.to(want)
+
+
 def _check_croppable(target, target_dir: Path) -> None:
     """The decode loop cuts the target's cache back to the accepted prefix after each verification; a linear-attention
     (Gated-DeltaNet) layer's recurrent state has no per-position history to cut, so such a target is refused here
@@ -344,6 +368,8 @@ def _print_report(result: dict, target_dir: Path) -> None:
                                    f"{tree_size(tuple(result['tree']))} nodes, depth {gamma}")
     else:
         table.add_row("draft", f"chain of gamma {gamma}")
+    table.add_row("precision", {"bf16": "bf16 weights (--dtype bf16)"}.get(result.get("dtype"), "fp32 weights")
+                  + f" on {result.get('device', 'cpu')}")
     table.add_row("tau", f"{_rate(result['tau'])} tokens per target verification call, bonus token included "
                          f"(at most {gamma + 1})")
     if result.get("draft_forwards_per_round") is not None:
@@ -378,7 +404,7 @@ def _print_report(result: dict, target_dir: Path) -> None:
 def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Path | None = None, num_prompts: int = 8,
               prompt_len: int = 64, max_new_tokens: int = 64, json_path: Path | None = None, threads: int = 0,
               tree: str | tuple[int, ...] | DynamicTree | None = None, temperature: float = 0.0, top_p: float = 1.0,
-              seed: int = 0, device: str = "auto", confidence_threshold: float = 0.0,
+              seed: int = 0, device: str = "auto", dtype: str = "fp32", confidence_threshold: float = 0.0,
               confidence_rule: str = "sglang") -> dict:
     """Speculative decoding of ``target`` with ``draft``: the result record (``--json`` writes it, with
     ``written_by``). The keywords are the command's flags; its defaults are theirs (a test compares them)."""
@@ -391,6 +417,7 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
         gamma = tree_depth(branching)
     gamma = 4 if gamma is None else gamma
     _check_args(gamma, num_prompts, prompt_len, max_new_tokens, threads, json_path)
+    check_dtype(dtype)
     check_draft_spec(str(draft))
     import torch
 
@@ -416,13 +443,16 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
             raise UserError(f"--confidence-threshold {confidence_threshold} with drafter {drafter.name!r}; accepted: "
                             "0..1 with a draft that has a confidence head (dspark), else leave it unset")
         drafter.confidence_threshold, drafter.confidence_rule = confidence_threshold, confidence_rule
-    target_model.to(where)
+    models = [target_model]
     if isinstance(getattr(drafter, "model", None), torch.nn.Module):  # a draft model (it may hold the target too)
-        drafter.model.to(where)
+        models.append(drafter.model)
+    for m in models:
+        m.to(where)
+    cast_weights(models, dtype)
 
     result = evaluate_drafter(target_model, drafter, prompt_ids, gamma, max_new_tokens, tokenizer.eos_token_id,
                               temperature=temperature, top_p=top_p, seed=seed, tree=branching, device=where)
-    record = {"written_by": WRITTEN_BY, **result, "target": str(target_dir), "device": str(where)}
+    record = {"written_by": WRITTEN_BY, **result, "target": str(target_dir), "device": str(where), "dtype": dtype}
     if json_path is not None:
         write_atomic(json_path, json.dumps(record, indent=2) + "\n")
     return record
@@ -433,8 +463,8 @@ def run(args: argparse.Namespace) -> int:
     result = spec_eval(args.target, args.draft, gamma=args.gamma, prompts=args.prompts, num_prompts=args.num_prompts,
                        prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, json_path=args.json,
                        threads=args.threads, tree=args.tree, temperature=args.temperature, top_p=args.top_p,
-                       seed=args.seed, device=args.device, confidence_threshold=args.confidence_threshold,
-                       confidence_rule=args.confidence_rule)
+                       seed=args.seed, device=args.device, dtype=args.dtype,
+                       confidence_threshold=args.confidence_threshold, confidence_rule=args.confidence_rule)
     _print_report(result, Path(result["target"]))
     warning = _degenerate_warning(result)
     if warning is not None:

@@ -34,11 +34,19 @@ def eval_prompts(dataset, n: int, prompt_len: int) -> torch.Tensor:
     return torch.stack([dataset[i]["input_ids"][:prompt_len] for i in range(count)])
 
 
+# How the drafts of the acceptance eval are computed, per model.dtype: the run's own forward (the draft is scored as
+# it trains). spec-eval decodes at its --dtype (fp32 by default): on the same prompts at the same precision the two
+# agree (tests/test_eagle3.py), across precisions they need not, so the eval line says which it ran.
+EVAL_PRECISION = {"fp32": "fp32", "bf16": "bf16 autocast", "bf16-weights": "bf16 weights"}
+
+
 class AcceptanceCallback(EvalCallback):
     """tau_sim and per-position acceptance of the draft, on the eval cadence (start unless off, every N, end).
 
     The target's greedy continuations of fixed held-out prompts are generated once per
-    process (the target is frozen, so they never change) and scored by ``chain_acceptance``.
+    process in fp32 (the target is frozen, so they never change) and scored by ``chain_acceptance``
+    under the run's precision, over the rounds a greedy decode of them runs: what ``treadle
+    spec-eval`` measures on these prompts at that precision.
     """
 
     def __init__(self, cfg: DraftConfig, prompts: torch.Tensor, eval_every: int, at_start: bool = True):
@@ -49,7 +57,8 @@ class AcceptanceCallback(EvalCallback):
 
     def describe(self, trainer: Trainer) -> str:
         first = ", the target's continuations generated first" if self.texts is None else ""
-        return f"acceptance (tau_sim) on {len(self.prompts)} prompts{first}"
+        precision = EVAL_PRECISION.get(trainer.cfg.model.dtype, trainer.cfg.model.dtype)
+        return f"acceptance (tau_sim, drafts in {precision}) on {len(self.prompts)} prompts{first}"
 
     def measure(self, trainer: Trainer) -> dict:
         # Every rank measures the same prompts: the methods gather sharded weights collectively.
