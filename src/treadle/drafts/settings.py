@@ -19,12 +19,14 @@ from treadle.drafts.dflash import settings as dflash
 from treadle.drafts.eagle3 import settings as eagle3
 from treadle.drafts.frozen_kv import settings as frozen_kv
 from treadle.drafts.glide import settings as glide
+from treadle.drafts.lilicorr import settings as lilicorr
 from treadle.drafts.mtp import settings as mtp
 
-KINDS = {k.NAME: k for k in (glide, eagle3, dflash, mtp, frozen_kv)}
+KINDS = {k.NAME: k for k in (glide, eagle3, dflash, mtp, frozen_kv, lilicorr)}
 NAMES = tuple(KINDS)  # draft.kind's accepted values, in this order (what configuration.md and errors list)
 OPTIONAL_KEYS = ("feature_layers", "vocab_size", "init", "ttt_steps", "block_size", "num_layers", "anchors",
-                 "slot_gamma", "slot_weighting", "mask_token_id")  # unset unless a kind reads them; checked in this order
+                 "slot_gamma", "slot_weighting", "mask_token_id",
+                 "candidates", "correlator_layers", "train_backbone")  # unset unless a kind reads them; checked in this order
 
 
 def _kinds_with(test) -> str:

@@ -304,6 +304,15 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
         against the target: slot k's logits and the target's at index anchor + k - 1 (clamped at the row's end:
         such slots are never scored). With ``loss_chunk_tokens`` > 0 and ``slot_labels`` ([B, N, K] data tokens,
         -100 where a slot is not scored): per-slot scores computed a chunk of rows at a time instead."""
+        return self.score_blocks(input_ids, position_ids, anchors, doc_position_ids, labels, slot_labels, reads)[0]
+
+    def score_blocks(self, input_ids: torch.Tensor, position_ids: torch.Tensor, anchors: torch.Tensor,
+                     doc_position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                     slot_labels: torch.Tensor | None = None, reads: dict | None = None):
+        """``forward``'s output and what a head on the backbone reads beside it (LiLiCorr's correlator):
+        (DFlashOutput, the blocks' final hidden states [B, N, block_size, d], the teacher's rows at index
+        anchor + k - 1 [B, N, K, ...] (its logits, or with the chunked loss its final hidden states), the target's
+        features [B, T, n * d])."""
         from treadle.data.packed import row_cross_entropy
 
         doc = document_ids(position_ids if doc_position_ids is None else doc_position_ids)
@@ -313,7 +322,8 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
         if self.loss_chunk_tokens and slot_labels is not None:
             # Both heads a chunk of rows at a time (here, inside forward: a sharding engine holds the head's weight).
             target_hidden, features = self._target_forward(input_ids, position_ids, hidden=True, reads=reads)
-            hidden = self._blocks(input_ids, position_ids, features, anchors, doc)[:, :, 1:]
+            blocks = self._blocks(input_ids, position_ids, features, anchors, doc)
+            hidden = blocks[:, :, 1:]
             teacher = target_hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_hidden.shape[-1]))
             weight, config, chunk = self.target.get_output_embeddings().weight, self.target.config, self.loss_chunk_tokens
             ce, kl, hit = chunked_rows(lambda h, t, y: _slot_scores(h, t, weight, y, config),
@@ -323,12 +333,20 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
                 with torch.no_grad():
                     target_ce = chunked_rows(lambda t, y: _target_ce(t, weight, y, config),
                                              [target_hidden.flatten(0, -2), labels.flatten()], chunk)[0].sum()
-            return DFlashOutput(None, None, target_ce, ce.view(B, N, K), kl.view(B, N, K), hit.view(B, N, K))
+            out = DFlashOutput(None, None, target_ce, ce.view(B, N, K), kl.view(B, N, K), hit.view(B, N, K))
+            return out, blocks, teacher.view(B, N, K, -1), features
         target_logits, features = self._target_forward(input_ids, position_ids, reads=reads)
         hidden = self._blocks(input_ids, position_ids, features, anchors, doc)
         teacher = target_logits.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1]))
         target_ce = row_cross_entropy(target_logits, labels).sum() if labels is not None else target_logits.new_zeros(())
-        return DFlashOutput(self.draft_logits(hidden[:, :, 1:]), teacher.view(B, N, K, -1), target_ce)
+        out = DFlashOutput(self.draft_logits(hidden[:, :, 1:]), teacher.view(B, N, K, -1), target_ce)
+        return out, hidden, out.target_logits, features
+
+    def block_guesses(self, hidden: torch.Tensor, anchors: torch.Tensor, features: torch.Tensor,
+                      doc: torch.Tensor) -> torch.Tensor:
+        """What a decode proposes from blocks' slot hidden states [B, N, gamma, d]: [B, N, gamma] tokens (DFlash:
+        each slot's argmax; a head that reranks candidates, LiLiCorr, overrides this)."""
+        return self.draft_logits(hidden).argmax(-1)
 
     @torch.no_grad()
     def chain_guesses(self, texts: torch.Tensor, gamma: int, chunk: int = 64) -> list[torch.Tensor]:
@@ -341,11 +359,11 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
         positions = torch.arange(L, device=texts.device).expand_as(texts)
         _, features = self._target_forward(texts, positions, hidden=True, reads=self.eval_reads(texts))
         doc = torch.ones_like(texts)
-        slots = []  # per anchor chunk: [N, n, gamma] argmaxes of slots 1..gamma
+        slots = []  # per anchor chunk: [N, n, gamma] guesses of slots 1..gamma
         for first in range(0, L, chunk):
             anchors = torch.arange(first, min(L, first + chunk), device=texts.device).expand(N, -1)
             hidden = self._blocks(texts, positions, features, anchors, doc)
-            slots.append(self.draft_logits(hidden[:, :, 1 : gamma + 1]).argmax(-1))
+            slots.append(self.block_guesses(hidden[:, :, 1 : gamma + 1], anchors, features, doc))
         guess = torch.cat(slots, dim=1)  # [N, L, gamma]: anchor a's slot k guesses token a + k
         out = []
         for k in range(1, gamma + 1):  # entry i = a + k - 1
@@ -397,17 +415,23 @@ def draft_from_layout(draft_dir, target, where: str) -> DFlashDraft:
     if config is None:
         raise UserError(f"{where} {draft_dir} is not a DFlash draft in z-lab's layout (config.json with "
                         f"architectures = [{dflash_layout.ARCHITECTURE!r}])")
-    if "target" in config:
-        checked_export(draft_dir, target, KIND, "a dflash")
-    dflash_layout.check_fits(config, target.config, draft_dir)
-    layers = dflash_layout.feature_layers(config, target.config.num_hidden_layers, draft_dir)
-    check_feature_layers(layers, target.config.num_hidden_layers, f"{draft_dir}/config.json target_layer_ids + 1")
-    draft = DFlashDraft(target.config, layers, config["num_hidden_layers"], dflash_layout.block_size(config),
-                        dflash_layout.mask_token_id(config, draft_dir))
+    draft = draft_of_config(config, target, draft_dir)
     file = Path(draft_dir) / "model.safetensors"
     tensors = check_tensors(load_file(str(file)), file, where)
     draft.load_state_dict(dflash_layout.import_weights(tensors, draft, draft_dir))
     return draft
+
+
+def draft_of_config(config: dict, target, draft_dir, kind: str = KIND) -> DFlashDraft:
+    """A new DFlashDraft shaped as a z-lab-layout ``config`` (also the backbone of a layout that extends it, as
+    LiLiCorr's), checked against ``target``; a treadle export (``kind``'s) also by its target's config fingerprint."""
+    if "target" in config:
+        checked_export(draft_dir, target, kind, f"a {kind}")
+    dflash_layout.check_fits(config, target.config, draft_dir)
+    layers = dflash_layout.feature_layers(config, target.config.num_hidden_layers, draft_dir)
+    check_feature_layers(layers, target.config.num_hidden_layers, f"{draft_dir}/config.json target_layer_ids + 1")
+    return DFlashDraft(target.config, layers, config["num_hidden_layers"], dflash_layout.block_size(config),
+                       dflash_layout.mask_token_id(config, draft_dir))
 
 
 def load_dflash(draft_dir, target) -> DFlashModel:

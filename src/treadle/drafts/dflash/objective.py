@@ -147,9 +147,10 @@ class DFlashObjective:
         positions, labels = batch["position_ids"], batch["labels"]
         anchors, valid = sample_anchors(labels, self.count, self._seeds(batch))
         scored, tokens = scored_slots(labels, document_ids(positions), anchors, valid, self.block_size)
-        out = model(input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions,
-                    offset), anchors=anchors, doc_position_ids=positions, labels=labels,
-                    slot_labels=torch.where(scored, tokens, IGNORE_INDEX), reads=batch_reads(batch))
+        out, extra = self.run(model, dict(
+            input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions, offset),
+            anchors=anchors, doc_position_ids=positions, labels=labels,
+            slot_labels=torch.where(scored, tokens, IGNORE_INDEX), reads=batch_reads(batch)))
         if out.logits is None:  # a chunked loss (model.loss_chunk_tokens): per-slot scores, logits never whole
             ce, kl, hit = out.ce, out.kl, out.hit
         else:
@@ -170,6 +171,7 @@ class DFlashObjective:
             token = ce if self.cfg.loss == "ce" else kl
         loss = (token * w).sum((1, 2))
         side = {"target_loss": out.target_ce, "draft_ce": ce.detach().sum(), "draft_kl": kl.detach().sum()}
+        loss, hit = self.head(model, extra, anchors, positions, scored, tokens, out, loss, hit, side)
         prefix = hit.long().cumprod(-1).bool()
         for k in range(self.block_size - 1):
             side[f"ttt_hits_{k + 1}"] = hit[..., k].sum().double()
@@ -179,8 +181,17 @@ class DFlashObjective:
             side[f"block_rows_{k + 1}"] = scored[..., k].sum().double()
         return loss, side
 
+    def run(self, model, inputs: dict):
+        """(the backbone's DFlashOutput, what a head on it reads besides: None here)."""
+        return model(**inputs), None
 
-def dflash_setup(cfg, model) -> DFlashObjective:
+    def head(self, model, extra, anchors, positions, scored, tokens, out, loss, hit, side):
+        """(the rows' loss, the slots' hits the acceptance metrics count) after a head on the backbone had its say
+        (side sums added to ``side``); DFlash has none: the backbone's."""
+        return loss, hit
+
+
+def dflash_setup(cfg, model, objective: type[DFlashObjective] = DFlashObjective) -> DFlashObjective:
     """What a dflash run adds to a draft run's setup: ``model.loss_chunk_tokens`` resolved (auto: on from a 32k
     vocabulary; then the slots' and the target's logits are scored a chunk of rows at a time, never whole, the
     target's logit transform applied inside each chunk), and its objective."""
@@ -196,4 +207,4 @@ def dflash_setup(cfg, model) -> DFlashObjective:
                             "apply; accepted: model.loss_chunk_tokens = 0")
         chunk = 0
     model.loss_chunk_tokens = chunk
-    return DFlashObjective(cfg.draft, cfg.data.seq_len, model.target.config.max_position_embeddings, cfg.train.seed)
+    return objective(cfg.draft, cfg.data.seq_len, model.target.config.max_position_embeddings, cfg.train.seed)

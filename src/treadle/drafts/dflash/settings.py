@@ -36,7 +36,7 @@ def check(draft) -> None:
                          "count); unset = z-lab's picks spread over the target's layers")
     check_dpace(draft)
     if draft.gamma > block_size(draft) - 1:
-        raise ValueError(f"draft.gamma = {draft.gamma} with draft.kind = 'dflash' and a block of "
+        raise ValueError(f"draft.gamma = {draft.gamma} with draft.kind = {draft.kind!r} and a block of "
                          f"{block_size(draft)}: one draft forward proposes block_size - 1 = {block_size(draft) - 1} "
                          "tokens; accepted: draft.gamma <= draft.block_size - 1")
 
