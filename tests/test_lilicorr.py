@@ -338,6 +338,9 @@ def test_lilicorr_run_trains_resumes_exports_inits_and_decodes(shards, eagle3_ta
     wd, wf = load_file(dflash_run / "draft" / "model.safetensors"), load_file(frozen / "draft" / "model.safetensors")
     assert all(torch.equal(wd[n], wf[n]) for n in wd) and any(n.startswith("lilicorr.") for n in wf)
     assert records(frozen, "lattice_ce") and records(frozen, "eal")
+    assert main(["export", str(frozen), str(tmp_path / "frozen-again")]) == 0  # the backbone rebuilt from draft.init
+    again = load_file(tmp_path / "frozen-again" / "model.safetensors")
+    assert again.keys() == wf.keys() and all(torch.equal(again[n], wf[n]) for n in wf)
     # joint, with exact resume
     assert main(draft_args(shards, target_dir, a, "--train.max_steps=4", "--checkpoint.every=2", *BLOCK,
                            *common)) == 0
@@ -353,7 +356,7 @@ def test_lilicorr_run_trains_resumes_exports_inits_and_decodes(shards, eagle3_ta
     again = load_file(tmp_path / "again" / "model.safetensors")
     assert again.keys() == wa.keys() and all(torch.equal(again[n], wa[n]) for n in wa)
     c = tmp_path / "c"
-    assert main(draft_args(shards, target_dir, c, "--train.max_steps=1", *BLOCK, *common, f"--draft.init={a}")) == 0
+    assert main(draft_args(shards, target_dir, c, "--train.max_steps=2", *BLOCK, *common, f"--draft.init={a}")) == 0
     assert records(c, "eval_loss")[0] == pytest.approx(records(a, "eval_loss")[4], rel=1e-5)
     out = tmp_path / "spec.json"
     capsys.readouterr()
