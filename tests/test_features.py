@@ -34,7 +34,8 @@ RUN = ("--train.max_steps=4", "--draft.max_position_offset=0", "--draft.loss=mix
 # GLIDE scores draft and teacher chunk by chunk (the stored final hidden state through the head per chunk); EAGLE-3
 # unrolls 3 steps on whole logits.
 KINDS = {"glide": ("--model.loss_chunk_tokens=64",), "eagle3": ("--draft.kind=eagle3", "--draft.ttt_steps=3"),
-         "dflash": ("--draft.kind=dflash", "--draft.block_size=6", "--draft.num_layers=2")}
+         "dflash": ("--draft.kind=dflash", "--draft.block_size=6", "--draft.num_layers=2"),
+         "lilicorr": ("--draft.kind=lilicorr", "--draft.block_size=6", "--draft.num_layers=2", "--draft.candidates=4")}
 
 
 def features_args(shards, target, out, *extra):
