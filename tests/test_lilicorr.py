@@ -91,7 +91,6 @@ def test_the_training_lattice_is_the_drafters_and_sees_no_later_context():
         proposal = drafter.propose(text[:, : s + 1], TargetState(None, features[:, s:s]), gamma, Sampler()).tokens
         pick = greedy_walk(start[0, n][None], pair[0, n][None])[0]
         assert proposal == cand[0, n].gather(-1, pick[:, None]).squeeze(-1).tolist()
-        assert len(set(cand[0, n, :, 0].tolist()) ^ set(proposal)) or True  # the walk may or may not leave top-1
     assert drafter.forwards == 2 * (L - prompt_len)
     with torch.no_grad():
         guesses = model.chain_guesses(text, gamma, chunk=3)
@@ -212,9 +211,7 @@ def test_joint_and_frozen_backbone_training():
     joint.sum().backward()
     g_joint = model.draft_model.backbone.fc.weight.grad.clone()
     model.zero_grad()
-    base.sum().backward() if base.requires_grad else None
-    model.zero_grad()
-    plain(model, batch)[0].sum().backward()
+    base.sum().backward()
     assert not torch.allclose(g_joint, model.draft_model.backbone.fc.weight.grad)
     model.zero_grad()
     model.draft_model.backbone.requires_grad_(False)
