@@ -398,6 +398,14 @@ class DraftConfig(Section):
                                        "through (the draft's top-k); unset = 16")
     selector_weight: float | None = Field(None, ge=0.0, description="dflash2: weight of the selector's cross-entropy "
                                           "over the candidates, added to each slot's loss; unset = 1")
+    # lilicorr (its backbone reads the dflash keys above too)
+    candidates: int | None = Field(None, ge=1, description="lilicorr: the backbone's top-k candidates per slot the "
+                                   "correlator reranks (a power of two <= 16, what vLLM serves); unset = 8")
+    correlator_layers: int | None = Field(None, ge=1, le=16, description="lilicorr: the correlator's attention "
+                                          "layers over the candidate lattice; unset = 2")
+    train_backbone: bool | None = Field(None, description="lilicorr: false = only the correlator trains, on the "
+                                        "frozen DFlash backbone draft.init names; unset = true, backbone and "
+                                        "correlator jointly (ModelOpt PR #2342)")
 
 
 class DistributedConfig(Section):
