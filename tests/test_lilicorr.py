@@ -16,7 +16,7 @@ from treadle.drafts.dflash.model import DFlashDraft
 from treadle.drafts.eagle3.model import capture_features
 from treadle.drafts.glide.model import document_ids
 from treadle.drafts.lilicorr.drafter import LiLiCorrDrafter
-from treadle.drafts.lilicorr.model import LiLiCorrModel, build_draft, greedy_walk
+from treadle.drafts.lilicorr.model import LiLiCorrDraft, LiLiCorrModel, build_draft, greedy_walk
 from treadle.drafts.lilicorr.objective import LiLiCorrObjective
 from treadle.models.hf import greedy_continuations
 from treadle.speculative.decode import TargetState, speculative_generate, target_generate
@@ -26,13 +26,14 @@ BLOCK = ("--draft.kind=lilicorr", "--draft.block_size=6", "--draft.num_layers=2"
          "--draft.candidates=4")
 
 
-def lilicorr(seed=1, block_size=6, layers=2, k=4, target=None, vocab=512):
+def lilicorr(seed=1, block_size=6, layers=2, k=4, target=None, vocab=512, conv=0):
+    """A LiLiCorr draft on DFlash's backbone, or with ``conv`` (a group size) on DFlash2's without its selector."""
     torch.manual_seed(seed)
     target = target or AutoModelForCausalLM.from_config(LlamaConfig(**{**TARGET, "num_hidden_layers": 4,
                                                                        "vocab_size": vocab}))
-    backbone = DFlashDraft(target.config, (1, 3) if target.config.num_hidden_layers > 3 else (1,), layers,
-                           block_size, target.config.vocab_size - 1)
-    model = LiLiCorrModel(target, build_draft(backbone, target.config, k, 2)).eval()
+    features = (1, 3) if target.config.num_hidden_layers > 3 else (1,)
+    model = LiLiCorrModel(target, LiLiCorrDraft(target.config, features, layers, block_size, target.config.vocab_size - 1,
+                                                k, 2, conv_group_size=conv)).eval()
     for name, p in model.draft_model.named_parameters():  # sharp: a wrong slot, anchor or mask changes the walk
         if p.dim() >= 2:
             torch.nn.init.normal_(p, std=0.3)
@@ -52,12 +53,13 @@ def batch_of(seed=0, T=24, vocab=8):
     return {"input_ids": ids, "position_ids": positions, "labels": labels, "order_position": torch.tensor([3, 4])}
 
 
-def test_the_training_lattice_is_the_drafters_and_sees_no_later_context():
+@pytest.mark.parametrize("conv", [0, 8], ids=["dflash", "dflash2-conv"])
+def test_the_training_lattice_is_the_drafters_and_sees_no_later_context(conv):
     """float64: round after round (features handed over incrementally), the drafter's candidates, start and pair
     scores are the training forward's for the block anchored at the bonus (every slot: gamma = block_size - 1), its
     greedy proposal is the walk through them, and tau_sim's guesses are the proposals. Changing every token after
-    an anchor moves none of its block's scores."""
-    model, prompt_len = lilicorr().double(), 6
+    an anchor moves none of its block's scores. On DFlash's backbone and on DFlash2's convolving one."""
+    model, prompt_len = lilicorr(conv=conv).double(), 6
     torch.manual_seed(2)
     text = greedy_continuations(model.target, torch.randint(0, 512, (1, prompt_len)), 10)
     L = text.shape[1]
@@ -318,6 +320,61 @@ def test_the_export_is_what_vllms_lilicorr_loader_reads(tmp_path):
     save_file(tensors | {"lilicorr.token_proj.weight": torch.zeros(H, H)}, str(out / "model.safetensors"))
     with pytest.raises(UserError, match="unknown"):
         draft_from_layout(out, model.target, "draft", LiLiCorrDraft)
+
+
+def test_lilicorr_on_a_convolving_backbone_is_what_vllm_reads_and_takes_a_dflash2_init(eagle3_target_dir, tmp_path):
+    """LiLiCorr + conv. vLLM's lilicorr.py (@08f95fe5) builds DFlash2's decoder layers when dflash_config has
+    conv_kernel_size and conv_group_size (both or neither) and then requires every .attention_conv. / .mlp_conv.
+    tensor; those layers read only the two keys (qwen3_dflash2.py's DFlash2Qwen3DecoderLayer), no selector. The
+    export carries both keys, each layer's conv tensors under DFlash2's names and no selector tensor or key, and reads
+    back to the same draft; one key alone is refused. A trained DFlash2 draft as draft.init becomes the backbone (its
+    selector dropped), byte for byte and frozen; a contradicting conv_group_size is refused."""
+    from treadle.drafts.dflash.model import draft_from_layout
+    from treadle.drafts.dflash2.kind import DFLASH2
+    from treadle.drafts.dflash2.model import DFlash2Draft
+    from treadle.drafts.lilicorr.kind import LILICORR
+    from treadle.errors import UserError
+
+    def write(directory, tensors, config):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+        save_file(tensors, str(directory / "model.safetensors"))
+        return directory
+
+    model = lilicorr(conv=8)
+    draft = model.draft_model
+    weights = {k: v.detach() for k, v in draft.state_dict().items()}
+    tensors, config = LILICORR.export(draft, weights, model.target.config, torch.float32, "fp32", {})
+    dc = config["dflash_config"]
+    assert config["architectures"] == ["LiLiCorrDraftModel"] and "auto_map" not in config
+    assert (dc["conv_kernel_size"], dc["conv_group_size"]) == (2, 8)
+    assert not [k for k in dc if k.startswith("selector")] and not [n for n in tensors if "selector" in n]
+    conv = {n for n in tensors if ".attention_conv." in n or ".mlp_conv." in n}
+    assert conv == {f"layers.{i}.{c}_conv.{p}" for i in range(2) for c in ("attention", "mlp")
+                    for p in ("base_kernel", "kernel_projection.weight")}
+    out = write(tmp_path / "conv", tensors, config)
+    again = draft_from_layout(out, model.target, "draft", LiLiCorrDraft)
+    assert isinstance(again.backbone, DFlash2Draft) and again.backbone.selector is None
+    assert all(torch.equal(again.state_dict()[n], v) for n, v in weights.items())
+    del config["dflash_config"]["conv_kernel_size"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="conv_kernel_size = 0 and conv_group_size = 8; accepted: both"):
+        draft_from_layout(out, model.target, "draft", LiLiCorrDraft)
+
+    shape = dict(target=str(eagle3_target_dir), block_size=6, num_layers=2, conv_group_size=8)
+    dflash2, _, _ = DFLASH2.build(DraftConfig(kind="dflash2", selector_top_k=4, selector_rank=16, **shape), 512, None)
+    trained = {k: v.detach() for k, v in dflash2.draft_model.state_dict().items()}
+    init = write(tmp_path / "dflash2", *DFLASH2.export(dflash2.draft_model, trained, dflash2.target.config,
+                                                      torch.float32, "fp32", {}))
+    cfg = DraftConfig(kind="lilicorr", init=str(init), candidates=4, train_backbone=False, **shape)
+    built, _, _ = LILICORR.build(cfg, 512, None)
+    backbone = built.draft_model.backbone
+    assert isinstance(backbone, DFlash2Draft) and backbone.selector is None
+    assert not any(p.requires_grad for p in backbone.parameters())
+    assert backbone.state_dict().keys() == {k for k in trained if not k.startswith("candidate_selector.")}
+    assert all(torch.equal(v, trained[k]) for k, v in backbone.state_dict().items())
+    with pytest.raises(UserError, match="draft.conv_group_size = 16 but draft.init"):
+        LILICORR.build(DraftConfig(**{**cfg.model_dump(), "conv_group_size": 16}), 512, None)
 
 
 def test_lilicorr_run_trains_resumes_exports_inits_and_decodes(shards, eagle3_target_dir, tmp_path, capsys):

@@ -391,7 +391,8 @@ class DraftConfig(Section):
     # dflash2 (drafts/dflash2/settings.py: the defaults are z-lab's released DFlash2's)
     conv_group_size: int | None = Field(None, ge=1, description="dflash2: hidden channels sharing one dynamic tap "
                                         "correction of the in-block convolutions (divides the target's hidden "
-                                        "size); unset = 16")
+                                        "size); unset = 16. lilicorr: set = its backbone convolves so (LiLiCorr + "
+                                        "conv); unset = DFlash's backbone")
     selector_rank: int | None = Field(None, ge=1, description="dflash2: width of the selector's token codebooks "
                                       "(predecessor x successor); unset = 256")
     selector_top_k: int | None = Field(None, ge=1, description="dflash2: candidates per slot the selector walks "

@@ -454,13 +454,7 @@ def build_dflash(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
     target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
     if cfg.init is not None:
         draft = draft_from_layout(init_dir(cfg.init), target, "draft.init", draft_class)
-        for key, have in (("feature_layers", list(draft.feature_layers)), ("num_layers", draft.num_layers),
-                          ("block_size", draft.block_size), ("mask_token_id", draft.mask_token_id),
-                          *draft.init_keys()):
-            want = getattr(cfg, key)
-            if want is not None and want != have:
-                raise UserError(f"draft.{key} = {want} but draft.init {cfg.init} has {have}; accepted: draft.{key} "
-                                "unset (the initial draft's) or equal to it")
+        check_init_keys(cfg, draft)
         return model_class(target, draft), target_dir, ident
     n = target.config.num_hidden_layers
     if n < 2:
@@ -473,6 +467,16 @@ def build_dflash(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
                                                                                          data_vocab)
     draft = draft_class(target.config, layers, count, settings.block_size(cfg), mask, **draft_class.run_options(cfg))
     return model_class(target, draft), target_dir, ident
+
+
+def check_init_keys(cfg, draft) -> None:
+    """A ``draft.init`` run's keys, where set, are the initial draft's (DFlash's shape and ``draft.init_keys()``)."""
+    for key, have in (("feature_layers", list(draft.feature_layers)), ("num_layers", draft.num_layers),
+                      ("block_size", draft.block_size), ("mask_token_id", draft.mask_token_id), *draft.init_keys()):
+        want = getattr(cfg, key)
+        if want is not None and want != have:
+            raise UserError(f"draft.{key} = {want} but draft.init {cfg.init} has {have}; accepted: draft.{key} unset "
+                            "(the initial draft's) or equal to it")
 
 
 def draft_from_layout(draft_dir, target, where: str, draft_class=None) -> DFlashDraft:

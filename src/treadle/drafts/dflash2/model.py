@@ -160,7 +160,9 @@ class CandidateSelector(nn.Module):
 
 
 class DFlash2Draft(DFlashDraft):
-    """DFlash's draft with convolving layers and a candidate selector."""
+    """DFlash's draft with convolving layers and a candidate selector; with ``selector = False`` the convolving
+    backbone alone (what another head on the slots' candidates reads: LiLiCorr + conv, vLLM's lilicorr.py building
+    its layers as DFlash2's when the config has the conv keys)."""
 
     kind = KIND
     layout = dflash2_layout
@@ -168,20 +170,22 @@ class DFlash2Draft(DFlashDraft):
     def __init__(self, target_config, feature_layers, num_layers: int = settings.dflash.NUM_LAYERS,
                  block_size: int = settings.dflash.BLOCK_SIZE, mask_token_id: int | None = None,
                  conv_kernel_size: int = settings.CONV_KERNEL_SIZE, conv_group_size: int = settings.CONV_GROUP_SIZE,
-                 selector_rank: int = settings.SELECTOR_RANK, selector_top_k: int = settings.SELECTOR_TOP_K):
+                 selector_rank: int = settings.SELECTOR_RANK, selector_top_k: int = settings.SELECTOR_TOP_K,
+                 selector: bool = True):
         d, vocab = target_config.hidden_size, target_config.vocab_size
         if d % conv_group_size:
             raise UserError(f"draft.conv_group_size = {conv_group_size} does not divide the target's hidden size {d}; "
                             f"accepted: a divisor of {d}")
-        if not 1 <= selector_top_k <= vocab:
+        if selector and not 1 <= selector_top_k <= vocab:
             raise UserError(f"draft.selector_top_k = {selector_top_k}; accepted: 1..{vocab} (the target's vocabulary)")
         if conv_kernel_size < 1 or conv_kernel_size > block_size:
             raise UserError(f"dflash_config.conv_kernel_size = {conv_kernel_size}; accepted: 1..{block_size} (the "
                             "block size)")
         self.conv_shape = (conv_kernel_size, conv_group_size)  # read by new_layer, inside DFlashDraft.__init__
         super().__init__(target_config, feature_layers, num_layers, block_size, mask_token_id)
-        self.candidate_selector = CandidateSelector(vocab, d, selector_rank, selector_top_k)
-        self.candidate_selector.reset(getattr(target_config, "initializer_range", 0.02))
+        self.candidate_selector = CandidateSelector(vocab, d, selector_rank, selector_top_k) if selector else None
+        if selector:
+            self.candidate_selector.reset(getattr(target_config, "initializer_range", 0.02))
         for layer in self.layers:  # DFlashDraft's init_linears drew the projections: back to the identity
             layer.attention_conv.reset()
             layer.mlp_conv.reset()
@@ -190,8 +194,13 @@ class DFlash2Draft(DFlashDraft):
         return DFlash2Layer(s, self.block_size, *self.conv_shape)
 
     @property
-    def selector(self) -> CandidateSelector:
+    def selector(self) -> CandidateSelector | None:
         return self.candidate_selector
+
+    def drop_selector(self) -> DFlash2Draft:
+        """This draft as the backbone of another head on its slots' candidates (a LiLiCorr correlator)."""
+        self.candidate_selector = None
+        return self
 
     @classmethod
     def run_options(cls, cfg) -> dict:
@@ -203,7 +212,10 @@ class DFlash2Draft(DFlashDraft):
         return dflash2_layout.options(config, target_config, where)
 
     def init_keys(self) -> tuple:
-        return (("conv_group_size", self.conv_shape[1]), ("selector_rank", self.selector.hidden_projection.out_features),
+        conv = (("conv_group_size", self.conv_shape[1]),)
+        if self.selector is None:
+            return conv
+        return (*conv, ("selector_rank", self.selector.hidden_projection.out_features),
                 ("selector_top_k", self.selector.top_k))
 
 

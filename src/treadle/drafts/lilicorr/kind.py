@@ -3,7 +3,9 @@ loaded and trained through DFlash's hooks (``build_dflash`` / ``load_dflash`` wi
 
 from __future__ import annotations
 
-from treadle.drafts.dflash.model import DFlashModel, build_dflash, load_dflash
+from treadle.drafts.dflash.model import DFlashModel, build_dflash, check_init_keys, load_dflash
+from treadle.drafts.dflash2 import layout as dflash2_layout
+from treadle.drafts.dflash2.model import DFlash2Model
 from treadle.drafts.dflash.objective import dflash_setup
 from treadle.drafts.kind import DraftKind, init_dir
 from treadle.drafts.lilicorr import layout, settings
@@ -14,14 +16,18 @@ from treadle.drafts.lilicorr.objective import LiLiCorrObjective
 
 def build(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
     """(LiLiCorrModel, target dir, target identity): ``draft.init`` a LiLiCorr draft (backbone and correlator), or
-    a DFlash draft (the backbone; a new correlator), or unset (both new)."""
+    a DFlash or DFlash2 draft (the backbone, DFlash2's without its selector; a new correlator), or unset (both
+    new)."""
     init = init_dir(cfg.init) if cfg.init is not None else None
     if init is None or layout.read_config(init) is not None:
         model, target_dir, ident = build_dflash(cfg, data_vocab, data_tokenizer_fingerprint, empty, LiLiCorrModel)
     else:
-        backbone, target_dir, ident = build_dflash(cfg, data_vocab, data_tokenizer_fingerprint, empty, DFlashModel)
-        draft = build_draft(backbone.draft_model, backbone.target.config, settings.candidates(cfg),
-                            settings.correlator_layers(cfg))
+        run = DFlash2Model if dflash2_layout.read_config(init) is not None else DFlashModel
+        backbone, target_dir, ident = build_dflash(cfg, data_vocab, data_tokenizer_fingerprint, empty, run)
+        trained = backbone.draft_model
+        draft = build_draft(trained.drop_selector() if run is DFlash2Model else trained, backbone.target.config,
+                            settings.candidates(cfg), settings.correlator_layers(cfg))
+        check_init_keys(cfg, draft)  # conv_group_size: the backbone's
         model = LiLiCorrModel(backbone.target, draft)
     if not settings.train_backbone(cfg):
         # frozen: never in the optimizer or a checkpoint (draft.init rebuilds it)

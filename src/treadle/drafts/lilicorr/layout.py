@@ -1,13 +1,16 @@
 """The LiLiCorr draft on disk: the ``LiLiCorrDraftModel`` layout vLLM's loader reads (vllm-project/vllm
 ``vllm/model_executor/models/lilicorr.py`` @08f95fe5, ``LiLiCorrForCausalLM`` on ``DFlashQwen3Model``; SGLang's
 PR #37462 and TensorRT-LLM's ``modeling_lilicorr.py`` read the same names), which ModelOpt PR #2342's
-``LiLiCorrExporter`` writes: z-lab's DFlash layout (drafts/dflash/layout.py, whose conversion this reuses) plus
+``LiLiCorrExporter`` writes: the backbone's own layout (z-lab's DFlash one, drafts/dflash/layout.py, or for a
+convolving backbone DFlash2's without the selector, drafts/dflash2/layout.py: ``backbone.layout`` writes and reads
+it) plus
 
 - ``config.json``: ``architectures = ["LiLiCorrDraftModel"]`` (what selects the correlator: a ``DFlashDraftModel``
   config would load as a plain DFlash draft and drop the head), and in ``dflash_config`` ``projector_type =
   "lilicorr"``, ``lilicorr_enabled`` and every ``lilicorr_*`` geometry key (candidate_topk, hidden_size,
-  num_layers, num_heads, mlp_ratio, factor_dim, vector_eps, logit_scale). No ``conv_*`` keys: the backbone is
-  DFlash's, without DFlash2's grouped convolutions (vLLM builds those from the two keys, both or neither). No
+  num_layers, num_heads, mlp_ratio, factor_dim, vector_eps, logit_scale). ``conv_kernel_size`` and
+  ``conv_group_size`` both when the backbone convolves (vLLM then builds DFlash2's decoder layers and requires
+  every ``.attention_conv.`` / ``.mlp_conv.`` tensor), neither for DFlash's; never DFlash2's selector keys. No
   ``auto_map``: no transformers remote code opens this head.
 - ``model.safetensors``: the backbone's tensors under z-lab's names and the correlator's under ``lilicorr.``, in
   the named-MLP form vLLM loads (``feature_norm``, ``feature_mlp.{up,down}_proj``, ``layers.{i}.mlp.{up,down}_
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from treadle.drafts.dflash import layout as dflash_layout
 from treadle.drafts.kind import layout_config
 from treadle.errors import UserError
 
@@ -59,13 +61,13 @@ def split(weights: dict) -> tuple[dict, dict]:
 def export(draft, weights: dict, target_config, dtype, extra: dict) -> tuple[dict, dict]:
     """(tensors, config) of a LiLiCorrDraft in the LiLiCorrDraftModel layout."""
     backbone, head = split(weights)
-    tensors, config = dflash_layout.export(draft.backbone, backbone, target_config, dtype, extra)
+    tensors, config = draft.backbone.layout.export(draft.backbone, backbone, target_config, dtype, extra)
     want = set(draft.lilicorr.state_dict())
     if set(head) != want:
         raise UserError(f"lilicorr export: the correlator's weights {sorted(set(head) ^ want)} do not match its "
                         "parameters; nothing was written")
     tensors.update({PREFIX + k: v.contiguous() for k, v in head.items()})
-    config.pop("auto_map")
+    config.pop("auto_map", None)  # DFlash's remote code does not open this head
     config["architectures"] = [ARCHITECTURE]
     config["dflash_config"].update({"projector_type": "lilicorr", "lilicorr_enabled": True,
                                     **draft.lilicorr.geometry()})
@@ -80,11 +82,19 @@ def geometry(config: dict, where) -> dict:
     if missing or not dc.get("lilicorr_enabled", True):
         raise UserError(f"draft {where}: config.json dflash_config lacks {missing or ['lilicorr_enabled = true']}; "
                         "accepted: a LiLiCorrDraftModel config with every lilicorr_* key")
-    if dc.get("conv_kernel_size") or dc.get("conv_group_size"):
-        raise UserError(f"draft {where}: config.json has DFlash2's grouped convolutions (conv_kernel_size / "
-                        "conv_group_size); accepted: a LiLiCorr draft on a plain DFlash backbone (LiLiCorr + conv "
-                        "is not built yet)")
     return {k: dc[k] for k in GEOMETRY}
+
+
+def conv_keys(config: dict, where) -> dict:
+    """The backbone's convolutions (``LiLiCorrDraft`` keywords) of a config in this layout: none, or both
+    ``conv_kernel_size`` and ``conv_group_size`` (vLLM's rule: then its layers are DFlash2's)."""
+    dc = config.get("dflash_config") or {}
+    taps, group = dc.get("conv_kernel_size") or 0, dc.get("conv_group_size") or 0
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (taps, group)) \
+            or bool(taps) != bool(group):
+        raise UserError(f"draft {where}: config.json dflash_config.conv_kernel_size = {taps!r} and conv_group_size = "
+                        f"{group!r}; accepted: both positive integers (a convolving backbone) or neither")
+    return {"conv_kernel_size": taps, "conv_group_size": group} if taps else {}
 
 
 def import_weights(tensors: dict, draft, where) -> dict:
@@ -103,7 +113,7 @@ def import_weights(tensors: dict, draft, where) -> dict:
     if unknown or missing or bad:
         raise UserError(f"draft {where}: model.safetensors's lilicorr.* tensors do not match the correlator its "
                         f"config describes (unknown {unknown[:6]}, missing {missing[:6]}, other shapes {bad[:6]})")
-    backbone = dflash_layout.import_weights(tensors, draft.backbone, where)
+    backbone = draft.backbone.layout.import_weights(tensors, draft.backbone, where)
     return {**{f"backbone.{k}": v for k, v in backbone.items()}, **{PREFIX + k: v for k, v in head.items()}}
 
 

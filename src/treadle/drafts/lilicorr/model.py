@@ -38,6 +38,8 @@ from torch import nn
 from treadle.data.packed import IGNORE_INDEX
 from treadle.drafts.dflash import settings as dflash_settings
 from treadle.drafts.dflash.model import DFlashDraft, DFlashModel, DFlashOutput
+from treadle.drafts.dflash2 import settings as dflash2_settings
+from treadle.drafts.dflash2.model import DFlash2Draft
 from treadle.drafts.glide.model import RMSNorm, init_linears
 from treadle.drafts.lilicorr import layout as lilicorr_layout
 from treadle.drafts.lilicorr import settings
@@ -227,23 +229,32 @@ def lattice_terms(start: torch.Tensor, pair: torch.Tensor, truth: torch.Tensor, 
 
 
 class LiLiCorrDraft(nn.Module):
-    """What a lilicorr run trains: a block draft (``backbone``, DFlash's) and its correlator (``lilicorr``). It
-    passes the backbone's interface through, so the backbone's run model and drafter use it unchanged, and it is
-    built and loaded as DFlash's run model builds its ``draft_class`` (drafts/dflash/model.py: ``build_dflash``,
-    ``draft_from_layout``): from the backbone's shape plus ``run_options`` / ``layout_options``."""
+    """What a lilicorr run trains: a block draft (``backbone``) and its correlator (``lilicorr``). It passes the
+    backbone's interface through, so the backbone's run model and drafter use it unchanged, and it is built and
+    loaded as DFlash's run model builds its ``draft_class`` (drafts/dflash/model.py: ``build_dflash``,
+    ``draft_from_layout``): from the backbone's shape plus ``run_options`` / ``layout_options``.
+
+    The backbone is DFlash's, or with ``conv_group_size`` DFlash2's convolving one without its selector (LiLiCorr +
+    conv: vLLM's lilicorr.py builds DFlash2's decoder layers when dflash_config has conv_kernel_size and
+    conv_group_size); its own layout module writes and reads its tensors and keys (``backbone.layout``)."""
 
     kind = KIND
     layout = lilicorr_layout
-    backbone_class = DFlashDraft
 
     def __init__(self, target_config, feature_layers, num_layers: int = dflash_settings.NUM_LAYERS,
                  block_size: int = dflash_settings.BLOCK_SIZE, mask_token_id: int | None = None,
                  candidates: int = settings.CANDIDATES, correlator_layers: int = settings.CORRELATOR_LAYERS,
-                 backbone: DFlashDraft | None = None):
+                 conv_kernel_size: int = 0, conv_group_size: int = 0, backbone: DFlashDraft | None = None):
         """A new backbone of that shape, or ``backbone`` (a trained one, whose shape it is) under a new correlator."""
         super().__init__()
-        if backbone is None:
-            backbone = self.backbone_class(target_config, feature_layers, num_layers, block_size, mask_token_id)
+        if backbone is None and conv_group_size:
+            backbone = DFlash2Draft(target_config, feature_layers, num_layers, block_size, mask_token_id,
+                                    conv_kernel_size or dflash2_settings.CONV_KERNEL_SIZE, conv_group_size,
+                                    selector=False)
+        elif backbone is None:
+            backbone = DFlashDraft(target_config, feature_layers, num_layers, block_size, mask_token_id)
+        if getattr(backbone, "selector", None) is not None:
+            raise ValueError("a LiLiCorr backbone has no selector of its own (the correlator picks the path)")
         if candidates > target_config.vocab_size:
             raise UserError(f"draft.candidates = {candidates} exceeds the target's vocabulary "
                             f"({target_config.vocab_size})")
@@ -267,22 +278,29 @@ class LiLiCorrDraft(nn.Module):
     def checkpoint_kwargs(self, value) -> None:  # models/checkpointing.py: the backbone's layers are checkpointed
         self.backbone.checkpoint_kwargs = value
 
+    @property
+    def conv_shape(self) -> tuple[int, int] | None:
+        """(taps, group size) of a convolving backbone's layers, None for DFlash's."""
+        return getattr(self.backbone, "conv_shape", None)
+
     @classmethod
     def run_options(cls, cfg) -> dict:
-        return {"candidates": settings.candidates(cfg), "correlator_layers": settings.correlator_layers(cfg)}
+        return {"candidates": settings.candidates(cfg), "correlator_layers": settings.correlator_layers(cfg),
+                "conv_group_size": settings.conv_group_size(cfg)}
 
     @classmethod
     def layout_options(cls, config: dict, target_config, where) -> dict:
-        """The correlator's width and depth from a LiLiCorrDraftModel config.json, whose head must be the one treadle
-        builds for this target's width."""
+        """The correlator's width and depth and the backbone's convolutions from a LiLiCorrDraftModel config.json,
+        whose head must be the one treadle builds for this target's width."""
         geometry = lilicorr_layout.geometry(config, where)
         candidates, layers = int(geometry["lilicorr_candidate_topk"]), int(geometry["lilicorr_num_layers"])
         lilicorr_layout.check_head(geometry, geometry_of(target_config.hidden_size, candidates, layers), where)
-        return {"candidates": candidates, "correlator_layers": layers}
+        return {"candidates": candidates, "correlator_layers": layers, **lilicorr_layout.conv_keys(config, where)}
 
     def init_keys(self) -> tuple:
-        return (*self.backbone.init_keys(), ("candidates", self.lilicorr.candidates),
-                ("correlator_layers", len(self.lilicorr.layers)))
+        conv = self.conv_shape
+        return (("candidates", self.lilicorr.candidates), ("correlator_layers", len(self.lilicorr.layers)),
+                ("conv_group_size", conv[1] if conv else None))
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         return self.backbone.fuse(features)
@@ -375,6 +393,7 @@ class LiLiCorrModel(DFlashModel):
 
 
 def build_draft(backbone: DFlashDraft, target_config, candidates: int, layers: int) -> LiLiCorrDraft:
-    """A new correlator on ``backbone`` (a trained block draft: a lilicorr run's ``draft.init`` in DFlash's layout)."""
+    """A new correlator on ``backbone`` (a trained block draft: a lilicorr run's ``draft.init`` in DFlash's layout,
+    or DFlash2's without its selector)."""
     return LiLiCorrDraft(target_config, backbone.feature_layers, backbone.num_layers, backbone.block_size,
                          backbone.mask_token_id, candidates, layers, backbone=backbone)

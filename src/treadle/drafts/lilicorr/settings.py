@@ -1,7 +1,8 @@
 """LiLiCorr's [draft] keys and refusals (drafts/settings.py says what a kind's settings provide).
 
 The backbone is a DFlash draft, so every dflash key means what it means there (and is checked by dflash's rules);
-LiLiCorr adds the lattice's width, the correlator's depth and whether the backbone trains with it.
+LiLiCorr adds the lattice's width, the correlator's depth and whether the backbone trains with it, and
+``conv_group_size`` (DFlash2's key) makes the backbone convolve as DFlash2's does (LiLiCorr + conv).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from treadle.drafts.dflash import settings as dflash
 
 NAME = "lilicorr"
-KEYS = dflash.KEYS + ("candidates", "correlator_layers", "train_backbone")
+KEYS = dflash.KEYS + ("candidates", "correlator_layers", "train_backbone", "conv_group_size")
 TTT_STEPS = 1  # no unroll: one backbone forward and one correlator pass draft the whole block
 LAYOUTS = ("treadle",)
 LAYOUT_NOTE = "its layout is the LiLiCorrDraftModel one vLLM's lilicorr.py loads (z-lab's DFlash plus lilicorr.*)"
@@ -27,6 +28,11 @@ def candidates(draft) -> int:
 
 def correlator_layers(draft) -> int:
     return draft.correlator_layers or CORRELATOR_LAYERS
+
+
+def conv_group_size(draft) -> int:
+    """0 (unset): DFlash's backbone; set: DFlash2's convolving layers (without its selector), this group size."""
+    return draft.conv_group_size or 0
 
 
 def train_backbone(draft) -> bool:
