@@ -121,7 +121,7 @@ def test_the_training_forward_is_what_the_drafter_proposes():
         walks_differ |= walk != model.draft_logits(hidden).argmax(-1).tolist()
         forced = torch.cat((text[:, : s + 1], torch.tensor([walk])), 1)  # the walk's tokens after the anchor
         with torch.no_grad():
-            picks = model.slot_guesses(forced, torch.tensor([[s]]), hidden[None, None])[0, 0]
+            picks = model.slot_guesses(forced, torch.tensor([[s]]), hidden[None, None], None, None)[0, 0]
         assert picks.tolist() == walk, s
     assert walks_differ  # the selector, not the slots' argmaxes, chose somewhere
     with torch.no_grad():

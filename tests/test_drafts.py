@@ -24,12 +24,13 @@ def test_a_kind_key_is_refused_without_its_kind():
     from treadle.errors import UserError
 
     with pytest.raises(UserError, match=r"draft.init is set but draft.kind = None; accepted: draft.kind = 'dflash' or "
-                                        r"'dflash2' or 'dspark' or 'eagle3' or 'frozen_kv' or 'glide' or 'mtp', or leave it unset"):
+                                        r"'dflash2' or 'dspark' or 'eagle3' or 'frozen_kv' or 'glide' or 'lilicorr' "
+                                        r"or 'mtp', or leave it unset"):
         load_config(None, ["--data.train=x", "--draft.init=x"])
     with pytest.raises(UserError, match=r"draft.layout = 'longspec' with draft.kind = 'eagle3'"):
         load_config(None, ["--data.train=x", "--draft.kind=eagle3", "--draft.target=t", "--draft.layout=longspec"])
     with pytest.raises(UserError, match=r"draft.block_size is set but draft.kind = 'eagle3'; accepted: draft.kind = "
-                                        r"'dflash' or 'dflash2' or 'dspark', or leave it unset"):
+                                        r"'dflash' or 'dflash2' or 'dspark' or 'lilicorr', or leave it unset"):
         load_config(None, ["--data.train=x", "--draft.kind=eagle3", "--draft.target=t", "--draft.block_size=8"])
     with pytest.raises(UserError, match=r"draft.gamma = 8 with draft.kind = 'dflash' and a block of 8"):
         load_config(None, ["--data.train=x", "--draft.kind=dflash", "--draft.target=t", "--draft.block_size=8",

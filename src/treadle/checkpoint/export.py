@@ -186,8 +186,10 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     else:
         model = build_model(cfg.model, meta["vocab_size"], tokenizer=RunTokenizer.from_meta(meta))
         module, prefix = model, ""
-    # Only the trained module's entries: optimizer state and frozen tensors stay on disk (or were never there).
-    state = {"model": {prefix + k: v for k, v in module.state_dict().items()}}
+    # Only the trained module's entries: optimizer state and frozen tensors stay on disk (or were never there). A
+    # frozen part of the trained module (a lilicorr run's frozen backbone) was never saved: the build above made it.
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+    state = {"model": {prefix + k: v for k, v in module.state_dict().items() if k not in frozen}}
     if checkpoint_format(ckpt) == "deepspeed":
         from treadle.engine.deepspeed import checkpoint_weights
 
@@ -199,7 +201,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
         state["model"] = {k: saved[k] for k in state["model"]}
     else:
         safe_dcp_load(state, ckpt / "state", ckpt)
-    module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()})
+    module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()}, strict=not frozen)
     if cfg.draft.kind:
         return export_draft(model, model.state_dict(), out, target_dir, identity, cfg.draft,
                             step=train_state["train"]["step"], command="export", dtype=dtype)

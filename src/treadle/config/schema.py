@@ -391,13 +391,22 @@ class DraftConfig(Section):
     # dflash2 (drafts/dflash2/settings.py: the defaults are z-lab's released DFlash2's)
     conv_group_size: int | None = Field(None, ge=1, description="dflash2: hidden channels sharing one dynamic tap "
                                         "correction of the in-block convolutions (divides the target's hidden "
-                                        "size); unset = 16")
+                                        "size); unset = 16. lilicorr: set = its backbone convolves so (LiLiCorr + "
+                                        "conv); unset = DFlash's backbone")
     selector_rank: int | None = Field(None, ge=1, description="dflash2: width of the selector's token codebooks "
                                       "(predecessor x successor); unset = 256")
     selector_top_k: int | None = Field(None, ge=1, description="dflash2: candidates per slot the selector walks "
                                        "through (the draft's top-k); unset = 16")
     selector_weight: float | None = Field(None, ge=0.0, description="dflash2: weight of the selector's cross-entropy "
                                           "over the candidates, added to each slot's loss; unset = 1")
+    # lilicorr (its backbone reads the dflash keys above too)
+    candidates: int | None = Field(None, ge=1, description="lilicorr: the backbone's top-k candidates per slot the "
+                                   "correlator reranks (a power of two <= 16, what vLLM serves); unset = 8")
+    correlator_layers: int | None = Field(None, ge=1, le=16, description="lilicorr: the correlator's attention "
+                                          "layers over the candidate lattice; unset = 2")
+    train_backbone: bool | None = Field(None, description="lilicorr: false = only the correlator trains, on the "
+                                        "frozen DFlash backbone draft.init names; unset = true, backbone and "
+                                        "correlator jointly (ModelOpt PR #2342)")
 
 
 class DistributedConfig(Section):

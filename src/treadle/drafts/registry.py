@@ -19,9 +19,12 @@ from treadle.drafts.mtp.layout import read_config as read_mtp_config
 from treadle.drafts.dflash.layout import read_config as read_dflash_config
 from treadle.drafts.glide.model import read_draft_config as read_treadle_config
 from treadle.drafts.kind import DraftKind
+from treadle.drafts.lilicorr.kind import LILICORR
+from treadle.drafts.lilicorr.layout import read_config as read_lilicorr_config
 from treadle.errors import UserError
 
-KINDS: dict[str, DraftKind] = {k.name: k for k in (GLIDE, EAGLE3, DFLASH, MTP, FROZEN_KV, DSPARK, DFLASH2)}  # drafts/settings.py's order (tests/test_drafts.py)
+# drafts/settings.py's order (tests/test_drafts.py)
+KINDS: dict[str, DraftKind] = {k.name: k for k in (GLIDE, EAGLE3, DFLASH, MTP, FROZEN_KV, DSPARK, DFLASH2, LILICORR)}
 
 __all__ = ["KINDS", "build_draft", "drafter", "kind", "load_draft", "read_draft_config"]
 
@@ -31,7 +34,7 @@ def read_draft_config(draft_dir) -> dict | None:
     not one."""
     return (read_frozen_kv_config(draft_dir) or read_mtp_config(draft_dir) or read_treadle_config(draft_dir)
             or read_dflash_config(draft_dir) or read_dspark_config(draft_dir)
-            or read_dflash2_config(draft_dir))
+            or read_dflash2_config(draft_dir) or read_lilicorr_config(draft_dir))
 
 
 def kind(name: str) -> DraftKind:

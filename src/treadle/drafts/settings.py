@@ -21,14 +21,16 @@ from treadle.drafts.dflash2 import settings as dflash2
 from treadle.drafts.eagle3 import settings as eagle3
 from treadle.drafts.frozen_kv import settings as frozen_kv
 from treadle.drafts.glide import settings as glide
+from treadle.drafts.lilicorr import settings as lilicorr
 from treadle.drafts.mtp import settings as mtp
 
-KINDS = {k.NAME: k for k in (glide, eagle3, dflash, mtp, frozen_kv, dspark, dflash2)}
+KINDS = {k.NAME: k for k in (glide, eagle3, dflash, mtp, frozen_kv, dspark, dflash2, lilicorr)}
 NAMES = tuple(KINDS)  # draft.kind's accepted values, in this order (what configuration.md and errors list)
 # Unset unless a kind reads them; checked in this order.
 OPTIONAL_KEYS = ("feature_layers", "vocab_size", "init", "ttt_steps", "block_size", "num_layers", "anchors",
                  "slot_gamma", "slot_weighting", "mask_token_id", "markov_rank",
-                 "conv_group_size", "selector_rank", "selector_top_k", "selector_weight")  # unset unless a kind reads them; checked in this order
+                 "conv_group_size", "selector_rank", "selector_top_k", "selector_weight",
+                 "candidates", "correlator_layers", "train_backbone")  # unset unless a kind reads them; checked in this order
 
 
 def _kinds_with(test) -> str:

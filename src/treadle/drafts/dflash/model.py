@@ -255,9 +255,12 @@ class DFlashOutput:
     kl: torch.Tensor | None = None  # KL(target || draft) (0 where ignored)
     hit: torch.Tensor | None = None  # the draft's argmax equals the target's (bool)
     teacher_top: torch.Tensor | None = None  # the target's argmax (its greedy token) per slot, [B, N, K]
-    # The draft's final hidden states of slots 1.. [B, N, K, d]: what a reader of the slots' candidates (DFlash2's
-    # selector, a correlator) scores beside the logits.
+    # The draft's final hidden states of slots 1.. [B, N, K, d]: what a head on the slots' candidates (DFlash2's
+    # selector, LiLiCorr's correlator) scores beside the logits.
     hidden: torch.Tensor | None = None
+    # With a chunked loss: the target's final hidden states at index anchor + k - 1 [B, N, K, d], what its logits at
+    # a few ids are computed from (``target_logits`` is never whole then).
+    teacher_hidden: torch.Tensor | None = None
 
 
 def _slot_scores(hidden: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, config):
@@ -273,6 +276,13 @@ def _slot_scores(hidden: torch.Tensor, teacher: torch.Tensor, weight: torch.Tens
     teacher_top = teacher_logp.argmax(-1)
     hit = (logp.detach().argmax(-1) == teacher_top) & valid
     return ce, kl, hit, teacher_top
+
+
+def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the k best logits, their ids, the log-normalizer) of fp32 ``logits`` [..., V]; differentiable in the logits
+    (the ids are fixed)."""
+    ids = logits.detach().topk(k, dim=-1).indices
+    return logits.gather(-1, ids), ids, logits.logsumexp(-1)
 
 
 def _target_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, config) -> tuple[torch.Tensor]:
@@ -358,19 +368,53 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
                 with torch.no_grad():
                     target_ce = chunked_rows(lambda t, y: _target_ce(t, weight, y, config),
                                              [target_hidden.flatten(0, -2), labels.flatten()], chunk)[0].sum()
-            return DFlashOutput(None, None, target_ce, ce.view(B, N, K), kl.view(B, N, K), hit.view(B, N, K),
-                                top.view(B, N, K), hidden)
-        target_logits, features = self._target_forward(input_ids, position_ids, reads=reads)
-        hidden = self._blocks(input_ids, position_ids, features, anchors, doc)
-        teacher = target_logits.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1]))
-        target_ce = row_cross_entropy(target_logits, labels).sum() if labels is not None else target_logits.new_zeros(())
-        return DFlashOutput(self.draft_logits(hidden[:, :, 1:]), teacher.view(B, N, K, -1), target_ce,
-                            hidden=hidden[:, :, 1:])
+            out = DFlashOutput(None, None, target_ce, ce.view(B, N, K), kl.view(B, N, K), hit.view(B, N, K),
+                               top.view(B, N, K), hidden, teacher.view(B, N, K, -1))
+        else:
+            target_logits, features = self._target_forward(input_ids, position_ids, reads=reads)
+            hidden = self._blocks(input_ids, position_ids, features, anchors, doc)
+            teacher = target_logits.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1]))
+            target_ce = (row_cross_entropy(target_logits, labels).sum() if labels is not None
+                         else target_logits.new_zeros(()))
+            out = DFlashOutput(self.draft_logits(hidden[:, :, 1:]), teacher.view(B, N, K, -1), target_ce,
+                               hidden=hidden[:, :, 1:])
+        return self.head_scores(out, input_ids, anchors, doc, features, slot_labels)
 
-    def slot_guesses(self, texts: torch.Tensor, anchors: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    # ------------------------------------------------------------------ hooks for a head on the slots' candidates
+    # A kind built on DFlash that picks its proposals among each slot's top-k candidates (DFlash2's selector,
+    # LiLiCorr's correlator) overrides ``head_scores`` (training: its picks and loss terms beside the backbone's) and
+    # ``slot_guesses`` (the same picks for tau_sim), and reads the candidates through ``slot_top_k``.
+
+    def head_scores(self, out: DFlashOutput, input_ids: torch.Tensor, anchors: torch.Tensor, doc: torch.Tensor,
+                    features: torch.Tensor, slot_labels: torch.Tensor | None) -> DFlashOutput:
+        """``forward``'s output with a head's scores added: its picks against the target's greedy token as ``hit``
+        (what the acceptance metrics count) and, with ``slot_labels``, its per-slot loss terms (the objective's
+        ``row_loss`` adds them). ``doc``: the rows' document ids; ``features``: the target's [B, T, n * d] the blocks
+        read. DFlash has no head: the slots' argmaxes are its picks."""
+        return out
+
+    def slot_guesses(self, texts: torch.Tensor, anchors: torch.Tensor, hidden: torch.Tensor, features: torch.Tensor,
+                     doc: torch.Tensor) -> torch.Tensor:
         """[N, n, k] the draft's guesses at slots 1..k of the blocks anchored at ``anchors`` [N, n] in ``texts``, from
-        their final hidden states [N, n, k, d]: each slot's argmax (DFlash2 walks its selector instead)."""
+        their final hidden states [N, n, k, d] (``features`` and ``doc`` as ``head_scores``'s): each slot's argmax
+        (a head walks its candidates instead, each slot after the text's tokens before it: what the decode proposes
+        wherever the chain has been accepted up to that slot)."""
         return self.draft_logits(hidden).argmax(-1)
+
+    def slot_top_k(self, hidden: torch.Tensor, k: int, logits: torch.Tensor | None = None):
+        """(logits [..., k], ids [..., k], log-normalizer [...]) of the k best tokens at slots with final hidden
+        states ``hidden`` [..., d]: fp32, the target's logit transform applied, differentiable in the logits (the
+        ids are fixed). From ``logits`` [..., V] when the caller has them, else through the shared head, with
+        ``loss_chunk_tokens`` a chunk of rows at a time (never whole [rows, V] logits)."""
+        if logits is None and not self.loss_chunk_tokens:
+            logits = self.draft_logits(hidden)
+        if logits is not None:
+            return _top_k(at_least_fp32(logits), k)
+        weight, config = self.target.get_output_embeddings().weight, self.target.config
+        top, ids, norm = chunked_rows(lambda h: _top_k(at_least_fp32(model_logits(config, F.linear(h, weight))), k),
+                                      [hidden.reshape(-1, hidden.shape[-1])], self.loss_chunk_tokens)
+        lead = hidden.shape[:-1]
+        return top.view(*lead, k), ids.view(*lead, k), norm.view(lead)
 
     @torch.no_grad()
     def chain_guesses(self, texts: torch.Tensor, gamma: int, chunk: int = 64) -> list[torch.Tensor]:
@@ -383,11 +427,11 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
         positions = torch.arange(L, device=texts.device).expand_as(texts)
         _, features = self._target_forward(texts, positions, hidden=True, reads=self.eval_reads(texts))
         doc = torch.ones_like(texts)
-        slots = []  # per anchor chunk: [N, n, gamma] argmaxes of slots 1..gamma
+        slots = []  # per anchor chunk: [N, n, gamma] guesses of slots 1..gamma
         for first in range(0, L, chunk):
             anchors = torch.arange(first, min(L, first + chunk), device=texts.device).expand(N, -1)
             hidden = self._blocks(texts, positions, features, anchors, doc)[:, :, 1 : gamma + 1]
-            slots.append(self.slot_guesses(texts, anchors, hidden))
+            slots.append(self.slot_guesses(texts, anchors, hidden, features, doc))
         guess = torch.cat(slots, dim=1)  # [N, L, gamma]: anchor a's slot k guesses token a + k
         out = []
         for k in range(1, gamma + 1):  # entry i = a + k - 1
@@ -403,20 +447,14 @@ def build_dflash(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
                  model_class=None):
     """(DFlashModel, target dir, target identity) for a ``DraftConfig``; from ``draft.init`` the directory's draft
     (its layers, block size and mask token are the run's). ``model_class``: the run model of a kind built on DFlash
-    (DFlash2Model), whose ``draft_class`` says what it reads from the config and from its layout."""
+    (DFlash2Model, LiLiCorrModel), whose ``draft_class`` says what it reads from the config and from its layout."""
     model_class = model_class or DFlashModel
     draft_class = model_class.draft_class
     target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
     target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
     if cfg.init is not None:
         draft = draft_from_layout(init_dir(cfg.init), target, "draft.init", draft_class)
-        for key, have in (("feature_layers", list(draft.feature_layers)), ("num_layers", draft.num_layers),
-                          ("block_size", draft.block_size), ("mask_token_id", draft.mask_token_id),
-                          *draft.init_keys()):
-            want = getattr(cfg, key)
-            if want is not None and want != have:
-                raise UserError(f"draft.{key} = {want} but draft.init {cfg.init} has {have}; accepted: draft.{key} "
-                                "unset (the initial draft's) or equal to it")
+        check_init_keys(cfg, draft)
         return model_class(target, draft), target_dir, ident
     n = target.config.num_hidden_layers
     if n < 2:
@@ -429,6 +467,16 @@ def build_dflash(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
                                                                                          data_vocab)
     draft = draft_class(target.config, layers, count, settings.block_size(cfg), mask, **draft_class.run_options(cfg))
     return model_class(target, draft), target_dir, ident
+
+
+def check_init_keys(cfg, draft) -> None:
+    """A ``draft.init`` run's keys, where set, are the initial draft's (DFlash's shape and ``draft.init_keys()``)."""
+    for key, have in (("feature_layers", list(draft.feature_layers)), ("num_layers", draft.num_layers),
+                      ("block_size", draft.block_size), ("mask_token_id", draft.mask_token_id), *draft.init_keys()):
+        want = getattr(cfg, key)
+        if want is not None and want != have:
+            raise UserError(f"draft.{key} = {want} but draft.init {cfg.init} has {have}; accepted: draft.{key} unset "
+                            "(the initial draft's) or equal to it")
 
 
 def draft_from_layout(draft_dir, target, where: str, draft_class=None) -> DFlashDraft:

@@ -137,10 +137,12 @@ class DFlashObjective:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + first + 7_919)
         return int(torch.randint(0, self.max_offset + 1, (), generator=g))
 
-    def more_slot_terms(self, out, token: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """(per-slot token losses [B, N, K], side sums) with a kind's own slot terms added (DFlash2's selector); the
-        slot weights apply to the sum. DFlash adds none."""
-        return token, {}
+    def row_loss(self, out, token: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(the rows' loss [B], side sums) from the model's output, the slots' token losses [B, N, K] and the slot
+        weights: their weighted sum. A kind with a head on the slots' candidates adds that head's terms (the model's
+        ``head_scores`` put them in ``out``): DFlash2 its selector's CE under the same weights, LiLiCorr its lattice
+        terms."""
+        return (token * w).sum((1, 2)), {}
 
     def __call__(self, model, batch: Batch):
         return self.losses(model, batch, self._offset(batch), train=True)
@@ -174,8 +176,7 @@ class DFlashObjective:
             token = (1.0 - self.cfg.kl_weight) * ce + self.cfg.kl_weight * kl
         else:
             token = ce if self.cfg.loss == "ce" else kl
-        token, more = self.more_slot_terms(out, token)
-        loss = (token * w).sum((1, 2))
+        loss, more = self.row_loss(out, token, w)
         side = {"target_loss": out.target_ce, "draft_ce": ce.detach().sum(), "draft_kl": kl.detach().sum(), **more}
         prefix = hit.long().cumprod(-1).bool()
         for k in range(self.block_size - 1):
@@ -203,5 +204,5 @@ def dflash_setup(cfg, model, objective_class=None) -> DFlashObjective:
                             "scores do not apply; accepted: model.loss_chunk_tokens = 0")
         chunk = 0
     model.loss_chunk_tokens = chunk
-    objective_class = objective_class or DFlashObjective  # a kind built on DFlash brings its own (DFlash2)
+    objective_class = objective_class or DFlashObjective  # a kind built on DFlash brings its own (DFlash2, LiLiCorr)
     return objective_class(cfg.draft, cfg.data.seq_len, model.target.config.max_position_embeddings, cfg.train.seed)

@@ -36,12 +36,13 @@ SELECTOR = ("candidate_selector.predecessor_codebook", "candidate_selector.succe
 CONV = ("base_kernel", "kernel_projection.weight")
 
 
-def names(num_layers: int) -> dict[str, str]:
-    """Every treadle name of a ``num_layers`` DFlash2 draft -> its name in the layout."""
+def names(num_layers: int, selector: bool = True) -> dict[str, str]:
+    """Every treadle name of a ``num_layers`` DFlash2 draft (without its selector: ``selector = False``) -> its name
+    in the layout."""
     out = dflash_layout.names(num_layers)
     for i in range(num_layers):
         out.update({n: n for conv in ("attention_conv", "mlp_conv") for n in (f"layers.{i}.{conv}.{c}" for c in CONV)})
-    return out | {n: n for n in SELECTOR}
+    return out | ({n: n for n in SELECTOR} if selector else {})
 
 
 def is_layout(config: dict) -> bool:
@@ -68,14 +69,17 @@ def logit_keys(target_config) -> dict:
 
 
 def export(draft, weights: dict, target_config, dtype: torch.dtype, extra: dict) -> tuple[dict, dict]:
-    """(tensors, config) of ``draft`` (a DFlash2Draft) in this layout (``dflash_layout.export``'s arguments)."""
-    tensors, config = dflash_layout.export(draft, weights, target_config, dtype, extra, names(draft.num_layers))
+    """(tensors, config) of ``draft`` (a DFlash2Draft) in this layout (``dflash_layout.export``'s arguments); a
+    draft without its selector has no selector keys or tensors (the backbone of another head)."""
+    selector = draft.selector
+    tensors, config = dflash_layout.export(draft, weights, target_config, dtype, extra,
+                                           names(draft.num_layers, selector is not None))
     del config["auto_map"]
     taps, group = draft.conv_shape
-    selector = draft.selector
-    config["dflash_config"] |= {"conv_kernel_size": taps, "conv_group_size": group,
-                                "selector_rank": selector.hidden_projection.out_features,
-                                "selector_top_k": selector.top_k, **logit_keys(target_config)}
+    config["dflash_config"] |= {"conv_kernel_size": taps, "conv_group_size": group, **logit_keys(target_config)}
+    if selector is not None:
+        config["dflash_config"] |= {"selector_rank": selector.hidden_projection.out_features,
+                                    "selector_top_k": selector.top_k}
     return tensors, {**config, "architectures": [ARCHITECTURE], "is_causal": False}
 
 
@@ -110,4 +114,4 @@ def _same(a, b) -> bool:
 
 
 def import_weights(tensors: dict, draft, where) -> dict:
-    return dflash_layout.import_weights(tensors, draft, where, names(draft.num_layers))
+    return dflash_layout.import_weights(tensors, draft, where, names(draft.num_layers, draft.selector is not None))

@@ -39,10 +39,10 @@ Sources, part by part (facts only; the code is treadle's):
   loop divides by the step's label tokens, like every draft loss. z-lab published no training objective (speculators
   PR #1006's doc says so).
 
-Backbone interface (what a candidate reranker such as a LiLiCorr correlator reads from DFlash or DFlash2 alike):
-``DFlashModel.forward`` returns, per block slot k = 1..block_size - 1, the slot's final hidden states
-(``DFlashOutput.hidden`` [B, N, K, d]) and its logits (``logits`` [B, N, K, V], or with a chunked loss the top-k
-through ``slot_candidates``), and ``slot_guesses`` / the drafter's ``block_hidden`` give the same at decode time.
+The selector plugs into DFlash's hooks for a head on the slots' candidates (drafts/dflash/model.py):
+``head_scores`` (its picks and CE beside the backbone's scores, from ``DFlashOutput.hidden`` and the candidates
+``slot_top_k`` gives, whole logits or a chunk of rows at a time), ``slot_guesses`` (tau_sim's picks), and the
+objective's ``row_loss``; the drafter reads ``block_hidden``. LiLiCorr's correlator uses the same hooks.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from treadle.drafts.dflash.model import DFlashDraft, DFlashLayer, DFlashModel, D
 from treadle.drafts.dflash2 import layout as dflash2_layout
 from treadle.drafts.dflash2 import settings
 from treadle.errors import UserError
-from treadle.models.chunked_ce import chunked_rows, model_logits
 from treadle.models.upcast import at_least_fp32
 
 KIND = "dflash2"
@@ -161,7 +160,9 @@ class CandidateSelector(nn.Module):
 
 
 class DFlash2Draft(DFlashDraft):
-    """DFlash's draft with convolving layers and a candidate selector."""
+    """DFlash's draft with convolving layers and a candidate selector; with ``selector = False`` the convolving
+    backbone alone (what another head on the slots' candidates reads: LiLiCorr + conv, vLLM's lilicorr.py building
+    its layers as DFlash2's when the config has the conv keys)."""
 
     kind = KIND
     layout = dflash2_layout
@@ -169,20 +170,22 @@ class DFlash2Draft(DFlashDraft):
     def __init__(self, target_config, feature_layers, num_layers: int = settings.dflash.NUM_LAYERS,
                  block_size: int = settings.dflash.BLOCK_SIZE, mask_token_id: int | None = None,
                  conv_kernel_size: int = settings.CONV_KERNEL_SIZE, conv_group_size: int = settings.CONV_GROUP_SIZE,
-                 selector_rank: int = settings.SELECTOR_RANK, selector_top_k: int = settings.SELECTOR_TOP_K):
+                 selector_rank: int = settings.SELECTOR_RANK, selector_top_k: int = settings.SELECTOR_TOP_K,
+                 selector: bool = True):
         d, vocab = target_config.hidden_size, target_config.vocab_size
         if d % conv_group_size:
             raise UserError(f"draft.conv_group_size = {conv_group_size} does not divide the target's hidden size {d}; "
                             f"accepted: a divisor of {d}")
-        if not 1 <= selector_top_k <= vocab:
+        if selector and not 1 <= selector_top_k <= vocab:
             raise UserError(f"draft.selector_top_k = {selector_top_k}; accepted: 1..{vocab} (the target's vocabulary)")
         if conv_kernel_size < 1 or conv_kernel_size > block_size:
             raise UserError(f"dflash_config.conv_kernel_size = {conv_kernel_size}; accepted: 1..{block_size} (the "
                             "block size)")
         self.conv_shape = (conv_kernel_size, conv_group_size)  # read by new_layer, inside DFlashDraft.__init__
         super().__init__(target_config, feature_layers, num_layers, block_size, mask_token_id)
-        self.candidate_selector = CandidateSelector(vocab, d, selector_rank, selector_top_k)
-        self.candidate_selector.reset(getattr(target_config, "initializer_range", 0.02))
+        self.candidate_selector = CandidateSelector(vocab, d, selector_rank, selector_top_k) if selector else None
+        if selector:
+            self.candidate_selector.reset(getattr(target_config, "initializer_range", 0.02))
         for layer in self.layers:  # DFlashDraft's init_linears drew the projections: back to the identity
             layer.attention_conv.reset()
             layer.mlp_conv.reset()
@@ -191,8 +194,13 @@ class DFlash2Draft(DFlashDraft):
         return DFlash2Layer(s, self.block_size, *self.conv_shape)
 
     @property
-    def selector(self) -> CandidateSelector:
+    def selector(self) -> CandidateSelector | None:
         return self.candidate_selector
+
+    def drop_selector(self) -> DFlash2Draft:
+        """This draft as the backbone of another head on its slots' candidates (a LiLiCorr correlator)."""
+        self.candidate_selector = None
+        return self
 
     @classmethod
     def run_options(cls, cfg) -> dict:
@@ -204,7 +212,10 @@ class DFlash2Draft(DFlashDraft):
         return dflash2_layout.options(config, target_config, where)
 
     def init_keys(self) -> tuple:
-        return (("conv_group_size", self.conv_shape[1]), ("selector_rank", self.selector.hidden_projection.out_features),
+        conv = (("conv_group_size", self.conv_shape[1]),)
+        if self.selector is None:
+            return conv
+        return (*conv, ("selector_rank", self.selector.hidden_projection.out_features),
                 ("selector_top_k", self.selector.top_k))
 
 
@@ -221,33 +232,19 @@ class DFlash2Model(DFlashModel):
 
     draft_class = DFlash2Draft
 
-    def slot_candidates(self, out: DFlashOutput) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [..., k], ids [..., k]) of each slot's top-k tokens, from the whole logits or, with a chunked loss,
-        from the slots' hidden states a chunk of rows at a time (the head again: the logits are never whole)."""
-        k = self.draft_model.selector.top_k
-        if out.logits is not None:
-            return out.logits.topk(k, dim=-1)
-        weight, config = self.target.get_output_embeddings().weight, self.target.config
-        hidden = out.hidden
-        unary, ids = chunked_rows(lambda h: model_logits(config, F.linear(h, weight)).topk(k, dim=-1),
-                                  [hidden.flatten(0, -2)], self.loss_chunk_tokens)
-        return unary.view(*hidden.shape[:-1], k), ids.view(*hidden.shape[:-1], k)
-
     def _picks(self, hidden: torch.Tensor, unary: torch.Tensor, ids: torch.Tensor, predecessors: torch.Tensor):
         """(scores [..., k], each slot's pick [...]) with the given predecessors."""
         scores = self.draft_model.selector.scores(hidden, unary, ids, predecessors)
         return scores, ids.gather(-1, scores.detach().argmax(-1, keepdim=True)).squeeze(-1)
 
-    def forward(self, input_ids, position_ids, anchors, doc_position_ids=None, labels=None, slot_labels=None,
-                reads=None) -> DFlash2Output:
-        """DFlashModel's forward; ``hit`` is then the selector's pick (its predecessor the data token before the slot)
-        against the target's argmax, and with ``slot_labels`` the selector's CE per slot."""
-        out = super().forward(input_ids, position_ids, anchors, doc_position_ids, labels, slot_labels, reads)
+    def head_scores(self, out, input_ids, anchors, doc, features, slot_labels) -> DFlash2Output:
+        """``hit`` is the selector's pick (its predecessor the data token before the slot) against the target's
+        argmax, and with ``slot_labels`` the selector's CE per slot."""
         out = DFlash2Output(**{f.name: getattr(out, f.name) for f in fields(out)})
         K = out.hidden.shape[2]
         rows = (anchors[..., None] + torch.arange(K, device=anchors.device)).clamp_max(input_ids.shape[1] - 1)
         predecessors = input_ids.gather(1, rows.flatten(1)).view_as(rows)  # token a + k - 1 before slot k
-        unary, ids = self.slot_candidates(out)
+        unary, ids, _ = self.slot_top_k(out.hidden, self.draft_model.selector.top_k, out.logits)
         scores, pick = self._picks(out.hidden, unary, ids, predecessors)
         top = out.teacher_top if out.teacher_top is not None else out.target_logits.argmax(-1)
         valid = slot_labels != IGNORE_INDEX if slot_labels is not None else torch.ones_like(pick, dtype=torch.bool)
@@ -259,10 +256,10 @@ class DFlash2Model(DFlashModel):
             out.selector_ce = nll.view_as(pick) * out.in_candidates
         return out
 
-    def slot_guesses(self, texts: torch.Tensor, anchors: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def slot_guesses(self, texts, anchors, hidden, features, doc) -> torch.Tensor:
         """The selector's picks, each slot's predecessor the text's token before it: what the decode's walk proposes
         wherever the chain has been accepted up to that slot (all that a chain's acceptance counts)."""
-        unary, ids = self.draft_logits(hidden).topk(self.draft_model.selector.top_k, dim=-1)
+        unary, ids, _ = self.slot_top_k(hidden, self.draft_model.selector.top_k)
         rows = (anchors[..., None] + torch.arange(hidden.shape[2], device=anchors.device)).clamp_max(texts.shape[1] - 1)
         return self._picks(hidden, unary, ids, texts.gather(1, rows.flatten(1)).view_as(rows))[1]
 
@@ -272,7 +269,7 @@ class DFlash2Model(DFlashModel):
         ``anchor`` the bonus token, ``choose(row)`` -> (token, q or None) picks from a [V] row of scores that is
         -inf outside the slot's candidates (a ``Sampler``'s draw: the best, or a draw from softmax(S / T))."""
         selector = self.draft_model.selector
-        unary, ids = logits.topk(selector.top_k, dim=-1)
+        unary, ids, _ = self.slot_top_k(hidden, selector.top_k, logits)
         tokens, qs, previous = [], [], anchor
         for t in range(hidden.shape[0]):
             scores = selector.scores(hidden[t], unary[t], ids[t], torch.tensor(previous, device=ids.device))

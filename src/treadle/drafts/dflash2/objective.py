@@ -24,8 +24,9 @@ class DFlash2Objective(DFlashObjective):
         return (f"{super().label}; plus {self.selector_weight:g} x the selector's cross-entropy over each slot's "
                 "candidates (same weights)")
 
-    def more_slot_terms(self, out, token: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        return token + self.selector_weight * out.selector_ce, {"selector_ce": out.selector_ce.detach().sum()}
+    def row_loss(self, out, token: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        loss, _ = super().row_loss(out, token + self.selector_weight * out.selector_ce, w)
+        return loss, {"selector_ce": out.selector_ce.detach().sum()}
 
 
 def dflash2_setup(cfg, model) -> DFlash2Objective:
