@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -226,14 +227,16 @@ def test_lora_run_starts_at_the_base_loss_resumes_exactly_and_exports_what_peft_
         load_adapter(other, a / "adapter", base_identity(ModelConfig(path=str(base)), other.config, 0))
 
 
-def test_refusals_name_the_cause(shards, tmp_path, capsys):
+def test_refusals_name_the_cause(shards, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # QLoRA without a backend: bitsandbytes absent
     base = tmp_path / "base"
     build_family("qwen2", base, shards / "tok")
     capsys.readouterr()  # transformers' progress bar of the save
     checks = [
         (_run_args(shards, base, tmp_path / "t", '--lora.target_modules=["q_proj","c_attn"]'),
          "lora.target_modules: 'c_attn' is not a module of this qwen2 model; accepted: 'all-linear' or names among"),
-        (_run_args(shards, base, tmp_path / "q", "--lora.quantize=4bit"), "lora.quantize = '4bit'"),
+        (_run_args(shards, base, tmp_path / "q", "--lora.quantize=4bit"),
+         "lora.quantize = '4bit' cannot hold the base in 4-bit: bitsandbytes is not installed"),
     ]
     for argv, want in checks:
         assert main(argv) == 2
