@@ -175,9 +175,10 @@ def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_pat
     assert main(args(shards, one, *LORA, "--train.max_steps=4", "--train.grad_accum_steps=4")) == 0
     for name in LORA_ENGINES:
         run = tmp_path / name
-        for key in ("loss", "grad_norm", "eval_loss"):
+        for key in ("loss", "grad_norm", "eval_loss"):  # eval: at 0 and at each run's end (2 or 4)
             a, b = records(one, key), records(run, key)
-            assert b and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in b), (name, key, a, b)
+            steps = a.keys() & b.keys() if key == "eval_loss" else b.keys()
+            assert steps and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in steps), (name, key, a, b)
         last = max(records(run))
         names = _checkpoint_tensor_names(run / "checkpoints" / f"step_{last}")
         assert names and all("lora_" in k for k in names if not k.startswith("optim.")), (name, names)
