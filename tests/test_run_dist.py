@@ -91,6 +91,11 @@ def _runs(rank, world_size, shards, out):
     run_training(load_config(None, moe_args(shards, out / "moe", "--train.max_steps=2", "--train.grad_accum_steps=1",
                                             "--distributed.engine=fsdp2", "--train.threads=1")[1:]))
 
+    # 6. LoRA adapters (the base frozen, sharded or partitioned beside them) on every multi-process engine;
+    #    FSDP2 checkpoints at 2 and 4 (resumed in one process below).
+    for name, extra in LORA_ENGINES.items():
+        run_training(_cfg(shards, out / name, *LORA, *extra))
+
     # 5. A rank that does not come to the health check is reported within its timeout, not waited on.
     check = HealthCheck(timeout_s=2.0)
     check.check(0)  # everyone present: passes
@@ -103,6 +108,13 @@ def _runs(rank, world_size, shards, out):
     except HealthCheckFailed as exc:
         got["health"] = (str(exc), time.perf_counter() - t0)
     return got
+
+
+LORA = ["--lora.rank=4", "--lora.alpha=8"]
+LORA_ENGINES = {"lora-fsdp2": ["--distributed.engine=fsdp2", "--train.max_steps=4", "--checkpoint.every=2"],
+                "lora-ddp": ["--distributed.engine=ddp", "--train.max_steps=2"],
+                "lora-zero2": ["--distributed.engine=deepspeed", "--distributed.zero_stage=2", "--train.max_steps=2"],
+                "lora-zero3": ["--distributed.engine=deepspeed", "--distributed.zero_stage=3", "--train.max_steps=2"]}
 
 
 def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_path, monkeypatch):
@@ -156,6 +168,26 @@ def test_world_size_2_runs_match_one_process_and_agree_on_faults(shards, tmp_pat
         a, b = records(one, key), records(two, key)
         assert a.keys() == b.keys() and a and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in a), (key, a, b)
     assert records(one, "expert_tokens") == records(two, "expert_tokens")
+
+    # LoRA: every engine's run is the one-process run (2 ranks x GA 2 = GA 4); its checkpoints hold the adapters
+    # only; the FSDP2 run's step_2 resumes in one process and continues it.
+    one = tmp_path / "lora-one"
+    assert main(args(shards, one, *LORA, "--train.max_steps=4", "--train.grad_accum_steps=4")) == 0
+    for name in LORA_ENGINES:
+        run = tmp_path / name
+        for key in ("loss", "grad_norm", "eval_loss"):  # eval: at 0 and at each run's end (2 or 4)
+            a, b = records(one, key), records(run, key)
+            steps = a.keys() & b.keys() if key == "eval_loss" else b.keys()
+            assert steps and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in steps), (name, key, a, b)
+        last = max(records(run))
+        names = _checkpoint_tensor_names(run / "checkpoints" / f"step_{last}")
+        assert names and all("lora_" in k for k in names if not k.startswith("optim.")), (name, names)
+        assert (run / "adapter" / "adapter_model.safetensors").is_file()
+    resumed = tmp_path / "lora-resumed"
+    assert main(args(shards, resumed, *LORA, "--train.max_steps=4", "--train.grad_accum_steps=4",
+                     f"--checkpoint.resume={tmp_path / 'lora-fsdp2' / 'checkpoints' / 'step_2'}")) == 0
+    a, b = records(tmp_path / "lora-fsdp2"), records(resumed)
+    assert sorted(b) == [3, 4] and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in b)
 
     # The health check named the missing rank's absence within about its timeout.
     message, waited = res[0]["health"]

@@ -218,14 +218,15 @@ def _digest(root: Path) -> str:
 # ---------------------------------------------------------------------------- the other commands
 
 
-def export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32", to: str = "auto") -> Path:
+def export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32", to: str = "auto",
+           merge: bool = False) -> Path:
     """``treadle export``: a checkpoint (or a run's latest) as a Hugging Face directory (``to="hf"``) or a
     draft export (``to="draft"``); ``"auto"``: what the checkpoint was trained as. ``dtype`` fp32 | bf16 | fp16.
-    Returns the directory written."""
+    A LoRA run: its PEFT adapter directory, or with ``merge`` the merged model. Returns the directory written."""
     check_versions()
     from treadle.checkpoint.export import export_checkpoint
 
-    return export_checkpoint(Path(source), Path(out), dtype=dtype, to=to)
+    return export_checkpoint(Path(source), Path(out), dtype=dtype, to=to, merge=merge)
 
 
 def spec_eval(target: str | os.PathLike, draft: str | os.PathLike, **options: Any) -> dict:

@@ -140,6 +140,9 @@ def _print_summary(s) -> None:
     table.add_row("checkpoints", ", ".join(p.name for p in s.checkpoints) + f" in {s.output_dir / 'checkpoints'}")
     if s.export_dir is not None and s.acceptance is not None:
         table.add_row("exported draft", f"{s.export_dir} (treadle spec-eval --draft {s.export_dir})")
+    elif s.export_dir is not None and s.export_dir.name == "adapter":  # a LoRA run (AdapterExportCallback)
+        table.add_row("exported adapter", f"{s.export_dir} (PeftModel.from_pretrained; vllm serve BASE --enable-lora "
+                      f"--lora-modules NAME={s.export_dir}; treadle export --merge for one merged model)")
     elif s.export_dir is not None:
         table.add_row("exported model", f"{s.export_dir} (AutoModelForCausalLM.from_pretrained)")
     Console().print(table)
@@ -148,7 +151,7 @@ def _print_summary(s) -> None:
 def _export(args: argparse.Namespace) -> int:
     from treadle.checkpoint.export import export_checkpoint
 
-    out = export_checkpoint(Path(args.source), Path(args.out), dtype=args.dtype, to=args.to)
+    out = export_checkpoint(Path(args.source), Path(args.out), dtype=args.dtype, to=args.to, merge=args.merge)
     print(f"exported {args.source} -> {out}")
     return 0
 
@@ -241,7 +244,8 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
                         help="print the reference of every key as Markdown (docs/configuration.md is this)")
     config.set_defaults(func=_config)
 
-    export = sub.add_parser("export", help="write a Hugging Face model directory (or a draft export) from a checkpoint",
+    export = sub.add_parser("export", help="write a Hugging Face model directory (a draft export, a LoRA adapter) "
+                            "from a checkpoint",
                             allow_abbrev=False)
     export.add_argument("source", help="run directory or checkpoint directory")
     export.add_argument("--to", choices=["auto", "hf", "draft"], default="auto",
@@ -251,6 +255,9 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
                         help="dtype of the floating-point weights written, recorded in config.json (default: fp32, "
                              "the weights as trained; bf16 or fp16 halve the size); a draft's vocabulary map keeps "
                              "its integer dtype")
+    export.add_argument("--merge", action="store_true",
+                        help="a LoRA run: the base with the adapters merged in, as a Hugging Face model directory "
+                             "(default: the PEFT adapter directory alone)")
     export.set_defaults(func=_no_extra("export", _export))
 
     for name, help in _MODULE_COMMANDS.items():

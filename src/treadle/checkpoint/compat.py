@@ -27,11 +27,13 @@ _META_KEYS = ("vocab_size", "tokenizer_fingerprint", "target_fingerprint")
 
 
 def _architecture(config: dict) -> dict[str, Any]:
-    """The config keys that decide which tensors a checkpoint holds."""
+    """The config keys that decide which tensors a checkpoint holds (and what its adapters compute: lora.alpha)."""
     model = {k: v for k, v in flatten(config.get("model", {}), "model.").items() if k not in _HARMLESS_MODEL_KEYS}
     draft = {k: v for k, v in flatten(config.get("draft", {}), "draft.").items() if k in _DRAFT_ARCH_KEYS}
     draft = _DRAFT_ARCH_DEFAULTS | draft
-    return model | draft
+    # [lora] (older checkpoints have none: no adapters); the adapters' dropout is a training choice
+    lora = {k: v for k, v in flatten(config.get("lora", {}), "lora.").items() if k != "lora.dropout"}
+    return model | draft | (lora if lora.get("lora.rank") is not None else {})
 
 
 def check_compatible(path: Path, config_toml_now: str | None, meta_now: dict | None) -> None:
@@ -60,6 +62,10 @@ def check_compatible(path: Path, config_toml_now: str | None, meta_now: dict | N
             meta_then = json.loads((path / "train_state.json").read_text()).get("meta") or {}
         except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
             raise UserError(f"checkpoint {path}: train_state.json is unreadable ({str(exc).splitlines()[0]})") from None
+        if meta_now.get("base_fingerprint") != meta_then.get("base_fingerprint") and "base" in meta_now:
+            from treadle.models.lora import check_same_base  # a LoRA run's frozen base: the adapters fit only it
+
+            check_same_base(meta_then.get("base"), meta_now["base"], f"checkpoint {path}")
         for key in _META_KEYS:
             if key in meta_then and key in meta_now and meta_then[key] != meta_now[key]:
                 raise UserError(

@@ -154,11 +154,39 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
     return out
 
 
-def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "auto") -> Path:
+def export_adapter(adapters, state_dict: dict, out: Path, step: int | None = None, command: str = "train",
+                   dtype: str = "fp32") -> Path:
+    """A LoRA run's adapters as a PEFT adapter directory: ``adapter_config.json`` (PEFT's LoraConfig, inference
+    mode) and ``adapter_model.safetensors`` (PEFT's names), which ``PeftModel.from_pretrained`` and vLLM's
+    ``--enable-lora`` load; ``treadle_adapter.json`` beside them names the base it was trained on.
+    ``state_dict``: the trained model's full weights, as an engine exports them (the adapters are picked out)."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    from treadle.models.lora import IDENTITY_FILE, adapter_state
+
+    torch_dtype = _torch_dtype(dtype)
+    weights = {k: v.detach().to("cpu", torch_dtype).contiguous() for k, v in adapter_state(adapters, state_dict).items()}
+    if not weights:
+        raise UserError(f"{out}: the model holds no LoRA tensors to export (no adapters were trained)")
+    config = copy.deepcopy(adapters.peft_config)
+    config.inference_mode = True  # as PEFT's own save_pretrained writes it
+    out = Path(out)
+    with atomic_directory(out, command) as tmp:
+        tmp.mkdir()
+        config.save_pretrained(str(tmp))
+        save_file(weights, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / IDENTITY_FILE).write_text(json.dumps({"base": adapters.base, "step": step}, indent=2) + "\n")
+    return out
+
+
+def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "auto", merge: bool = False) -> Path:
     """``treadle export``: rebuild what a checkpoint was trained as, load its weights, export.
 
     ``to="hf"`` for a model run; ``to="draft"`` for a draft run (the draft alone, as at the end of the run);
-    ``"auto"``: whichever the checkpoint's config says it is.
+    ``"auto"``: whichever the checkpoint's config says it is. A LoRA run (``[lora]``): its adapter directory, or
+    with ``merge`` the base with the adapters merged in, as a Hugging Face model.
     """
     from treadle.checkpoint.discovery import checkpoint_at
     from treadle.checkpoint.validate import checkpoint_format, run_state
@@ -176,20 +204,36 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     if to != "auto" and (cfg.draft.kind is not None) != (to == "draft"):
         kind = "a draft run" if cfg.draft.kind else "a model run"
         raise UserError(f"checkpoint {ckpt} is {kind}; accepted: --to {'draft' if cfg.draft.kind else 'hf'} or --to auto (the default)")
+    if merge and cfg.lora.rank is None:
+        raise UserError(f"treadle export --merge: checkpoint {ckpt} is a full run, without LoRA adapters to merge; "
+                        "accepted: a checkpoint of a run with lora.rank set, or no --merge")
     train_state = run_state(ckpt)
     meta = train_state["meta"]
+    adapters = None
     if cfg.draft.kind:
         from treadle.drafts.registry import build_draft
 
         model, target_dir, identity = build_draft(cfg.draft, meta["vocab_size"], meta["tokenizer_fingerprint"])
         module, prefix = model.draft_model, "draft_model."
     else:
+        torch.manual_seed(cfg.train.seed)  # a LoRA run's base from a preset is the run's seeded random init
         model = build_model(cfg.model, meta["vocab_size"], tokenizer=RunTokenizer.from_meta(meta))
+        if cfg.lora.rank is not None:
+            from treadle.models.lora import apply_lora, base_identity, check_same_base
+
+            identity = base_identity(cfg.model, model.config, cfg.train.seed)
+            check_same_base(meta.get("base"), identity, f"checkpoint {ckpt}")  # model.path now holds another model
+            adapters = apply_lora(model, cfg.lora, identity)
+            model = adapters.model
         module, prefix = model, ""
-    # Only the trained module's entries: optimizer state and frozen tensors stay on disk (or were never there). A
-    # frozen part of the trained module (a lilicorr run's frozen backbone) was never saved: the build above made it.
-    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-    state = {"model": {prefix + k: v for k, v in module.state_dict().items() if k not in frozen}}
+    # Only the trained module's entries: optimizer state and frozen tensors stay on disk (or were never there): a
+    # frozen part of the trained module (a lilicorr run's frozen backbone, an adapter run's base) was never saved.
+    params = dict(module.named_parameters())
+
+    def saved(key: str) -> bool:  # a trained parameter; a buffer too, unless the run trained adapters (the base's)
+        return params[key].requires_grad if key in params else adapters is None
+
+    state = {"model": {prefix + k: v for k, v in module.state_dict().items() if saved(k)}}
     if checkpoint_format(ckpt) == "deepspeed":
         from treadle.engine.deepspeed import checkpoint_weights
 
@@ -201,7 +245,14 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
         state["model"] = {k: saved[k] for k in state["model"]}
     else:
         safe_dcp_load(state, ckpt / "state", ckpt)
-    module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()}, strict=not frozen)
+    module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()}, strict=all(p.requires_grad for p in params.values()))
+    if adapters is not None and not merge:
+        return export_adapter(adapters, model.state_dict(), out, step=train_state["train"]["step"], command="export",
+                              dtype=dtype)
+    if adapters is not None:
+        from treadle.models.lora import merged_model
+
+        model = merged_model(adapters)
     if cfg.draft.kind:
         return export_draft(model, model.state_dict(), out, target_dir, identity, cfg.draft,
                             step=train_state["train"]["step"], command="export", dtype=dtype)

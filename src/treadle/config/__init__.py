@@ -27,6 +27,7 @@ from treadle.config.schema import (
     DataConfig,
     DistributedConfig,
     DraftConfig,
+    LoraConfig,
     MetricsConfig,
     ModelConfig,
     OptimConfig,
@@ -41,7 +42,7 @@ from treadle.config.schema import (
 )
 
 __all__ = [
-    "FOREIGN_NAMES", "foreign_hint", "CallbackConfig", "CheckpointConfig", "Config", "DataConfig", "DistributedConfig", "DraftConfig",
+    "FOREIGN_NAMES", "foreign_hint", "CallbackConfig", "CheckpointConfig", "Config", "DataConfig", "DistributedConfig", "DraftConfig", "LoraConfig",
     "MetricsConfig", "ModelConfig", "OWN_DATA_VAL_FRACTION", "OptimConfig", "PhaseConfig", "ProfileConfig", "ResilienceConfig",
     "ScheduleConfig", "Section", "SourceConfig", "TrainConfig", "changed_keys", "explicit_tree", "flatten",
     "load_config", "nearest_key", "parse_duration", "parse_override", "save_config", "show_value", "to_toml",

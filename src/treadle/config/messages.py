@@ -121,11 +121,15 @@ def nearest_key(root: type[BaseModel], key: str) -> str | None:
     if foreign is not None:
         return foreign[0]
     keys = all_keys(root)
+    leaf = key.rsplit(".", 1)[-1]
+    if "." not in key:  # a bare key that is some section's key exactly (--lr: optim.lr, not the section lora)
+        exact = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+        if exact:
+            return exact[0]
     sections = sorted({k.split(".")[0] for k in keys})
     pool = keys if "." in key else sections + keys
     near = difflib.get_close_matches(key, pool, n=1, cutoff=0.5)
     if not near:  # a right key in the wrong section: match on the last part alone
-        leaf = key.rsplit(".", 1)[-1]
         near = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1]
     return near[0] if near else None
 

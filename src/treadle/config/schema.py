@@ -409,6 +409,32 @@ class DraftConfig(Section):
                                         "correlator jointly (ModelOpt PR #2342)")
 
 
+class LoraConfig(Section):
+    """``[lora]``: low-rank adapters (PEFT's LoRA) trained on a frozen base model; unset rank = no adapters, the
+    whole model trains (models/lora.py, docs/lora.md)."""
+
+    rank: int | None = Field(None, ge=1, description="r, the adapters' rank (A: r x in, B: out x r); unset = no "
+                             "adapters")
+    alpha: float = Field(16.0, gt=0.0, description="the adapters' output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input (training only)")
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear", description="module names (the last part: q_proj, down_proj ...) that get adapters; all-linear "
+        "= every linear layer of the decoder layers (not the LM head)")
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="modules trained in full beside the adapters (e.g. embed_tokens, lm_head); "
+        "their copies go into the adapter export (which vLLM then refuses: serve the --merge export)")
+    quantize: Literal["none", "4bit"] = Field(
+        "none", description="4bit = QLoRA: the frozen base held in NF4 by bitsandbytes (installed separately), the "
+        "adapters in fp32; engine local")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("is empty; accepted: 'all-linear' or module names such as ['q_proj', 'v_proj']")
+        return v
+
+
 class DistributedConfig(Section):
     """How the run is spread over processes; the loop is the same whichever engine runs it."""
 
@@ -499,6 +525,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     draft: DraftConfig = Field(default_factory=DraftConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
@@ -531,7 +558,33 @@ class Config(Section):
                              f"{self.distributed.pipeline_parallel} is not supported yet; accepted: one of them > 1")
         self._check_pipeline()
         self._check_mesh()
+        self._check_lora()
         return self
+
+    def _check_lora(self) -> None:
+        """What adapters cannot run with, refused before anything starts (the modules named are checked against the
+        model once it is built: models/lora.py)."""
+        lora, d = self.lora, self.distributed
+        if lora.rank is None:  # the other keys keep their defaults in a resolved config.toml: not an error
+            return
+        if self.draft.kind is not None:
+            raise ValueError(f"lora.rank with draft.kind = {self.draft.kind!r}: adapters on a draft are not built yet "
+                             "(only on the [model] a run trains); accepted: lora.rank unset in a draft run")
+        if d.tensor_parallel > 1:
+            raise ValueError(f"lora.rank with distributed.tensor_parallel = {d.tensor_parallel}: tensor parallelism "
+                             "splits nn.Linear weights by name, and PEFT wraps each adapted linear in a LoRA layer it "
+                             "has no plan for; accepted: tensor_parallel = 1 (fsdp2 shards the frozen base instead)")
+        if d.pipeline_parallel > 1:
+            raise ValueError(f"lora.rank with distributed.pipeline_parallel = {d.pipeline_parallel}: the stages are cut "
+                             "from the decoder layers before PEFT could wrap them, and the adapter export needs the "
+                             "whole model on one rank; accepted: pipeline_parallel = 1 (fsdp2 shards the frozen base)")
+        if self.model.dtype == "fp8":
+            raise ValueError("lora.rank with model.dtype = 'fp8': torchao's float8 layers replace the nn.Linear "
+                             "modules PEFT adapts; accepted: model.dtype = auto, fp32, bf16 or bf16-weights")
+        if lora.quantize == "4bit" and d.engine not in ("auto", "local"):
+            raise ValueError(f"lora.quantize = '4bit' with distributed.engine = {d.engine!r}: bitsandbytes' 4-bit "
+                             "weights are not sharded or replicated by treadle's engines yet; accepted: engine = auto "
+                             "or local (one process), or quantize = 'none'")
 
     def _check_mesh(self) -> None:
         """Axes an engine cannot run, refused before anything starts (their product against the launch's world size

@@ -81,6 +81,8 @@ def builds_empty(name: str, cfg: Config, world_size: int, deepspeed_json: dict |
     every rank."""
     if cfg.model.path is None and cfg.draft.kind is None:
         return False
+    if cfg.lora.rank is not None:  # PEFT injects its layers into real modules, and the adapters are in no file
+        return False
     if cfg.distributed.tensor_parallel > 1:  # read whole, then split: the shard-on-read path knows 1-D shards only
         return False  # a preset is built whole and seeded: the same weights under every engine
     return name in ("fsdp2", "pipeline") or (name == "deepspeed" and _zero3(cfg, deepspeed_json, world_size) is not None)

@@ -255,3 +255,19 @@ class ExportCallback(Callback):
 
         export_hf(trainer.engine.module, trainer.engine.export_state_dict(), self.tokenizer_dir, self.out_dir,
                   enabled=trainer.engine.rank == 0, chat_template=self.chat_template)
+
+
+class AdapterExportCallback(ExportCallback):
+    """At the end of a LoRA run, a PEFT adapter directory (``PeftModel.from_pretrained`` and vLLM's LoRA loader read
+    it); ``treadle export --merge`` writes the merged model instead."""
+
+    def __init__(self, out_dir, adapters):
+        super().__init__(out_dir, None)
+        self.adapters = adapters
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        from treadle.checkpoint.export import export_adapter
+
+        state = trainer.engine.export_state_dict()  # a collective on sharded engines: every rank calls it
+        if trainer.engine.rank == 0:
+            export_adapter(self.adapters, state, self.out_dir, step=trainer.state.step)

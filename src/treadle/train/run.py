@@ -41,10 +41,12 @@ from treadle.metrics.sinks import Console, JsonlSink, Sinks, check_sinks_install
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
 from treadle.models.fp8 import apply_fp8
+from treadle.models.lora import Adapters, apply_lora, base_identity, bitsandbytes_backend
 from treadle.models import attention
 from treadle.models.hf import (build_model, compile_layers, count_parameters, from_scratch_line, persistent_compile_cache,
                                trainable_parameters, vocabulary_fit)
-from treadle.train.callbacks import Callback, CheckpointCallback, EvalCallback, ExportCallback, MetricsCallback
+from treadle.train.callbacks import (AdapterExportCallback, Callback, CheckpointCallback, EvalCallback, ExportCallback,
+                                    MetricsCallback)
 from treadle.drafts.features.run import attach_store, is_speculators_store, refuse_unstorable, speculators_samples
 from treadle.drafts.registry import build_draft, kind
 from treadle.train.auto import resolve_auto
@@ -207,6 +209,10 @@ def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     tokenizer = RunTokenizer.from_meta(meta)
     model = build_model(cfg.model, meta["vocab_size"], empty=empty, tokenizer=tokenizer)
     _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
+    adapters = None
+    if cfg.lora.rank is not None:  # before the chunked head replaces lm_head (a modules_to_save head stays unchunked)
+        adapters = lora_adapters(cfg, model, meta)
+        model = adapters.model
     # build_model refused a vocabulary below the tokenizer's; one far larger is a warning, printed on every start
     vocabulary = vocabulary_fit(model.config.vocab_size, tokenizer, cfg.model)
     chunk = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.config.vocab_size)
@@ -220,14 +226,42 @@ def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
         chunk = 0
     if chunk:  # before any engine wraps the model: the head is replaced in place (loss_sum finds it)
         use_chunked_loss(model, chunk, IGNORE_INDEX, explicit=cfg.model.loss_chunk_tokens != "auto")
-    out = Path(cfg.train.output_dir) / "hf"
-    export = ExportCallback(out, data.tokenizer_dir, meta.get("chat_template"))
+    if adapters is None:
+        export = ExportCallback(Path(cfg.train.output_dir) / "hf", data.tokenizer_dir, meta.get("chat_template"))
+    else:
+        export = AdapterExportCallback(Path(cfg.train.output_dir) / "adapter", adapters)
     objective = router_objective(model, cfg.model)
-    notes = Notes(always=[vocabulary], fresh=[from_scratch_line(cfg.model)])
+    notes = Notes(always=[vocabulary, describe_adapters(adapters)], fresh=[from_scratch_line(cfg.model)])
     if objective is None:
         return ModelSetup(model, model.config.vocab_size, loss_sum, None, [], export, notes=notes)
     return ModelSetup(model, model.config.vocab_size, objective, objective.evaluate, [], export,
                       step_callbacks=[ExpertLoadCallback(objective, cfg.train.log_every)], notes=notes)
+
+
+def lora_adapters(cfg: Config, model: torch.nn.Module, meta: dict) -> Adapters:
+    """``[lora]``: PEFT's adapters injected into ``model``, the base frozen; the checkpoint's meta names the base
+    (its identity), so a resume against another base is refused (checkpoint/compat.py)."""
+    if cfg.lora.quantize == "4bit":
+        why = bitsandbytes_backend(torch.device("cpu") if cfg.train.device == "auto" and not torch.cuda.is_available()
+                                   else torch.device("cuda" if cfg.train.device == "auto" else cfg.train.device))
+        raise UserError(f"lora.quantize = '4bit' cannot hold the base in 4-bit: {why}; accepted: lora.quantize = "
+                        "'none'" if why else "lora.quantize = '4bit': QLoRA is not built into treadle's runs yet "
+                        "(bitsandbytes is here); accepted: lora.quantize = 'none'")
+    identity = base_identity(cfg.model, model.config, cfg.train.seed)
+    meta["base_fingerprint"], meta["base"] = identity["fingerprint"], identity
+    return apply_lora(model, cfg.lora, identity)
+
+
+def describe_adapters(adapters: Adapters | None) -> str | None:
+    """The run's start line about its adapters (None: no adapters)."""
+    if adapters is None:
+        return None
+    c = adapters.peft_config
+    saved = f", {', '.join(sorted(c.modules_to_save))} trained in full" if c.modules_to_save else ""
+    # PEFT puts an MoE's fused expert projections (3-D parameters in transformers 5) under target_parameters
+    experts = f", experts' {', '.join(sorted(c.target_parameters))}" if getattr(c, "target_parameters", None) else ""
+    return (f"treadle: LoRA rank {c.r}, alpha {c.lora_alpha:g} on {', '.join(sorted(c.target_modules))}{experts}"
+            f"{saved}; the base is frozen")
 
 
 def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSetup:

@@ -1,0 +1,225 @@
+"""LoRA adapters on a frozen base model, built by PEFT (``[lora]``, docs/lora.md).
+
+PEFT's ``get_peft_model`` injects its LoRA layers into the Hugging Face model in place; the run trains that same
+model object (``Adapters.model``), so every treadle transform, engine and loss sees a plain ``PreTrainedModel``
+whose only trainable parameters are the adapters (``...lora_A.default.weight``, ``...lora_B.default.weight``) and
+the copies PEFT makes of ``modules_to_save``. The ``PeftModel`` around it is kept for what PEFT owns: the adapter's
+config, the names an adapter file uses, merging.
+
+Layer 0 for the rest of treadle: the engines checkpoint only trainable tensors (engine/local.trainable_state), so a
+LoRA checkpoint holds the adapters, their optimizer state and the run's state, never the frozen base. What the base
+is travels in the checkpoint's meta (``base_fingerprint``) and in every adapter export (``IDENTITY_FILE``): a
+resume or an export against another base is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from treadle.errors import UserError
+
+ADAPTER = "default"  # PEFT's adapter name: its parameters are named ...lora_A.default.weight
+PEFT_PREFIX = "base_model.model."  # how a PeftModel names the base model's tensors (and adapter files name theirs)
+IDENTITY_FILE = "treadle_adapter.json"  # beside adapter_config.json: the base an adapter was trained on
+# Module classes PEFT's LoRA adapts or trains in full (what a name in target_modules / modules_to_save may be).
+_ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)
+
+
+@dataclass
+class Adapters:
+    """A base model with PEFT's LoRA layers injected, and what identifies the base."""
+
+    peft: nn.Module  # peft.PeftModel: its base model is ``model``
+    base: dict  # base_identity(...)
+
+    @property
+    def model(self) -> nn.Module:
+        """The Hugging Face model with the adapters in it: what the run trains and the engines wrap."""
+        return self.peft.get_base_model()
+
+    @property
+    def fingerprint(self) -> str:
+        return self.base["fingerprint"]
+
+    @property
+    def peft_config(self):
+        return self.peft.peft_config[ADAPTER]
+
+
+def base_identity(model_cfg, hf_config, seed: int) -> dict:
+    """What the frozen base is: its architecture (summary and config fingerprint, as a draft names its target) and
+    its weights: the files' fingerprint for ``model.path``, else the seed the run's random init used (a preset or a
+    config.json without weights is rebuilt from it: the same seed gives the same base). ``fingerprint`` hashes it
+    all; it is what a checkpoint records and a resume compares."""
+    from treadle.drafts.identity import target_config_fingerprint, target_summary
+    from treadle.model_dirs import model_fingerprint, resolve_model_dir
+    from treadle.models.hf import has_weights
+
+    identity = {**target_summary(hf_config), "config_fingerprint": target_config_fingerprint(hf_config)}
+    directory = resolve_model_dir(Path(model_cfg.path), "model.path") if model_cfg.path is not None else None
+    if directory is not None and has_weights(directory):
+        identity["weights_fingerprint"] = model_fingerprint(directory)
+    else:
+        identity["random_init_seed"] = seed
+    identity["fingerprint"] = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return identity
+
+
+def describe_base(identity: dict) -> str:
+    """'llama, hidden_size 32, ..., fingerprint 1a2b...' for a refusal."""
+    from treadle.drafts.identity import describe_target
+
+    how = (f"weights {identity['weights_fingerprint']}" if "weights_fingerprint" in identity
+           else f"random init seed {identity.get('random_init_seed')}")
+    return f"{describe_target(identity)}, {how}"
+
+
+def module_names(model: nn.Module) -> dict[str, str]:
+    """The last part of each adaptable module's name -> its class, over the whole model (a target's or a
+    modules_to_save name is one of these: PEFT matches a plain name against the end of the module path)."""
+    return {name.rsplit(".", 1)[-1]: type(m).__name__ for name, m in model.named_modules()
+            if name and isinstance(m, _ADAPTABLE)}
+
+
+def decoder_linear_names(model: nn.Module) -> list[str]:
+    """``all-linear``: the names of every nn.Linear inside the decoder layers (never the LM head, as PEFT's own
+    all-linear leaves the output layer out)."""
+    from treadle.models.hf import decoder_layers
+
+    return sorted({name.rsplit(".", 1)[-1] for name, m in decoder_layers(model).named_modules()
+                   if isinstance(m, nn.Linear)})
+
+
+def resolve_targets(model: nn.Module, lora) -> tuple[list[str], list[str]]:
+    """``lora.target_modules`` and ``lora.modules_to_save`` as module names this model has; a name it lacks is one
+    line naming the modules it has."""
+    have = module_names(model)
+    kind = getattr(model.config, "model_type", type(model).__name__)
+    accepted = ", ".join(sorted(have))
+    targets = decoder_linear_names(model) if lora.target_modules == "all-linear" else list(lora.target_modules)
+    if not targets:
+        raise UserError(f"lora.target_modules = 'all-linear': this {kind} model has no nn.Linear in its decoder "
+                        f"layers; accepted: module names among {accepted}")
+    for key, names in (("target_modules", targets), ("modules_to_save", list(lora.modules_to_save))):
+        unknown = [n for n in names if n not in have]
+        if unknown:
+            raise UserError(f"lora.{key}: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not "
+                            f"a module of this {kind} model; accepted: 'all-linear' or names among {accepted}"
+                            if key == "target_modules" else
+                            f"lora.{key}: {', '.join(map(repr, unknown))} not a module of this {kind} model; "
+                            f"accepted: names among {accepted}")
+    both = sorted(set(targets) & set(lora.modules_to_save))
+    if both:
+        raise UserError(f"lora: {both[0]!r} is in both lora.target_modules and lora.modules_to_save; accepted: a "
+                        "module gets adapters or is trained in full, not both")
+    return targets, list(lora.modules_to_save)
+
+
+def bitsandbytes_backend(device: torch.device) -> str | None:
+    """Why QLoRA cannot hold a base in 4-bit on ``device`` here (None: bitsandbytes is installed and has a backend
+    for it: CUDA, or its CPU backend from 0.45 on)."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return "bitsandbytes is not installed (pip install bitsandbytes: it is not a treadle dependency)"
+    except Exception as exc:  # a broken install (a CUDA library it cannot load) says so on import
+        return f"bitsandbytes does not import here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    if device.type not in ("cuda", "cpu"):
+        return f"bitsandbytes has no backend for {device.type} in treadle"
+    return None
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Around PEFT's calls (main thread: catch_warnings swaps the process's filters), the warnings that are PEFT's
+    business, not the user's."""
+    with warnings.catch_warnings():  # PEFT asks transformers' deprecated is_gradient_checkpointing (5.23+)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        # PEFT's own rewrite of an MoE's expert names (DeepSeek-V3) leaves patterns for a layout the model lacks
+        warnings.filterwarnings("ignore", message=".*_pattern keys did not match any targeted module.*",
+                                category=RuntimeWarning)
+        yield
+
+
+def apply_lora(model: nn.Module, lora, identity: dict) -> Adapters:
+    """PEFT's LoRA layers injected into ``model`` (in place) per ``lora`` (a ``LoraConfig`` section with a rank);
+    every base parameter frozen. PEFT's default init: A Kaiming-uniform, B zero, so the adapted model starts as the
+    base."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    if lora.rank is None or lora.rank < 1:
+        raise UserError(f"lora.rank = {lora.rank!r}; accepted: an integer >= 1")
+    targets, to_save = resolve_targets(model, lora)
+    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                            modules_to_save=to_save or None, bias="none", task_type="CAUSAL_LM")
+    with quiet_peft():
+        peft = get_peft_model(model, config, adapter_name=ADAPTER)
+    return Adapters(peft, identity)
+
+
+def adapter_state(adapters: Adapters, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the names an adapter file uses (PEFT's: ``base_model.model.<module>.lora_A.weight``,
+    no adapter name), picked from ``state_dict``: the trained model's full weights as an engine exports them (the
+    Hugging Face model's own names)."""
+    from peft import get_peft_model_state_dict
+
+    named = {PEFT_PREFIX + k: v for k, v in state_dict.items()}
+    return get_peft_model_state_dict(adapters.peft, state_dict=named, adapter_name=ADAPTER,
+                                     save_embedding_layers=False)
+
+
+def merged_model(adapters: Adapters) -> nn.Module:
+    """The base with the adapters folded into its weights (W + alpha/r B A) and PEFT's layers removed: a plain
+    Hugging Face model. Changes ``adapters``' model in place (an export's last use of it)."""
+    with quiet_peft():
+        return adapters.peft.merge_and_unload(safe_merge=True)
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    """The state-dict names of what a LoRA run trains (adapters and modules_to_save copies)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def read_identity(adapter_dir: Path) -> dict | None:
+    """The base identity an adapter export records (None: an adapter written elsewhere, which records none)."""
+    path = Path(adapter_dir) / IDENTITY_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())["base"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"adapter {adapter_dir}: {IDENTITY_FILE} is unreadable ({exc}); accepted: the file treadle "
+                        "export wrote, or none") from None
+
+
+def check_same_base(recorded: dict | None, identity: dict, what: str) -> None:
+    """One line when an adapter (or a checkpoint's adapters) was trained on another base than ``identity``."""
+    if recorded is None or recorded.get("fingerprint") == identity.get("fingerprint"):
+        return
+    raise UserError(f"{what} was trained on another base model ({describe_base(recorded)}) than this one "
+                    f"({describe_base(identity)}); accepted: the base it was trained on")
+
+
+def load_adapter(base: nn.Module, adapter_dir: Path, identity: dict | None = None):
+    """A ``PeftModel``: ``base`` with the adapter of ``adapter_dir`` (a treadle export or any PEFT LoRA directory)
+    loaded; with ``identity`` (the base's, ``base_identity``), an adapter trained on another base is refused."""
+    from peft import PeftModel
+
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise UserError(f"adapter {adapter_dir} has no adapter_config.json; accepted: a PEFT adapter directory "
+                        "(treadle export of a LoRA run)")
+    if identity is not None:
+        check_same_base(read_identity(adapter_dir), identity, f"adapter {adapter_dir}")
+    with quiet_peft():
+        return PeftModel.from_pretrained(base, adapter_dir)
