@@ -52,3 +52,18 @@ def test_a_kind_key_is_refused_without_its_kind():
     with pytest.raises(UserError, match=r"draft.gamma = 8 with draft.kind = 'dflash2' and a block of 8"):
         load_config(None, ["--data.train=x", "--draft.kind=dflash2", "--draft.target=t", "--draft.block_size=8",
                            "--draft.gamma=8", "--draft.eval_new_tokens=16"])
+
+
+def test_every_block_kind_refuses_context_parallelism_in_one_line():
+    """The block kinds' anchored blocks read the whole context before each anchor: a sliced sequence is refused when
+    the config loads, in one line naming the kind and what is accepted."""
+    import pytest
+    from treadle.config import load_config
+    from treadle.errors import UserError
+
+    for kind in ("dflash", "dflash2", "dspark", "lilicorr"):
+        with pytest.raises(UserError, match=rf"distributed.context_parallel = 2 with draft.kind = '{kind}'.*accepted: "
+                                            r"context_parallel = 1") as got:
+            load_config(None, ["--data.train=x", f"--draft.kind={kind}", "--draft.target=t",
+                               "--distributed.context_parallel=2"])
+        assert "\n" not in str(got.value), kind

@@ -13,6 +13,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from tests.families import FAMILIES, GLIDE_REFUSED, build_family
 from tests.helpers import EXACT, KL_ATOL, records, save_target
@@ -89,6 +90,68 @@ def test_family_drafts_eagle3_everywhere_and_glide_where_it_can_read_the_cache(f
         spec_eval_is_lossless(target, run, tmp_path, kind)
 
 
+# The block kinds, each small (block 4: three drafts per block) with its own head's keys.
+BLOCK_KINDS = {"dflash": [], "dflash2": ["--draft.conv_group_size=8", "--draft.selector_rank=8",
+                                         "--draft.selector_top_k=4"],
+               "dspark": ["--draft.markov_rank=8"], "lilicorr": ["--draft.candidates=4"]}
+DOC, ANCHOR, GAMMA = 12, 5, 3  # two 12-token documents per row, one block anchored at token 5 of each
+
+
+def self_drafted_rows(model):
+    """Two packed rows of two documents, each document's tokens after its block's anchor replaced by the draft's own
+    guesses from that anchor (its tokens before it unchanged, so the block's are the same guesses), labels set at the
+    anchor and its slots only. LiLiCorr's lattice terms are zero unless the data's tokens are among the slots'
+    candidates: on random text of 512 tokens they are never there, on the draft's own walk they are."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (2, 2 * DOC))
+    labels = torch.full_like(ids, -100)
+    for start in (0, DOC):
+        guesses = model.chain_guesses(ids[:, start:start + DOC], GAMMA)  # step k's guess of token i + 1 at i
+        for k in range(1, GAMMA + 1):
+            ids[:, start + ANCHOR + k] = guesses[k - 1][:, ANCHOR + k - 1]
+        span = slice(start + ANCHOR, start + ANCHOR + GAMMA)
+        labels[:, span] = ids[:, span.start + 1:span.stop + 1]
+    positions = torch.arange(DOC).repeat(2)[None].expand(2, -1)
+    return {"input_ids": ids, "position_ids": positions, "labels": labels, "order_position": torch.tensor([0, 1])}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_trains_and_decodes_every_block_draft(family, shards, tmp_path):
+    """Per family (4 layers, float64; MoE experts run eagerly: the grouped matmul has no float64 kernel), each block
+    kind's draft built by its kind against the family's target: one training forward and backward of its own
+    objective on packed rows gives a finite loss, a gradient in every part of the draft (LiLiCorr's correlator and
+    backbone, DSpark's Markov and confidence heads, DFlash2's selector) and none in the target, and greedy
+    speculative decoding with its drafter is the target's own continuation. The block kinds read hidden states
+    through their own rotary and score through the target's head with its logit transform: no family is refused."""
+    from treadle.config import load_config
+    from treadle.drafts.registry import kind as draft_kind
+    from treadle.speculative.decode import speculative_generate, target_generate
+
+    target_dir = tmp_path / "target"
+    build_family(family, target_dir, shards / "tok", layers=4)
+    for name, extra in BLOCK_KINDS.items():
+        cfg = load_config(None, ["--data.train=x", f"--draft.kind={name}", f"--draft.target={target_dir}",
+                                 "--draft.block_size=4", "--draft.num_layers=1", f"--draft.gamma={GAMMA}",
+                                 f"--draft.anchors={2 * GAMMA}", f"--data.seq_len={2 * DOC}", *extra])
+        kind = draft_kind(name)
+        model = kind.build(cfg.draft, 512, None)[0]
+        model.target.set_experts_implementation("eager")
+        model = model.double().eval()
+        objective = kind.setup(cfg, model, None)
+        batch = self_drafted_rows(model)
+        loss, side = objective(model.train(), batch)
+        loss.sum().backward()
+        assert torch.isfinite(loss).all() and loss.sum() > 0, (name, loss)
+        silent = [n for n, part in model.draft_model.named_children()
+                  if not any(p.grad is not None and p.grad.abs().sum() > 0 for p in part.parameters())]
+        assert not silent, (name, silent, side)
+        assert all(p.grad is None for p in model.target.parameters()), name
+        prompt = torch.randint(0, 512, (1, 6))
+        want, _ = target_generate(model.target, prompt, 8)
+        got = speculative_generate(model.target, kind.drafter(model.eval()), prompt, gamma=GAMMA, max_new_tokens=8)
+        assert got.tokens == want, name
+
+
 def test_glide_decides_from_the_config_not_the_family_name():
     """The same family is refused or drafted by what its config says: a sliding window shorter than the context (or
     a sliding last layer) keeps no cache of every position; a full-attention last layer or an unlimited window does."""
@@ -111,8 +174,9 @@ def test_glide_decides_from_the_config_not_the_family_name():
     assert glide_obstacle(transformers.SmolLM3Config(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 1], **small)) is None
 
 
-def test_a_target_no_draft_kind_can_read_is_refused_for_both(shards, tmp_path, capsys):
-    """GPT-2 (learned positions, no rotary embedding, no model.layers): refused in one line for either kind."""
+def test_a_target_no_draft_kind_can_read_is_refused_for_every_kind_that_reads_it(shards, tmp_path, capsys):
+    """GPT-2 (learned positions, no rotary embedding, no model.layers): refused in one line for GLIDE, EAGLE-3 and
+    every block kind."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -120,9 +184,9 @@ def test_a_target_no_draft_kind_can_read_is_refused_for_both(shards, tmp_path, c
     config = transformers.GPT2Config(vocab_size=512, n_embd=32, n_layer=4, n_head=4, n_positions=128,
                                      bos_token_id=0, eos_token_id=0)
     save_target(AutoModelForCausalLM.from_config(config), shards, target)
-    for kind in ("eagle3", "glide"):
+    for kind in ("eagle3", "glide", *BLOCK_KINDS):
         capsys.readouterr()
-        assert main(draft_family_args(shards, target, tmp_path / kind, kind)) == 2
+        assert main(draft_family_args(shards, target, tmp_path / kind, kind)) == 2, kind
         err = capsys.readouterr().err
         assert "no draft kind can read" in err and "rotary" in err and not (tmp_path / kind).exists(), err
 

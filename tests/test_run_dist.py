@@ -214,11 +214,32 @@ DFLASH2 = ["--draft.kind=dflash2", "--draft.block_size=6", "--draft.num_layers=2
            "--draft.conv_group_size=8", "--draft.selector_rank=16", "--draft.selector_top_k=4"]
 DRAFT_ENGINES["dflash2-fsdp2"] = DRAFT_ENGINES["fsdp2"] + DFLASH2
 DRAFT_ENGINES["dflash2-zero3"] = DRAFT_ENGINES["zero3"] + DFLASH2
+# DSpark on ZeRO-3 (its Markov and confidence heads gathered by their own forwards, in chunked_rows' recompute too)
+# and LiLiCorr on fsdp2 (the correlator in the root unit, run inside the model's forward); one run each: the other
+# engine shards the same DFlash backbone the runs above check.
+DSPARK = ["--draft.kind=dspark", "--draft.block_size=5", "--draft.num_layers=2", "--draft.gamma=4", "--draft.anchors=4",
+          "--draft.markov_rank=8"]
+LILICORR = ["--draft.kind=lilicorr", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4",
+            "--draft.anchors=4", "--draft.candidates=4"]
+DRAFT_ENGINES["dspark-zero3"] = DRAFT_ENGINES["zero3"] + DSPARK
+DRAFT_ENGINES["lilicorr-fsdp2"] = DRAFT_ENGINES["fsdp2"] + LILICORR
 # The frozen target split over 2 tensor-parallel ranks for its forward (one data-parallel replica: GA 4), the draft
-# whole on both: EAGLE-3 and DFlash read its hidden states.
+# whole on both: EAGLE-3 and the block kinds read its hidden states. LiLiCorr also reads the target's embedding (its
+# candidates' rows) and head, which TP leaves whole.
 TP2 = ["--distributed.tensor_parallel=2", "--train.grad_accum_steps=4"]
 DRAFT_ENGINES["eagle3-tp2"] = TP2 + EAGLE3
 DRAFT_ENGINES["dflash-tp2"] = TP2 + DFLASH
+DRAFT_ENGINES["lilicorr-tp2"] = TP2 + LILICORR
+# Each kind's one-process reference run (GA 4: the global batch of every run above).
+ONE_PROCESS = {"glide": [], "eagle3": EAGLE3, "dflash": DFLASH, "dflash2": DFLASH2, "dspark": DSPARK,
+               "lilicorr": LILICORR}
+
+
+def _kind(name: str) -> str:
+    """The draft kind of a DRAFT_ENGINES run: its name's prefix, GLIDE's runs named by their engine alone."""
+    return next((k for k in ONE_PROCESS if name.startswith(k + "-")), "glide")
+
+
 # torch < 2.13's FSDP2 cannot train a draft beside a frozen target: every run on it (fsdp2, and auto: CP, TP) is
 # refused there (asserted below); ZeRO-3 runs.
 REFUSED = [] if compat.FSDP2_TRAINS_DRAFTS else [n for n, a in DRAFT_ENGINES.items() if "--distributed.engine=deepspeed" not in a]
@@ -231,7 +252,7 @@ def _draft_runs(rank, world_size, shards, target_dir, eagle3_target_dir, out):
 
     got = {}
     for name, extra in DRAFT_ENGINES.items():
-        target = eagle3_target_dir if name.startswith(("eagle3", "dflash")) else target_dir
+        target = target_dir if _kind(name) == "glide" else eagle3_target_dir
         trainer = build_trainer(load_config(None, draft_args(shards, target, out / name, "--train.max_steps=3",
                                                              "--train.threads=1", *extra)[1:]))
         # Full weights on rank 0 (gathered: every rank calls it), copied: where FSDP2's shard dimension has one rank
@@ -272,9 +293,9 @@ def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, 
                                                                          tmp_path):
     res = run_distributed(_draft_runs, world_size=2, timeout=360, shards=shards, target_dir=target_dir,
                           eagle3_target_dir=eagle3_target_dir, out=tmp_path)[0]
-    one = {kind: tmp_path / f"one-{kind}" for kind in ("glide", "eagle3", "dflash", "dflash2")}
-    for kind, extra, target in (("glide", [], target_dir), ("eagle3", EAGLE3, eagle3_target_dir),
-                                ("dflash", DFLASH, eagle3_target_dir), ("dflash2", DFLASH2, eagle3_target_dir)):
+    one = {kind: tmp_path / f"one-{kind}" for kind in ONE_PROCESS}
+    for kind, extra in ONE_PROCESS.items():
+        target = target_dir if kind == "glide" else eagle3_target_dir
         assert main(draft_args(shards, target, one[kind], "--train.max_steps=3", "--train.grad_accum_steps=4",
                                *extra)) == 0
     if REFUSED:  # those runs are refused in one line naming the release that has it, before any rank starts work
@@ -283,16 +304,20 @@ def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, 
                                              backend="gloo"), draft=True)
     message, written = res["glide-tp2"]
     why = "draft.kind = 'glide'" if compat.FSDP2_TRAINS_DRAFTS else "needs torch >= 2.13"  # the first refusal met
-    assert why in message and (not compat.FSDP2_TRAINS_DRAFTS or "per-head K/V" in message) and "\n" not in message and not written
+    alternatives = "'eagle3', 'dflash', 'dflash2', 'dspark' or 'lilicorr'"  # every kind that reads hidden states
+    assert why in message and (not compat.FSDP2_TRAINS_DRAFTS or "per-head K/V" in message and alternatives in message)
+    assert "\n" not in message and not written
     for name in DRAFT_ENGINES:
         got, run = res[name], tmp_path / name
         assert got["target_keys"] > 0 and got["draft_keys"] > 0
         assert got["target_same"] and got["draft_changed"], got
         # The same draft run as one process: lags and anchors are drawn per global micro-batch, not per rank.
-        kind = next((k for k in ("eagle3", "dflash2", "dflash") if name.startswith(k)), "glide")
+        kind = _kind(name)
         ref = one[kind]
         accuracies = {"eagle3": ("acc_1", "acc_3"), "dflash": ("acc_1", "acc_5", "eal"),
-                      "dflash2": ("acc_1", "acc_5", "eal", "selector_ce")}.get(kind, ())
+                      "dflash2": ("acc_1", "acc_5", "eal", "selector_ce"),
+                      "dspark": ("acc_1", "acc_5", "eal", "confidence_bce"),
+                      "lilicorr": ("acc_1", "acc_5", "eal", "lattice_ce", "lattice_penalty")}.get(kind, ())
         for key in ("loss", "draft_kl", "eval_loss", "tau_sim", "grad_norm") + accuracies:
             a, b = records(ref, key), records(run, key)
             atol = KL_ATOL if key in ("loss", "draft_kl") else 0.0  # draft.loss = "kl": the loss is a KL too
