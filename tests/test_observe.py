@@ -131,8 +131,8 @@ def test_a_plain_log_shows_the_total_the_time_left_each_eval_starting_and_what_e
     # A draft run's train loss is its objective (KL by default), its val loss the draft's cross-entropy.
     assert main(draft_args(shards, target_dir, tmp_path / "draft", "--train.max_steps=2")) == 0
     out = capsys.readouterr().out
-    assert "eval 0: acceptance (tau_sim) on 2 prompts, the target's continuations generated first ...\n" in out
-    assert "eval 2: acceptance (tau_sim) on 2 prompts ...\n" in out, out
+    assert "eval 0: acceptance (tau_sim, drafts in fp32) on 2 prompts, the target's continuations generated first ...\n" in out
+    assert "eval 2: acceptance (tau_sim, drafts in fp32) on 2 prompts ...\n" in out, out
     assert re.search(r"train loss\W+\S+ \(first step\) -> \S+ \(last step\): KL\(target \|\| draft\) per label "
                      r"token ", out), out
     assert re.search(r"val loss\W+\S+ at step 0 -> \S+ at step 2: the draft's cross-entropy on the data per label "
