@@ -23,7 +23,7 @@ with c = draft step / target step, a chain of gamma costs 1 + gamma c target ste
 1 + c (one draft forward, counted: the draft forwards per round replace gamma);
 projected speedup = tau / that.
 
-    python bench/spec.py [--suite spec|mtp] [--train-seconds 150 | --steps N] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1,dynamic-t1] [--reuse-trained]
+    python bench/spec.py [--suite spec|mtp|frontier] [--train-seconds 150 | --steps N] [--only glide-kl,lm,prompt-lookup] [--modes chain,tree,dynamic,t1,tree-t1,dynamic-t1] [--reuse-trained]
 
 ``glide-kl-longspec`` (not in the default list) is glide-kl in LongSpec's layout (``draft.layout = "longspec"``),
 the row to set beside glide-kl to choose the default layout: ``--only glide-kl,glide-kl-longspec``.
@@ -40,6 +40,22 @@ for a target that ships its MTP head: after the trunk is trained, one module is 
 decoded from there ("before"); ``mtp-shipped-ft`` starts from that checkpoint's head (draft.target = it) and
 fine-tunes it on regenerated data with kl and the recursive unroll ("after"; its budget is the same again, sized
 with ``mtp``'s probe: the same step).
+
+``--suite frontier`` benches the block drafts that top the 2026 comparisons against EAGLE-3 on one contract (issue 41):
+``eagle3``, ``dflash``, ``dflash2``, ``dspark`` and ``lilicorr``, each trained on the same target-regenerated data
+(train-split prompts answered by the bench target itself, at ``--regen-temperature``, T = 1 in this suite: its greedy
+text loops), with the same budget (``--train-seconds`` of wall or CPU time, sized by the probes as above), the same
+loss (kl against the target) and the same draft length: 7 tokens per round, the DSpark paper's Table 1 setting (chain,
+T = 1, block and TTT length 7; ModelOpt PR #2342's matched table uses block 16, too long for this tiny target).
+So DSpark's block is 7 (every slot drafts), DFlash's, DFlash2's and LiLiCorr's 8 (the anchor + 7 mask slots),
+EAGLE-3 unrolls 7 steps in training and drafts a chain of 7; the block drafts all have 2 layers and 32 anchors per
+256-token row, their slots weighed exp(-k / 4). Each decodes a greedy chain and a T = 1 chain of 7, and a second
+table gives per drafter tau greedy and at T = 1, tau at T = 1 over EAGLE-3's (the issue's goal: 1.25x), acceptance by
+position within the block and the expected acceptance length. ``lilicorr-conv`` (not in the suite's list) is
+LiLiCorr on DFlash2's convolving backbone. ``--target-steps`` trains the suite's target that many steps instead of
+its config's (a shorter bench target for a short session; point ``--target`` at a directory of its own).
+``--quick`` is a smoke run of the whole pipeline in a few minutes (a 30-step target, 3 training steps per drafter,
+2 prompts x 16 tokens): it checks that every recipe trains, exports and decodes losslessly, not which one is best.
 
 Results go to stdout as a table and to ``runs/bench-spec/results.json`` (``--suite mtp``: runs/bench-spec-mtp/);
 rows of earlier invocations with the same settings stay in it (the table can be built over several ``--only`` runs),
@@ -67,6 +83,7 @@ from treadle.config import load_config
 from treadle.corpus import corpus_files, split_of
 from treadle.drafts.dflash.drafter import DFlashDrafter
 from treadle.drafts.dflash.model import load_dflash
+from treadle.drafts.registry import drafter as exported_drafter
 from treadle.drafts.eagle3.model import load_eagle3
 from treadle.drafts.glide.layout import load_glide
 from treadle.drafts.mtp.drafter import MtpDrafter
@@ -109,6 +126,15 @@ COST_8B = {
     # than a plain layer), the fc fusing z-lab's five target layers (5d -> d), and the target's head over the
     # block; one such forward drafts the whole block (memory-bound: the weights are read once for all its slots).
     "dflash": 2 * _LAYER_8B + 5 * _D * _D + _D * _V,
+    # DFlash2 at 8B: DFlash's, plus the selector's state projection (d -> rank 256) and, per slot, 16 candidates'
+    # successor-codebook rows and one predecessor row (the grouped convolutions' taps are a few thousand weights).
+    "dflash2": 2 * _LAYER_8B + 5 * _D * _D + _D * _V + _D * 256 + 17 * 256,
+    # DSpark at 8B: DFlash's, plus the Markov head's rank-256 bias over the vocabulary (markov_w2: 256 x V; w1 is one
+    # embedding row per slot) and the confidence head (one d-wide row).
+    "dspark": 2 * _LAYER_8B + 5 * _D * _D + _D * _V + 256 * _V + _D,
+    # LiLiCorr at 8B: DFlash's, plus a 2-layer correlator over 7 x 8 candidates (counted as two width-d attention +
+    # MLP blocks: an upper bound, the PR's correlator is narrower).
+    "lilicorr": 2 * _LAYER_8B + 5 * _D * _D + _D * _V + 2 * (4 * _D * _D + 2 * 4 * _D * _D),
     # An independent draft for an 8B target: a Llama-3.2-1B-like model (16 layers of d 2048, tied 128k head).
     "lm": 16 * (2048 * (2 * 2048 + 2 * 512) + 3 * 2048 * 8192) + 2048 * _V,
     # An MTP module at 8B: eh_proj (2d -> d), one decoder layer of the target's (counted dense: a shipped MoE one
@@ -153,14 +179,25 @@ def _eagle3_args(args) -> list[str]:
 
 
 DFLASH_BLOCK = 8  # the anchor + 7 mask slots: one draft forward proposes 7 tokens (configs/demo-dflash.toml's)
+DSPARK_BLOCK = 7  # every slot drafts (the anchor's too): the same 7 tokens a forward (DeepSpec's block)
+# The frontier suite's rank for DSpark's Markov head and DFlash2's selector: 256 at Qwen3's 152k vocabulary, 64 at
+# the bench target's 8192 (configs/demo-dspark.toml's; at 256 the two [8192, 256] tables would outweigh the backbone).
+FRONTIER_RANK = 64
 
 
-def _dflash_args(args) -> list[str]:
-    # Every position of a 256-token row anchors a block about once (anchors = seq_len / block), slot k weighed
-    # exp(-(k - 1) / 4), the paper's choice at block 8; two draft layers (z-lab's are 5 at 8B).
-    return [*_data_args(args, False), "--draft.kind=dflash", f"--draft.target={args.target}", "--draft.loss=kl",
-            f"--draft.block_size={DFLASH_BLOCK}", "--draft.num_layers=2", "--draft.slot_gamma=4",
-            f"--draft.gamma={DFLASH_BLOCK - 1}"]
+def _block_args(kind: str, block_size: int, *extra: str):
+    """A block draft's recipe: two draft layers (z-lab's are 5 at 8B), slot k weighed exp(-(k - 1) / 4) (the paper's
+    choice at block 8), anchors = 32 (every position of a 256-token row anchors a block about once), kl, tau_sim over
+    the block's 7 drafts; ``extra``: the kind's own keys."""
+    def args_for(args) -> list[str]:
+        return [*_data_args(args, False), f"--draft.kind={kind}", f"--draft.target={args.target}", "--draft.loss=kl",
+                f"--draft.block_size={block_size}", "--draft.num_layers=2", "--draft.slot_gamma=4",
+                "--draft.anchors=32", f"--draft.gamma={FRONTIER_GAMMA}", *extra]
+    return args_for
+
+
+FRONTIER_GAMMA = 7  # every block kind drafts 7 tokens a round; EAGLE-3 a chain of 7 in the frontier suite
+_dflash_args = _block_args("dflash", DFLASH_BLOCK)
 
 
 def _lm_args(args) -> list[str]:
@@ -168,7 +205,7 @@ def _lm_args(args) -> list[str]:
 
 
 def _data_args(args, regen: bool) -> list[str]:
-    if regen:
+    if regen or args.regen_all:  # the frontier suite trains every recipe on the regenerated data
         return [f'--data.sources=[{{name="regen",path="{args.regen}"}}]', "--data.val=builtin"]
     return [f"--data.train={args.data}", "--data.val=builtin"]
 
@@ -239,6 +276,19 @@ RECIPES = [
            imports="eagle3"),
     Recipe("dflash", _dflash_args, lambda run, target: DFlashDrafter(load_dflash(run / "draft", target)), "dflash",
            gamma=DFLASH_BLOCK - 1),
+    # The frontier suite's block kinds (issue 41), each loaded from its export as spec-eval loads it; decoded at the
+    # block's 7 drafts. DFlash2: DFlash plus grouped in-block convolutions and the selector's walk through 16
+    # candidates a slot; DSpark: its Markov head and confidence head (no early stop: both engines default to the
+    # whole block); LiLiCorr: DFlash's backbone and a 2-layer correlator over 8 candidates a slot, trained jointly
+    # (ModelOpt PR #2342's default); lilicorr-conv: the same on DFlash2's convolving backbone (the paper's best row).
+    Recipe("dflash2", _block_args("dflash2", DFLASH_BLOCK, f"--draft.selector_rank={FRONTIER_RANK}"),
+           lambda run, target: exported_drafter(run / "draft", target), "dflash2", gamma=FRONTIER_GAMMA),
+    Recipe("dspark", _block_args("dspark", DSPARK_BLOCK, f"--draft.markov_rank={FRONTIER_RANK}"),
+           lambda run, target: exported_drafter(run / "draft", target), "dspark", gamma=FRONTIER_GAMMA),
+    Recipe("lilicorr", _block_args("lilicorr", DFLASH_BLOCK),
+           lambda run, target: exported_drafter(run / "draft", target), "lilicorr", gamma=FRONTIER_GAMMA),
+    Recipe("lilicorr-conv", _block_args("lilicorr", DFLASH_BLOCK, "--draft.conv_group_size=16"),
+           lambda run, target: exported_drafter(run / "draft", target), "lilicorr", gamma=FRONTIER_GAMMA),
     Recipe("lm", _lm_args, lambda run, target: ModelDrafter(load_causal_lm(run / "hf", "lm draft"), name="lm"), "lm"),
     Recipe("prompt-lookup", None, lambda run, target: PromptLookupDrafter(), "prompt-lookup"),
     # MTP heads (a target with an MTP layout: --suite mtp). mtp: a new module trained against the frozen target,
@@ -269,12 +319,25 @@ SUITES = {
                  modes=",".join(MODES)),
     "mtp": dict(target_config=Path("configs/bench-target-mtp.toml"), target="runs/bench-target-mtp",
                 out="runs/bench-spec-mtp", only="mtp,glide-kl,mtp-shipped,mtp-shipped-ft", modes="chain,t1"),
+    # frontier: every block kind and EAGLE-3 on one contract (the module docstring): regenerated data for all,
+    # sampled at T = 1, chains of 7 greedy and at T = 1.
+    "frontier": dict(target_config=BENCH_TARGET, target="runs/bench-target", out="runs/bench-spec-frontier",
+                     only="eagle3,dflash,dflash2,dspark,lilicorr", modes="chain,t1", gamma=FRONTIER_GAMMA,
+                     regen_all=True, regen_temperature=1.0),
 }
+# What a flag is when neither it nor the suite nor --quick sets it.
+DEFAULTS = dict(gamma=4, prompts=8, max_new_tokens=64, probe_steps=6, regen_prompts=512, regen_new_tokens=192,
+                regen_all=False, regen_temperature=0.0, target_steps=None, steps=None)
+# --quick: a smoke run (every step of the pipeline, tiny sizes); explicit flags still win.
+QUICK = dict(target_steps=30, steps=3, probe_steps=2, prompts=2, max_new_tokens=16, regen_prompts=16,
+             regen_new_tokens=32)
 
 
 def regenerate(args) -> Path:
-    """Train-split prompts answered greedily by the target: an SFT file of the target's own outputs (cached)."""
-    out = args.out / f"regen-{args.regen_prompts}x{args.regen_new_tokens}.jsonl"
+    """Train-split prompts answered by the target (greedily, or sampled at ``--regen-temperature``): an SFT file of
+    the target's own outputs (cached)."""
+    sampled = f"-t{args.regen_temperature:g}" if args.regen_temperature else ""
+    out = args.out / f"regen-{args.regen_prompts}x{args.regen_new_tokens}{sampled}.jsonl"
     prompts = args.out / f"regen-prompts-{args.regen_prompts}.jsonl"
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(Path(args.target), "--target"))
     windows = train_windows(tokenizer, args.regen_prompts, args.prompt_len)
@@ -282,7 +345,8 @@ def regenerate(args) -> Path:
     prompts.write_text("".join(json.dumps({"prompt": tokenizer.decode(w)}) + "\n" for w in windows))
     # Resumable: a finished file is only read back (every row skipped), an interrupted one is continued.
     subprocess.run([sys.executable, "-m", "treadle", "generate", "--model", str(args.target), "--prompts", str(prompts),
-                    "--out", str(out), "--max-new-tokens", str(args.regen_new_tokens), "--batch-size", "32"], check=True)
+                    "--out", str(out), "--max-new-tokens", str(args.regen_new_tokens), "--batch-size", "32",
+                    "--temperature", str(args.regen_temperature)], check=True)
     return out
 
 
@@ -302,7 +366,8 @@ def train_windows(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
 def bench_target(args) -> Path:
     """The suite's target config's run (configs/bench-target.toml's by default), trained once (an interrupted run
     resumes from its checkpoint)."""
-    cfg = load_config(args.target_config, [f"--train.output_dir={args.target}"])
+    steps = [f"--train.max_steps={args.target_steps}"] if args.target_steps else []
+    cfg = load_config(args.target_config, [f"--train.output_dir={args.target}", *steps])
     if not any((Path(args.target) / sub / "config.json").is_file() for sub in ("hf", ".")):  # a run, or an HF dir
         print(f"training the bench target ({args.target_config}) into {args.target} ...", file=sys.stderr, flush=True)
         run_training(cfg, live=False)
@@ -371,7 +436,8 @@ def draft_step_params(recipe: Recipe, drafter, target) -> int:
         return sum(p.numel() for p in drafter.model.draft_model.parameters()) + target.get_output_embeddings().weight.numel()
     if recipe.family == "eagle3":
         return sum(p.numel() for p in drafter.model.draft_model.parameters())  # own head; the embedding is one row
-    if recipe.family == "dflash":  # its layers and fc, and the target's head it scores the block with
+    if recipe.family in ("dflash", "dflash2", "dspark", "lilicorr"):
+        # its layers and fc (and the kind's own heads), and the target's head it scores the block with
         return sum(p.numel() for p in drafter.model.draft_model.parameters()) + target.get_output_embeddings().weight.numel()
     if recipe.family == "lm":
         return params_read(drafter.model)
@@ -451,7 +517,8 @@ def loop_check(args, model_dirs: list[str]) -> int:
 def settings(args) -> dict:
     """What makes rows of two invocations comparable (one table)."""
     return {k: str(getattr(args, k)) for k in ("target", "data", "train_seconds", "budget", "steps", "gamma", "prompts",
-                                               "prompt_len", "max_new_tokens")}
+                                               "prompt_len", "max_new_tokens", "target_steps", "regen_all",
+                                               "regen_temperature")}
 
 
 def merged(args, rows: list[dict], retrained: set[str]) -> list[dict]:
@@ -468,6 +535,36 @@ def merged(args, rows: list[dict], retrained: set[str]) -> list[dict]:
                                        if r["mode"] in MODES else len(MODES)))
 
 
+def _cells(values) -> str:
+    return ", ".join("n/a" if v is None else f"{v:.2f}" for v in values or [])
+
+
+def frontier_table(rows: list[dict]) -> None:
+    """The matched table of --suite frontier: per drafter, its chain greedy beside T = 1, acceptance by position
+    within the block (conditional: slot k accepted given slots 1..k-1 were), the expected acceptance length
+    1 + sum_k prod_{i<=k} acc_i (tokens a round, the bonus included) and tau at T = 1 over EAGLE-3's."""
+    by = {(r["drafter"], r["mode"]): r for r in rows}
+    base = by.get(("eagle3", "t1"))
+    print("\n| drafter | steps | train s | tau greedy | tau T = 1 | T = 1 vs EAGLE-3 | acceptance by block position, "
+          "greedy (k=1..) | acceptance by block position, T = 1 | expected acceptance length, greedy / T = 1 | "
+          "lossless |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in dict.fromkeys(r["drafter"] for r in rows):
+        greedy, t1 = by.get((name, "chain")), by.get((name, "t1"))
+        any_row = greedy or t1
+
+        def tau(r):
+            return "-" if r is None else f"{r['tau']:.2f}"
+
+        def length(r):
+            return "-" if r is None or r.get("expected_accepted") is None else f"{1 + r['expected_accepted']:.2f}"
+
+        ratio = f"{t1['tau'] / base['tau']:.2f}x" if t1 and base else "-"
+        print(f"| {name} | {any_row['steps']} | {any_row['train_s']:.0f} | {tau(greedy)} | {tau(t1)} | {ratio} | "
+              f"{_cells(greedy and greedy['acceptance_conditional'])} | {_cells(t1 and t1['acceptance_conditional'])} | "
+              f"{length(greedy)} / {length(t1)} | {greedy['lossless'] if greedy else '-'} |")
+
+
 def projected(tau: float, forwards: float, c: float) -> float:
     """tau per verification call over its cost in target steps: the verify forward (about one step, memory-bound)
     plus ``forwards`` draft forwards of cost ``c`` each."""
@@ -478,8 +575,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--suite", choices=list(SUITES), default="spec",
                         help="spec: the Llama bench target and its drafters; mtp: MTP heads beside GLIDE on a GLM-4-MoE "
-                             "bench target (configs/bench-target-mtp.toml; --target, --out, --only, --modes default to "
-                             "the suite's)")
+                             "bench target (configs/bench-target-mtp.toml); frontier: the block drafts (dflash, "
+                             "dflash2, dspark, lilicorr) and eagle3 on one contract, 7 drafts a round, all on "
+                             "regenerated data (--target, --out, --only, --modes, --gamma default to the suite's)")
+    parser.add_argument("--target-steps", type=int,
+                        help="train the suite's target this many steps instead of its config's (name a --target of "
+                             "its own: an existing target directory is reused as it is)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) +
+                             ", --target and --out under runs/bench-quick-<suite> (explicit flags win)")
     parser.add_argument("--target", help="where the suite's target config's run lives (spec: runs/bench-target)")
     parser.add_argument("--data", default="builtin", help="draft training data: shard dir or 'builtin'")
     parser.add_argument("--train-seconds", type=float, default=150.0, help="training time per drafter (--budget)")
@@ -487,18 +591,21 @@ def main() -> int:
                         help="what --train-seconds counts: wall time (an idle machine; 2 training threads), or "
                              "this process's CPU time (a machine others share; 1 training thread, so no thread waits "
                              "spinning on another)")
-    parser.add_argument("--steps", type=int, help="train every drafter this many steps instead of --train-seconds")
-    parser.add_argument("--probe-steps", type=int, default=6, help="steps of the run that measures a recipe's step time")
-    parser.add_argument("--gamma", type=int, default=4)
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=None, help="train every drafter this many steps instead of --train-seconds")
+    parser.add_argument("--probe-steps", type=int, help="steps of the run that measures a recipe's step time")
+    parser.add_argument("--gamma", type=int, help="chain length of the drafters without a block (spec, mtp: 4; "
+                        "frontier: 7)")
+    parser.add_argument("--prompts", type=int)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--only", help=f"recipes, of {', '.join(r.name for r in RECIPES)} (spec: {DEFAULT})")
     parser.add_argument("--modes", help=f"decoding modes, of {', '.join(MODES)} (spec: all)")
-    parser.add_argument("--regen-prompts", type=int, default=512,
+    parser.add_argument("--regen-prompts", type=int,
                         help="glide-kl-regen, mtp-shipped-ft: prompts the target answers")
-    parser.add_argument("--regen-new-tokens", type=int, default=192,
+    parser.add_argument("--regen-new-tokens", type=int,
                         help="glide-kl-regen, mtp-shipped-ft: tokens per answer")
+    parser.add_argument("--regen-temperature", type=float,
+                        help="the regenerated answers' sampling temperature (0 = greedy; frontier: 1, else 0)")
     parser.add_argument("--out", type=Path, help="results and trained drafters (spec: runs/bench-spec)")
     parser.add_argument("--loop-check", nargs="+", metavar="MODEL_DIR",
                         help="only print the loop check of these models (e.g. exported checkpoints of a target)")
@@ -507,9 +614,12 @@ def main() -> int:
     args = parser.parse_args()
     suite = SUITES[args.suite]
     args.target_config = suite["target_config"]
-    for key in ("target", "out", "only", "modes"):
-        if getattr(args, key) is None:
-            setattr(args, key, Path(suite[key]) if key == "out" else suite[key])
+    quick = {**QUICK, "target": f"runs/bench-quick-{args.suite}/target", "out": Path(f"runs/bench-quick-{args.suite}")}
+    defaults = {**DEFAULTS, **{k: v for k, v in suite.items() if k != "out"}, "out": Path(suite["out"]),
+                **(quick if args.quick else {})}
+    for key, value in defaults.items():  # a flag given wins over --quick, which wins over the suite's and the default
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
     recipes = {r.name: r for r in RECIPES}
     names, modes = args.only.split(","), args.modes.split(",")
     for name in names:
@@ -525,7 +635,7 @@ def main() -> int:
         return loop_check(args, args.loop_check)
 
     bench_target(args)
-    args.regen = regenerate(args) if any(recipes[n].regen for n in names) else None
+    args.regen = regenerate(args) if args.regen_all or any(recipes[n].regen for n in names) else None
     trained, retrained = {}, set()
     # Every recipe that trains is probed first, back to back: on a machine whose load changes, probes taken one
     # right after another compare the recipes' step times under the same load (the budget is shared fairly).
@@ -600,6 +710,8 @@ def main() -> int:
               f"{r['tokens_per_s_spec']:.0f} | {r['tokens_per_s_target']:.0f} | "
               f"{r['speedup']:.2f}x | {r['cost_ratio']:.3f} | {r['projected_speedup']:.2f}x | {r['cost_ratio_8b']:.3f} | "
               f"{r['projected_speedup_8b']:.2f}x | {lossless} |")
+    if args.suite == "frontier":
+        frontier_table(rows)
     (args.out / "results.json").write_text(json.dumps({"settings": settings(args), "target_loops": loops,
                                                        "rows": rows}, indent=2) + "\n")
     return 0 if all(r["lossless"] is not False for r in rows) else 1
