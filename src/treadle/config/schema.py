@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from treadle.config.messages import config_error
 from treadle.drafts.settings import NAMES as DRAFT_KINDS
 from treadle.drafts.settings import check as check_draft, check_context_parallel as check_draft_context_parallel
+from treadle.drafts.settings import check_lora as check_draft_lora
 
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
@@ -567,9 +568,8 @@ class Config(Section):
         lora, d = self.lora, self.distributed
         if lora.rank is None:  # the other keys keep their defaults in a resolved config.toml: not an error
             return
-        if self.draft.kind is not None:
-            raise ValueError(f"lora.rank with draft.kind = {self.draft.kind!r}: adapters on a draft are not built yet "
-                             "(only on the [model] a run trains); accepted: lora.rank unset in a draft run")
+        if self.draft.kind is not None:  # adapters on a trained draft: its kind says whether it has them
+            check_draft_lora(self.draft)
         if d.tensor_parallel > 1:
             raise ValueError(f"lora.rank with distributed.tensor_parallel = {d.tensor_parallel}: tensor parallelism "
                              "splits nn.Linear weights by name, and PEFT wraps each adapted linear in a LoRA layer it "

@@ -273,6 +273,8 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     model, target_dir, identity = build_draft(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint, empty)
     _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
     meta["target_fingerprint"] = identity["config_fingerprint"]
+    # Adapters on the trained draft of draft.init (frozen, as the target), before the objective holds its modules.
+    adapters = draft_lora_adapters(cfg, model, meta) if cfg.lora.rank is not None else None
     objective = kind(cfg.draft.kind).setup(cfg, model, [o.dataset for o in data.sources])
     if cfg.draft.features:  # the store's windows, with the target's reads, stand in for the data's
         data.sources[0].dataset, data.val = attach_store(cfg, model, target_dir, identity, train_ds, val_ds)
@@ -281,11 +283,30 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
     check_token_ids(prompts, model.target.config.vocab_size, lambda: f"the draft's eval prompts ({(val_ds or train_ds).where})")
     out = Path(cfg.train.output_dir) / "draft"
+    export = (DraftExportCallback(out, target_dir, identity, cfg.draft) if adapters is None
+              else AdapterExportCallback(Path(cfg.train.output_dir) / "adapter", adapters))
     # tau_sim needs the target's greedy texts and its reads on them: the live target's, or a treadle store's.
     acceptance = [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every, cfg.train.eval_at_start)]
     return ModelSetup(model, model.target.config.vocab_size, objective, objective.evaluate,
                       acceptance if model.live or model.stored is not None else [],
-                      DraftExportCallback(out, target_dir, identity, cfg.draft), step_callbacks=step_callbacks)
+                      export, step_callbacks=step_callbacks, notes=Notes([describe_adapters(adapters)], []))
+
+
+def draft_lora_adapters(cfg: Config, model: torch.nn.Module, meta: dict) -> Adapters:
+    """``[lora]`` in a draft run: PEFT's adapters on the draft module only (``model.draft_model``, the base draft
+    of ``draft.init``), frozen with the target; the checkpoint's meta names the base draft (kind, files, target),
+    so a resume against another base draft is refused (checkpoint/compat.py)."""
+    from treadle.drafts.kind import init_dir
+    from treadle.models.lora import draft_base_identity
+
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise UserError(f"lora.rank in a {cfg.draft.kind} draft run under a launcher of "
+                        f"{torch.distributed.get_world_size()} processes: adapters on a draft are built and tested "
+                        "in one process only (a draft is small: its adapters train fast on one device); accepted: "
+                        "one process (no launcher), or lora.rank unset")
+    identity = draft_base_identity(cfg.draft.kind, init_dir(cfg.draft.init), model.target.config)
+    meta["base_fingerprint"], meta["base"] = identity["fingerprint"], identity
+    return apply_lora(model.draft_model, cfg.lora, identity, prefix="draft_model.")
 
 
 def choose_attention(cfg: Config, model: torch.nn.Module, device: torch.device, cp: int) -> list[str]:
