@@ -581,6 +581,14 @@ class Config(Section):
         if self.model.dtype == "fp8":
             raise ValueError("lora.rank with model.dtype = 'fp8': torchao's float8 layers replace the nn.Linear "
                              "modules PEFT adapts; accepted: model.dtype = auto, fp32, bf16 or bf16-weights")
+        if lora.quantize == "4bit" and self.draft.kind is not None:
+            raise ValueError(f"lora.quantize = '4bit' with draft.kind = {self.draft.kind!r}: a draft's adapters train "
+                             "on a base draft of a few layers, and the frozen target is not the model adapted; "
+                             "accepted: lora.quantize = 'none' in a draft run")
+        if lora.quantize == "4bit" and self.model.dtype == "bf16-weights":
+            raise ValueError(f"lora.quantize = '4bit' with model.dtype = {self.model.dtype!r}: the base's linears are "
+                             "NF4 and its other weights are not cast around them; accepted: model.dtype = auto, fp32 "
+                             "or bf16 (autocast)")
         if lora.quantize == "4bit" and d.engine not in ("auto", "local"):
             raise ValueError(f"lora.quantize = '4bit' with distributed.engine = {d.engine!r}: bitsandbytes' 4-bit "
                              "weights are not sharded or replicated by treadle's engines yet; accepted: engine = auto "

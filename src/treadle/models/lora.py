@@ -167,6 +167,36 @@ def bitsandbytes_backend(device: torch.device) -> str | None:
     return None
 
 
+def quantize_base(model: nn.Module) -> int:
+    """QLoRA's frozen base: every nn.Linear of the decoder layers replaced, in place, by bitsandbytes' ``Linear4bit``
+    holding its weight in NF4 (the LM head and embeddings stay as they are, as transformers' BitsAndBytesConfig
+    leaves them); the matmuls compute in the weight's former dtype. Call before ``apply_lora``: PEFT then wraps each
+    in its 4-bit LoRA layer. Returns how many layers were quantized."""
+    import bitsandbytes as bnb
+
+    from treadle.models.hf import decoder_layers
+
+    quantized = 0
+    for layer in decoder_layers(model):
+        for name, old in list(layer.named_modules()):
+            if type(old) is not nn.Linear:
+                continue
+            new = bnb.nn.Linear4bit(old.in_features, old.out_features, bias=old.bias is not None,
+                                    compute_dtype=old.weight.dtype, quant_type="nf4", device="meta")
+            new.weight = bnb.nn.Params4bit(old.weight.detach().clone(), requires_grad=False, quant_type="nf4")
+            if old.bias is not None:
+                new.bias = nn.Parameter(old.bias.detach().clone(), requires_grad=False)
+            # bitsandbytes' CPU inference path (no grad, AVX512-BF16) repacks the weight with bf16 block scales on
+            # the first eval forward: evals would score another base than training (and layers narrower than a
+            # 64-value block fail there). One format, train and eval alike.
+            new.support_avx512bf16_for_cpu = False
+            parent, _, leaf = name.rpartition(".")
+            # Params4bit quantizes when it is moved to its device: the layer's, where the model was built
+            setattr(layer.get_submodule(parent) if parent else layer, leaf, new.to(old.weight.device))
+            quantized += 1
+    return quantized
+
+
 @contextlib.contextmanager
 def quiet_peft() -> Iterator[None]:
     """Around PEFT's calls (main thread: catch_warnings swaps the process's filters), the warnings that are PEFT's

@@ -41,7 +41,7 @@ from treadle.metrics.sinks import Console, JsonlSink, Sinks, check_sinks_install
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
 from treadle.models.fp8 import apply_fp8
-from treadle.models.lora import Adapters, apply_lora, base_identity, bitsandbytes_backend
+from treadle.models.lora import Adapters, apply_lora, base_identity, bitsandbytes_backend, quantize_base
 from treadle.models import attention
 from treadle.models.hf import (build_model, compile_layers, count_parameters, from_scratch_line, persistent_compile_cache,
                                trainable_parameters, vocabulary_fit)
@@ -241,14 +241,15 @@ def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
 def lora_adapters(cfg: Config, model: torch.nn.Module, meta: dict) -> Adapters:
     """``[lora]``: PEFT's adapters injected into ``model``, the base frozen; the checkpoint's meta names the base
     (its identity), so a resume against another base is refused (checkpoint/compat.py)."""
-    if cfg.lora.quantize == "4bit":
+    identity = base_identity(cfg.model, model.config, cfg.train.seed)  # of the base's full-precision weights
+    meta["base_fingerprint"], meta["base"] = identity["fingerprint"], identity
+    if cfg.lora.quantize == "4bit":  # QLoRA: the frozen base's decoder linears held in NF4 by bitsandbytes
         why = bitsandbytes_backend(torch.device("cpu") if cfg.train.device == "auto" and not torch.cuda.is_available()
                                    else torch.device("cuda" if cfg.train.device == "auto" else cfg.train.device))
-        raise UserError(f"lora.quantize = '4bit' cannot hold the base in 4-bit: {why}; accepted: lora.quantize = "
-                        "'none'" if why else "lora.quantize = '4bit': QLoRA is not built into treadle's runs yet "
-                        "(bitsandbytes is here); accepted: lora.quantize = 'none'")
-    identity = base_identity(cfg.model, model.config, cfg.train.seed)
-    meta["base_fingerprint"], meta["base"] = identity["fingerprint"], identity
+        if why:
+            raise UserError(f"lora.quantize = '4bit' cannot hold the base in 4-bit: {why}; accepted: lora.quantize = "
+                            "'none'")
+        quantize_base(model)
     return apply_lora(model, cfg.lora, identity)
 
 
