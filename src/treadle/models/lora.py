@@ -63,7 +63,7 @@ def base_identity(model_cfg, hf_config, seed: int) -> dict:
     its weights: the files' fingerprint for ``model.path``, else the seed the run's random init used (a preset or a
     config.json without weights is rebuilt from it: the same seed gives the same base). ``fingerprint`` hashes it
     all; it is what a checkpoint records and a resume compares."""
-    from treadle.drafts.identity import target_config_fingerprint, target_summary
+    from treadle.models.identity import target_config_fingerprint, target_summary
     from treadle.model_dirs import model_fingerprint, resolve_model_dir
     from treadle.models.hf import has_weights
 
@@ -81,7 +81,7 @@ def draft_base_identity(kind: str, draft_dir: Path, target_config) -> dict:
     """What the base draft of a draft LoRA run is (``draft.init``; spec-eval's ``--draft``): its kind, its files'
     fingerprint and the target it drafts for (summary and config fingerprint, as a draft export names its target).
     ``fingerprint`` hashes it all, as ``base_identity``'s does."""
-    from treadle.drafts.identity import target_config_fingerprint, target_summary
+    from treadle.models.identity import target_config_fingerprint, target_summary
     from treadle.model_dirs import model_fingerprint
 
     identity = {"draft_kind": kind, **target_summary(target_config),
@@ -93,7 +93,7 @@ def draft_base_identity(kind: str, draft_dir: Path, target_config) -> dict:
 
 def describe_base(identity: dict) -> str:
     """'llama, hidden_size 32, ..., fingerprint 1a2b...' for a refusal (a base draft: 'the eagle3 draft for ...')."""
-    from treadle.drafts.identity import describe_target
+    from treadle.models.identity import describe_target
 
     how = (f"weights {identity['weights_fingerprint']}" if "weights_fingerprint" in identity
            else f"random init seed {identity.get('random_init_seed')}")
