@@ -123,6 +123,8 @@ def main() -> None:
                     help="skip the model-loading cases (bench/memory_loading_cases.py: torchrun, world size 1 and 2)")
     ap.add_argument("--no-eagle3", action="store_true",
                     help="skip the EAGLE-3 draft cases (bench/memory_eagle3_cases.py: T = 1k/4k/16k, before/after)")
+    ap.add_argument("--no-lora", action="store_true",
+                    help="skip the LoRA cases (bench/memory_lora_cases.py: medium and a 1.6B model, full vs rank 16)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # the child: run this case, print JSON
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -173,6 +175,11 @@ def main() -> None:
 
         print()
         memory_eagle3_cases.print_table(memory_eagle3_cases.eagle3_cases())
+    if not args.no_lora and not args.only:  # the fifth: full training against LoRA r = 16, medium and larger
+        import memory_lora_cases
+
+        print()
+        memory_lora_cases.print_table(memory_lora_cases.lora_cases())
 
 
 if __name__ == "__main__":

@@ -186,7 +186,8 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
 
     ``to="hf"`` for a model run; ``to="draft"`` for a draft run (the draft alone, as at the end of the run);
     ``"auto"``: whichever the checkpoint's config says it is. A LoRA run (``[lora]``): its adapter directory, or
-    with ``merge`` the base with the adapters merged in, as a Hugging Face model.
+    with ``merge`` the base with the adapters merged in, as a Hugging Face model (a draft LoRA run: the base draft
+    of draft.init with them merged in, as a draft in its kind's layout, which engines serve today).
     """
     from treadle.checkpoint.discovery import checkpoint_at
     from treadle.checkpoint.validate import checkpoint_format, run_state
@@ -215,6 +216,13 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
 
         model, target_dir, identity = build_draft(cfg.draft, meta["vocab_size"], meta["tokenizer_fingerprint"])
         module, prefix = model.draft_model, "draft_model."
+        if cfg.lora.rank is not None:  # adapters on the base draft of draft.init: that draft, and no other
+            from treadle.drafts.kind import init_dir
+            from treadle.models.lora import apply_lora, check_same_base, draft_base_identity
+
+            base = draft_base_identity(cfg.draft.kind, init_dir(cfg.draft.init), model.target.config)
+            check_same_base(meta.get("base"), base, f"checkpoint {ckpt}")  # draft.init now holds another draft
+            adapters = apply_lora(module, cfg.lora, base, prefix=prefix)
     else:
         torch.manual_seed(cfg.train.seed)  # a LoRA run's base from a preset is the run's seeded random init
         model = build_model(cfg.model, meta["vocab_size"], tokenizer=RunTokenizer.from_meta(meta))
@@ -252,7 +260,8 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     if adapters is not None:
         from treadle.models.lora import merged_model
 
-        model = merged_model(adapters)
+        merged = merged_model(adapters)  # in place: a draft run's draft_model is the merged draft now
+        model = model if cfg.draft.kind else merged
     if cfg.draft.kind:
         return export_draft(model, model.state_dict(), out, target_dir, identity, cfg.draft,
                             step=train_state["train"]["step"], command="export", dtype=dtype)

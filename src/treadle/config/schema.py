@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from treadle.config.messages import config_error
 from treadle.drafts.settings import NAMES as DRAFT_KINDS
 from treadle.drafts.settings import check as check_draft, check_context_parallel as check_draft_context_parallel
+from treadle.drafts.settings import check_lora as check_draft_lora
 
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
@@ -567,9 +568,8 @@ class Config(Section):
         lora, d = self.lora, self.distributed
         if lora.rank is None:  # the other keys keep their defaults in a resolved config.toml: not an error
             return
-        if self.draft.kind is not None:
-            raise ValueError(f"lora.rank with draft.kind = {self.draft.kind!r}: adapters on a draft are not built yet "
-                             "(only on the [model] a run trains); accepted: lora.rank unset in a draft run")
+        if self.draft.kind is not None:  # adapters on a trained draft: its kind says whether it has them
+            check_draft_lora(self.draft)
         if d.tensor_parallel > 1:
             raise ValueError(f"lora.rank with distributed.tensor_parallel = {d.tensor_parallel}: tensor parallelism "
                              "splits nn.Linear weights by name, and PEFT wraps each adapted linear in a LoRA layer it "
@@ -581,6 +581,14 @@ class Config(Section):
         if self.model.dtype == "fp8":
             raise ValueError("lora.rank with model.dtype = 'fp8': torchao's float8 layers replace the nn.Linear "
                              "modules PEFT adapts; accepted: model.dtype = auto, fp32, bf16 or bf16-weights")
+        if lora.quantize == "4bit" and self.draft.kind is not None:
+            raise ValueError(f"lora.quantize = '4bit' with draft.kind = {self.draft.kind!r}: a draft's adapters train "
+                             "on a base draft of a few layers, and the frozen target is not the model adapted; "
+                             "accepted: lora.quantize = 'none' in a draft run")
+        if lora.quantize == "4bit" and self.model.dtype == "bf16-weights":
+            raise ValueError(f"lora.quantize = '4bit' with model.dtype = {self.model.dtype!r}: the base's linears are "
+                             "NF4 and its other weights are not cast around them; accepted: model.dtype = auto, fp32 "
+                             "or bf16 (autocast)")
         if lora.quantize == "4bit" and d.engine not in ("auto", "local"):
             raise ValueError(f"lora.quantize = '4bit' with distributed.engine = {d.engine!r}: bitsandbytes' 4-bit "
                              "weights are not sharded or replicated by treadle's engines yet; accepted: engine = auto "

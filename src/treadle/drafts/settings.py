@@ -59,6 +59,20 @@ def check(draft) -> None:
         own.check(draft)
 
 
+def check_lora(draft) -> None:
+    """``[lora]`` in a draft run: adapters on a trained draft (``draft.init``) of a kind that has them (a kind's
+    ``ADAPTERS``; else its ``LORA_NOTE`` says why not)."""
+    own = KINDS[draft.kind]
+    if not getattr(own, "ADAPTERS", False):
+        adapted = " or ".join(repr(n) for n in sorted(KINDS) if getattr(KINDS[n], "ADAPTERS", False))
+        raise ValueError(f"lora.rank with draft.kind = {own.NAME!r}: {own.LORA_NOTE}; accepted: draft.kind = "
+                         f"{adapted}, or lora.rank unset")
+    if draft.init is None:
+        raise ValueError(f"lora.rank with draft.kind = {own.NAME!r} and no draft.init: adapters adapt a trained draft "
+                         "(the base draft stays frozen); accepted: draft.init = the base draft's directory (an export "
+                         "or its run directory), or lora.rank unset")
+
+
 def check_context_parallel(draft, cp: int, loss_chunk_tokens: str | int) -> None:
     """What the run's kind refuses when ``distributed.context_parallel = cp > 1`` with ``model.loss_chunk_tokens``
     (an ordinary run: nothing)."""

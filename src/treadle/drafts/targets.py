@@ -34,7 +34,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from treadle.errors import UserError
-from treadle.drafts.identity import target_config_fingerprint, target_summary
+from treadle.models.identity import target_config_fingerprint, target_summary
 from treadle.model_dirs import model_fingerprint
 from treadle.models.hf import load_causal_lm
 from treadle.tokenizer import tokenizer_fingerprint

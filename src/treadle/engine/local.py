@@ -157,10 +157,19 @@ def trainable_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
     from torch.distributed.checkpoint.state_dict import _get_fqns  # how DCP names a parameter behind its wrappers
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_SAVE)
-    for name in frozen_names(model):
-        for fqn in _get_fqns(model, name):
-            model_sd.pop(fqn, None)
+    frozen = {fqn for name in frozen_names(model) for fqn in _get_fqns(model, name)}
+    for key in list(model_sd):
+        # A frozen weight's own extra keys too: a 4-bit base (QLoRA, bitsandbytes' Linear4bit) saves its quantization
+        # state as '<weight>.absmax', '<weight>.quant_map', '<weight>.quant_state.*' beside the packed weight.
+        if key in frozen or _parents(key, frozen):
+            model_sd.pop(key)
     return model_sd, optim_sd
+
+
+def _parents(key: str, names: set[str]) -> list[str]:
+    """The dotted prefixes of ``key`` that are in ``names`` ('a.b.c' -> 'a', 'a.b' where present)."""
+    parts = key.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in names]
 # Not strict: the frozen keys are absent by design. The checkpoint manager has already
 # checked that every trainable tensor is present with the right shape (_check_fit).
 _LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)

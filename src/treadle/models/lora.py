@@ -39,7 +39,10 @@ class Adapters:
     """A base model with PEFT's LoRA layers injected, and what identifies the base."""
 
     peft: nn.Module  # peft.PeftModel: its base model is ``model``
-    base: dict  # base_identity(...)
+    base: dict  # base_identity(...) (a draft's: draft_base_identity(...))
+    # Where ``model`` sits in the module a run trains: "" for a model run, "draft_model." for a draft run (the
+    # adapted draft inside its DraftRunModel, beside the frozen target): an engine's state dict names it so.
+    prefix: str = ""
 
     @property
     def model(self) -> nn.Module:
@@ -60,7 +63,7 @@ def base_identity(model_cfg, hf_config, seed: int) -> dict:
     its weights: the files' fingerprint for ``model.path``, else the seed the run's random init used (a preset or a
     config.json without weights is rebuilt from it: the same seed gives the same base). ``fingerprint`` hashes it
     all; it is what a checkpoint records and a resume compares."""
-    from treadle.drafts.identity import target_config_fingerprint, target_summary
+    from treadle.models.identity import target_config_fingerprint, target_summary
     from treadle.model_dirs import model_fingerprint, resolve_model_dir
     from treadle.models.hf import has_weights
 
@@ -74,13 +77,28 @@ def base_identity(model_cfg, hf_config, seed: int) -> dict:
     return identity
 
 
+def draft_base_identity(kind: str, draft_dir: Path, target_config) -> dict:
+    """What the base draft of a draft LoRA run is (``draft.init``; spec-eval's ``--draft``): its kind, its files'
+    fingerprint and the target it drafts for (summary and config fingerprint, as a draft export names its target).
+    ``fingerprint`` hashes it all, as ``base_identity``'s does."""
+    from treadle.models.identity import target_config_fingerprint, target_summary
+    from treadle.model_dirs import model_fingerprint
+
+    identity = {"draft_kind": kind, **target_summary(target_config),
+                "config_fingerprint": target_config_fingerprint(target_config),
+                "weights_fingerprint": model_fingerprint(Path(draft_dir))}
+    identity["fingerprint"] = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return identity
+
+
 def describe_base(identity: dict) -> str:
-    """'llama, hidden_size 32, ..., fingerprint 1a2b...' for a refusal."""
-    from treadle.drafts.identity import describe_target
+    """'llama, hidden_size 32, ..., fingerprint 1a2b...' for a refusal (a base draft: 'the eagle3 draft for ...')."""
+    from treadle.models.identity import describe_target
 
     how = (f"weights {identity['weights_fingerprint']}" if "weights_fingerprint" in identity
            else f"random init seed {identity.get('random_init_seed')}")
-    return f"{describe_target(identity)}, {how}"
+    draft = f"the {identity['draft_kind']} draft for " if "draft_kind" in identity else ""
+    return f"{draft}{describe_target(identity)}, {how}"
 
 
 def module_names(model: nn.Module) -> dict[str, str]:
@@ -90,11 +108,22 @@ def module_names(model: nn.Module) -> dict[str, str]:
             if name and isinstance(m, _ADAPTABLE)}
 
 
+def is_hf_model(model: nn.Module) -> bool:
+    """A Hugging Face model (PEFT's CAUSAL_LM task), not a draft's own module (PEFT's custom-model path)."""
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
 def decoder_linear_names(model: nn.Module) -> list[str]:
     """``all-linear``: the names of every nn.Linear inside the decoder layers (never the LM head, as PEFT's own
-    all-linear leaves the output layer out)."""
+    all-linear leaves the output layer out). A draft's module (not a Hugging Face model): every nn.Linear but its
+    ``lm_head``, what vLLM RFC #52038 adapts (all drafter layers but lm_head and embed_tokens)."""
     from treadle.models.hf import decoder_layers
 
+    if not is_hf_model(model):
+        return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                       if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"})
     return sorted({name.rsplit(".", 1)[-1] for name, m in decoder_layers(model).named_modules()
                    if isinstance(m, nn.Linear)})
 
@@ -103,7 +132,7 @@ def resolve_targets(model: nn.Module, lora) -> tuple[list[str], list[str]]:
     """``lora.target_modules`` and ``lora.modules_to_save`` as module names this model has; a name it lacks is one
     line naming the modules it has."""
     have = module_names(model)
-    kind = getattr(model.config, "model_type", type(model).__name__)
+    kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
     accepted = ", ".join(sorted(have))
     targets = decoder_linear_names(model) if lora.target_modules == "all-linear" else list(lora.target_modules)
     if not targets:
@@ -138,6 +167,36 @@ def bitsandbytes_backend(device: torch.device) -> str | None:
     return None
 
 
+def quantize_base(model: nn.Module) -> int:
+    """QLoRA's frozen base: every nn.Linear of the decoder layers replaced, in place, by bitsandbytes' ``Linear4bit``
+    holding its weight in NF4 (the LM head and embeddings stay as they are, as transformers' BitsAndBytesConfig
+    leaves them); the matmuls compute in the weight's former dtype. Call before ``apply_lora``: PEFT then wraps each
+    in its 4-bit LoRA layer. Returns how many layers were quantized."""
+    import bitsandbytes as bnb
+
+    from treadle.models.hf import decoder_layers
+
+    quantized = 0
+    for layer in decoder_layers(model):
+        for name, old in list(layer.named_modules()):
+            if type(old) is not nn.Linear:
+                continue
+            new = bnb.nn.Linear4bit(old.in_features, old.out_features, bias=old.bias is not None,
+                                    compute_dtype=old.weight.dtype, quant_type="nf4", device="meta")
+            new.weight = bnb.nn.Params4bit(old.weight.detach().clone(), requires_grad=False, quant_type="nf4")
+            if old.bias is not None:
+                new.bias = nn.Parameter(old.bias.detach().clone(), requires_grad=False)
+            # bitsandbytes' CPU inference path (no grad, AVX512-BF16) repacks the weight with bf16 block scales on
+            # the first eval forward: evals would score another base than training (and layers narrower than a
+            # 64-value block fail there). One format, train and eval alike.
+            new.support_avx512bf16_for_cpu = False
+            parent, _, leaf = name.rpartition(".")
+            # Params4bit quantizes when it is moved to its device: the layer's, where the model was built
+            setattr(layer.get_submodule(parent) if parent else layer, leaf, new.to(old.weight.device))
+            quantized += 1
+    return quantized
+
+
 @contextlib.contextmanager
 def quiet_peft() -> Iterator[None]:
     """Around PEFT's calls (main thread: catch_warnings swaps the process's filters), the warnings that are PEFT's
@@ -150,10 +209,11 @@ def quiet_peft() -> Iterator[None]:
         yield
 
 
-def apply_lora(model: nn.Module, lora, identity: dict) -> Adapters:
+def apply_lora(model: nn.Module, lora, identity: dict, prefix: str = "") -> Adapters:
     """PEFT's LoRA layers injected into ``model`` (in place) per ``lora`` (a ``LoraConfig`` section with a rank);
     every base parameter frozen. PEFT's default init: A Kaiming-uniform, B zero, so the adapted model starts as the
-    base."""
+    base. ``model``: a Hugging Face model, or a draft's module (``prefix`` "draft_model.": where it sits in the run's
+    model), which PEFT adapts as a custom model (no task type)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -161,19 +221,21 @@ def apply_lora(model: nn.Module, lora, identity: dict) -> Adapters:
         raise UserError(f"lora.rank = {lora.rank!r}; accepted: an integer >= 1")
     targets, to_save = resolve_targets(model, lora)
     config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                            modules_to_save=to_save or None, bias="none", task_type="CAUSAL_LM")
+                            modules_to_save=to_save or None, bias="none",
+                            task_type="CAUSAL_LM" if is_hf_model(model) else None)
     with quiet_peft():
         peft = get_peft_model(model, config, adapter_name=ADAPTER)
-    return Adapters(peft, identity)
+    return Adapters(peft, identity, prefix)
 
 
 def adapter_state(adapters: Adapters, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapter's tensors under the names an adapter file uses (PEFT's: ``base_model.model.<module>.lora_A.weight``,
     no adapter name), picked from ``state_dict``: the trained model's full weights as an engine exports them (the
-    Hugging Face model's own names)."""
+    Hugging Face model's own names; a draft run's: its DraftRunModel's, the draft's under ``adapters.prefix``)."""
     from peft import get_peft_model_state_dict
 
-    named = {PEFT_PREFIX + k: v for k, v in state_dict.items()}
+    p = adapters.prefix
+    named = {PEFT_PREFIX + k[len(p):]: v for k, v in state_dict.items() if k.startswith(p)}
     return get_peft_model_state_dict(adapters.peft, state_dict=named, adapter_name=ADAPTER,
                                      save_embedding_layers=False)
 

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", required=True, metavar="prompt-lookup|DIR",
                         help="'prompt-lookup'; a treadle draft export (a draft run's draft/) or draft run directory; "
                              "or a Hugging Face causal-LM directory sharing the target's tokenizer")
+    parser.add_argument("--adapter", type=Path, default=None, metavar="DIR",
+                        help="a LoRA adapter of the --draft (a draft LoRA run's adapter/): the base draft with it "
+                             "applied by PEFT; refused when it was trained on another base draft")
     parser.add_argument("--gamma", type=int, default=None,
                         help="draft tokens per verification call (default: 4; with --tree, its depth)")
     parser.add_argument("--tree", metavar="B1,B2,...", default=None,
@@ -132,6 +135,24 @@ def load_drafter(spec: str, target: torch.nn.Module, tokenizer) -> Drafter:
     draft_dir = resolve_model_dir(path, "--draft")
     _check_same_tokenizer(draft_dir, tokenizer)
     return ModelDrafter(load_causal_lm(draft_dir, "--draft"), name=f"lm:{draft_dir}")
+
+
+def adapt_drafter(drafter: Drafter, spec: str, adapter: Path) -> None:
+    """``--adapter``: a draft LoRA run's adapter applied by PEFT to the draft module of ``drafter`` (a treadle draft
+    of ``spec``), in place; an adapter trained on another base draft is refused (its treadle_adapter.json)."""
+    from treadle.drafts.kind import init_dir
+    from treadle.drafts.registry import read_draft_config
+    from treadle.models.lora import draft_base_identity, load_adapter
+
+    model = getattr(drafter, "model", None)
+    draft_dir = init_dir(spec)
+    config = read_draft_config(draft_dir)
+    if config is None or not hasattr(model, "draft_model"):
+        raise UserError(f"--adapter {adapter} with --draft {spec}: an adapter adapts a treadle draft (an export of a "
+                        "kind with adapters, or its run directory); accepted: --draft the base draft the adapter's "
+                        "run started from (its draft.init)")
+    identity = draft_base_identity(config["treadle_draft_kind"], draft_dir, model.target.config)
+    load_adapter(model.draft_model, adapter, identity)  # PEFT injects its layers into the draft module in place
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -405,7 +426,7 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
               prompt_len: int = 64, max_new_tokens: int = 64, json_path: Path | None = None, threads: int = 0,
               tree: str | tuple[int, ...] | DynamicTree | None = None, temperature: float = 0.0, top_p: float = 1.0,
               seed: int = 0, device: str = "auto", dtype: str = "fp32", confidence_threshold: float = 0.0,
-              confidence_rule: str = "sglang") -> dict:
+              confidence_rule: str = "sglang", adapter: Path | None = None) -> dict:
     """Speculative decoding of ``target`` with ``draft``: the result record (``--json`` writes it, with
     ``written_by``). The keywords are the command's flags; its defaults are theirs (a test compares them)."""
     json_path = Path(json_path) if json_path is not None else None
@@ -438,6 +459,8 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
     target_model = load_causal_lm(target_dir, "--target")
     _check_croppable(target_model, target_dir)
     drafter = load_drafter(str(draft), target_model, tokenizer)
+    if adapter is not None:
+        adapt_drafter(drafter, str(draft), Path(adapter))
     if confidence_threshold:
         if not 0.0 <= confidence_threshold <= 1.0 or not hasattr(drafter, "confidence_threshold"):
             raise UserError(f"--confidence-threshold {confidence_threshold} with drafter {drafter.name!r}; accepted: "
@@ -453,6 +476,8 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
     result = evaluate_drafter(target_model, drafter, prompt_ids, gamma, max_new_tokens, tokenizer.eos_token_id,
                               temperature=temperature, top_p=top_p, seed=seed, tree=branching, device=where)
     record = {"written_by": WRITTEN_BY, **result, "target": str(target_dir), "device": str(where), "dtype": dtype}
+    if adapter is not None:
+        record["adapter"] = str(adapter)
     if json_path is not None:
         write_atomic(json_path, json.dumps(record, indent=2) + "\n")
     return record
@@ -464,7 +489,8 @@ def run(args: argparse.Namespace) -> int:
                        prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, json_path=args.json,
                        threads=args.threads, tree=args.tree, temperature=args.temperature, top_p=args.top_p,
                        seed=args.seed, device=args.device, dtype=args.dtype,
-                       confidence_threshold=args.confidence_threshold, confidence_rule=args.confidence_rule)
+                       confidence_threshold=args.confidence_threshold, confidence_rule=args.confidence_rule,
+                       adapter=args.adapter)
     _print_report(result, Path(result["target"]))
     warning = _degenerate_warning(result)
     if warning is not None:

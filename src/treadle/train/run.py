@@ -41,7 +41,7 @@ from treadle.metrics.sinks import Console, JsonlSink, Sinks, check_sinks_install
 from treadle.models.chunked_ce import resolve_chunk_tokens, use_chunked_loss
 from treadle.models.checkpointing import apply_activation_checkpointing
 from treadle.models.fp8 import apply_fp8
-from treadle.models.lora import Adapters, apply_lora, base_identity, bitsandbytes_backend
+from treadle.models.lora import Adapters, apply_lora, base_identity, bitsandbytes_backend, quantize_base
 from treadle.models import attention
 from treadle.models.hf import (build_model, compile_layers, count_parameters, from_scratch_line, persistent_compile_cache,
                                trainable_parameters, vocabulary_fit)
@@ -241,14 +241,15 @@ def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
 def lora_adapters(cfg: Config, model: torch.nn.Module, meta: dict) -> Adapters:
     """``[lora]``: PEFT's adapters injected into ``model``, the base frozen; the checkpoint's meta names the base
     (its identity), so a resume against another base is refused (checkpoint/compat.py)."""
-    if cfg.lora.quantize == "4bit":
+    identity = base_identity(cfg.model, model.config, cfg.train.seed)  # of the base's full-precision weights
+    meta["base_fingerprint"], meta["base"] = identity["fingerprint"], identity
+    if cfg.lora.quantize == "4bit":  # QLoRA: the frozen base's decoder linears held in NF4 by bitsandbytes
         why = bitsandbytes_backend(torch.device("cpu") if cfg.train.device == "auto" and not torch.cuda.is_available()
                                    else torch.device("cuda" if cfg.train.device == "auto" else cfg.train.device))
-        raise UserError(f"lora.quantize = '4bit' cannot hold the base in 4-bit: {why}; accepted: lora.quantize = "
-                        "'none'" if why else "lora.quantize = '4bit': QLoRA is not built into treadle's runs yet "
-                        "(bitsandbytes is here); accepted: lora.quantize = 'none'")
-    identity = base_identity(cfg.model, model.config, cfg.train.seed)
-    meta["base_fingerprint"], meta["base"] = identity["fingerprint"], identity
+        if why:
+            raise UserError(f"lora.quantize = '4bit' cannot hold the base in 4-bit: {why}; accepted: lora.quantize = "
+                            "'none'")
+        quantize_base(model)
     return apply_lora(model, cfg.lora, identity)
 
 
@@ -273,6 +274,8 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     model, target_dir, identity = build_draft(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint, empty)
     _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
     meta["target_fingerprint"] = identity["config_fingerprint"]
+    # Adapters on the trained draft of draft.init (frozen, as the target), before the objective holds its modules.
+    adapters = draft_lora_adapters(cfg, model, meta) if cfg.lora.rank is not None else None
     objective = kind(cfg.draft.kind).setup(cfg, model, [o.dataset for o in data.sources])
     if cfg.draft.features:  # the store's windows, with the target's reads, stand in for the data's
         data.sources[0].dataset, data.val = attach_store(cfg, model, target_dir, identity, train_ds, val_ds)
@@ -281,11 +284,30 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     prompts = eval_prompts(val_ds or train_ds, cfg.draft.eval_prompts, cfg.draft.eval_prompt_len)
     check_token_ids(prompts, model.target.config.vocab_size, lambda: f"the draft's eval prompts ({(val_ds or train_ds).where})")
     out = Path(cfg.train.output_dir) / "draft"
+    export = (DraftExportCallback(out, target_dir, identity, cfg.draft) if adapters is None
+              else AdapterExportCallback(Path(cfg.train.output_dir) / "adapter", adapters))
     # tau_sim needs the target's greedy texts and its reads on them: the live target's, or a treadle store's.
     acceptance = [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every, cfg.train.eval_at_start)]
     return ModelSetup(model, model.target.config.vocab_size, objective, objective.evaluate,
                       acceptance if model.live or model.stored is not None else [],
-                      DraftExportCallback(out, target_dir, identity, cfg.draft), step_callbacks=step_callbacks)
+                      export, step_callbacks=step_callbacks, notes=Notes([describe_adapters(adapters)], []))
+
+
+def draft_lora_adapters(cfg: Config, model: torch.nn.Module, meta: dict) -> Adapters:
+    """``[lora]`` in a draft run: PEFT's adapters on the draft module only (``model.draft_model``, the base draft
+    of ``draft.init``), frozen with the target; the checkpoint's meta names the base draft (kind, files, target),
+    so a resume against another base draft is refused (checkpoint/compat.py)."""
+    from treadle.drafts.kind import init_dir
+    from treadle.models.lora import draft_base_identity
+
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise UserError(f"lora.rank in a {cfg.draft.kind} draft run under a launcher of "
+                        f"{torch.distributed.get_world_size()} processes: adapters on a draft are built and tested "
+                        "in one process only (a draft is small: its adapters train fast on one device); accepted: "
+                        "one process (no launcher), or lora.rank unset")
+    identity = draft_base_identity(cfg.draft.kind, init_dir(cfg.draft.init), model.target.config)
+    meta["base_fingerprint"], meta["base"] = identity["fingerprint"], identity
+    return apply_lora(model.draft_model, cfg.lora, identity, prefix="draft_model.")
 
 
 def choose_attention(cfg: Config, model: torch.nn.Module, device: torch.device, cp: int) -> list[str]:

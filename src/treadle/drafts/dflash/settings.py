@@ -7,6 +7,8 @@ KEYS = ("feature_layers", "init", "block_size", "num_layers", "anchors", "slot_g
         "mask_token_id")
 TTT_STEPS = 1  # no unroll: one forward drafts the whole block
 LAYOUTS = ("treadle",)  # draft.layout unset: its export is always z-lab's DFlashDraftModel layout vLLM and SGLang load
+# [lora] on a draft.init of this kind: per-domain adapters on a trained draft (models/lora.py, docs/lora.md)
+ADAPTERS = True
 # Why draft.layout / draft.window are refused (drafts/settings.py words the one-line refusals).
 LAYOUT_NOTE = "its layout is z-lab's DFlashDraftModel one vLLM and SGLang load"
 WINDOW_NOTE = "its block attends to the whole context"

@@ -9,6 +9,8 @@ NAME = "dflash2"
 KEYS = (*dflash.KEYS, "conv_group_size", "selector_rank", "selector_top_k", "selector_weight")
 TTT_STEPS = 1  # no unroll: one forward drafts the whole block, the selector walks it
 LAYOUTS = ("treadle",)
+# Why [lora] (adapters on a draft) is refused for this kind (drafts/settings.py words the one-line refusal).
+LORA_NOTE = "not built for DFlash2: its selector's export and adapters were never tried together; adapt a dflash draft"
 LAYOUT_NOTE = "its layout is z-lab's DFlash2DraftModel one vLLM loads"
 WINDOW_NOTE = dflash.WINDOW_NOTE
 

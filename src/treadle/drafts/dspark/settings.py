@@ -6,6 +6,8 @@ NAME = "dspark"
 KEYS = ("feature_layers", "init", "block_size", "num_layers", "anchors", "slot_gamma", "mask_token_id", "markov_rank")
 TTT_STEPS = 1  # no unroll: one backbone forward, then the Markov head left to right over the block
 LAYOUTS = ("treadle",)  # its export is always the Qwen3DSparkModel layout vLLM and SGLang load
+# [lora] on a draft.init of this kind: per-domain adapters on a trained draft (models/lora.py, docs/lora.md)
+ADAPTERS = True
 LAYOUT_NOTE = "its layout is the Qwen3DSparkModel one vLLM and SGLang load"
 WINDOW_NOTE = "its block attends to the whole context"
 

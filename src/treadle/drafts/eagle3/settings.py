@@ -6,6 +6,8 @@ NAME = "eagle3"
 KEYS = ("feature_layers", "vocab_size", "init", "ttt_steps")
 TTT_STEPS = 7
 LAYOUTS = ("treadle",)  # draft.layout unset: its export is always the EAGLE layout vLLM and SGLang load
+# [lora] on a draft.init of this kind: per-domain adapters on a trained draft (models/lora.py, docs/lora.md)
+ADAPTERS = True
 # Why draft.layout / draft.window are refused (drafts/settings.py words the one-line refusals).
 LAYOUT_NOTE = "its layout is the EAGLE one vLLM and SGLang load"
 WINDOW_NOTE = "it has no windowed self-attention"

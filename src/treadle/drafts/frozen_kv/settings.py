@@ -10,6 +10,8 @@ KEYS = ("init", "ttt_steps", "num_layers")
 TTT_STEPS = 3
 NUM_LAYERS = 2  # a new assistant's layers (draft.num_layers unset): one sliding, one full, so it reads both K/V
 LAYOUTS = ("treadle",)  # draft.layout unset: the export is always Gemma4AssistantForCausalLM's own checkpoint
+# Why [lora] (adapters on a draft) is refused for this kind (drafts/settings.py words the one-line refusal).
+LORA_NOTE = "a Gemma-4 assistant is served by transformers' generate, which loads no adapter for the assistant"
 # Why draft.layout / draft.window are refused (drafts/settings.py words the one-line refusals).
 LAYOUT_NOTE = "its layout is Gemma4AssistantForCausalLM's own checkpoint"
 WINDOW_NOTE = "its attention reads the target's K/V under the target's own sliding window"

@@ -48,7 +48,7 @@ from transformers.activations import ACT2FN
 from treadle.errors import UserError
 from treadle.models.chunked_ce import chunked_distillation_scores, model_logits
 from treadle.drafts.masks import index_rule, sdpa, ttt_rule  # sdpa: the kinds import it from here
-from treadle.drafts.identity import describe_target, target_config_fingerprint, target_differences
+from treadle.models.identity import describe_target, target_config_fingerprint, target_differences
 from treadle.drafts.run_model import DraftRunModel
 
 KIND = "glide"

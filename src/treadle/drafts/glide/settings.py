@@ -6,6 +6,8 @@ NAME = "glide"
 KEYS = ("init", "ttt_steps")
 TTT_STEPS = 1  # the teacher-forced pass alone (no unroll)
 LAYOUTS = ("treadle", "longspec")
+# Why [lora] (adapters on a draft) is refused for this kind (drafts/settings.py words the one-line refusal).
+LORA_NOTE = "not built for GLIDE: no engine serves a GLIDE draft with adapters, and its cross-attention into the target's K/V was never tried under PEFT"
 
 
 def check(draft) -> None:

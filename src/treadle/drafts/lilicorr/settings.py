@@ -13,6 +13,8 @@ NAME = "lilicorr"
 KEYS = dflash.KEYS + ("candidates", "correlator_layers", "train_backbone", "conv_group_size")
 TTT_STEPS = 1  # no unroll: one backbone forward and one correlator pass draft the whole block
 LAYOUTS = ("treadle",)
+# Why [lora] (adapters on a draft) is refused for this kind (drafts/settings.py words the one-line refusal).
+LORA_NOTE = "LiLiCorr already trains a correlator on a frozen backbone (draft.train_backbone = false), which PEFT's freezing would override"
 LAYOUT_NOTE = "its layout is the LiLiCorrDraftModel one vLLM's lilicorr.py loads (z-lab's DFlash plus lilicorr.*)"
 WINDOW_NOTE = dflash.WINDOW_NOTE
 

@@ -9,6 +9,8 @@ KEYS = ("init", "ttt_steps")
 # ``docs/user_guide/algorithms/mtp.md`` and PR #366).
 TTT_STEPS = 3
 LAYOUTS = ("treadle",)  # draft.layout unset: the export is always the target family's own checkpoint layout
+# Why [lora] (adapters on a draft) is refused for this kind (drafts/settings.py words the one-line refusal).
+LORA_NOTE = "an MTP head is served from inside the target's own checkpoint, where an adapter is the target's adapter (the [model] run's [lora])"
 # Why draft.layout / draft.window are refused (drafts/settings.py words the one-line refusals).
 LAYOUT_NOTE = "its layout is the target checkpoint's own (model.layers.{N}.* or mtp.*)"
 WINDOW_NOTE = "its decoder block is the target's, full causal attention"

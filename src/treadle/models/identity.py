@@ -1,6 +1,7 @@
-"""What a draft export records of its target, and how a mismatch reads: the architecture fingerprint it checks, and
-the fields a person reads a target by (a draft names its target by what it is, never by the directory it sat in).
-Shared by every kind (``glide.model.checked_export``, ``targets.target_identity``)."""
+"""What a draft export (and a LoRA adapter) records of the model it depends on, and how a mismatch reads: the
+architecture fingerprint it checks, and the fields a person reads a target by (a draft names its target by what it
+is, never by the directory it sat in). Shared by every draft kind (``glide.model.checked_export``,
+``targets.target_identity``) and by models/lora.py (a base's identity): it sits in models/ so both may import it."""
 
 from __future__ import annotations
 
