@@ -159,7 +159,7 @@ def bitsandbytes_backend(device: torch.device) -> str | None:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        return "bitsandbytes is not installed (pip install bitsandbytes: it is not a treadle dependency)"
+        return "bitsandbytes is not installed (pip install 'treadle[qlora]': bitsandbytes 0.50, an optional extra)"
     except Exception as exc:  # a broken install (a CUDA library it cannot load) says so on import
         return f"bitsandbytes does not import here ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     if device.type not in ("cuda", "cpu"):
