@@ -30,12 +30,17 @@ def slot_gamma(draft) -> float:
     return draft.slot_gamma or SLOT_GAMMA
 
 
-def check(draft) -> None:
+def check_feature_layers(draft) -> None:
+    """A block draft's ``feature_layers`` (DFlash's and the kinds built on its backbone)."""
     layers = draft.feature_layers
     if layers is not None and (not layers or layers[0] < 1 or any(a >= b for a, b in zip(layers, layers[1:]))):
         raise ValueError(f"draft.feature_layers = {layers}: accepted: one or more strictly increasing "
                          "output_hidden_states indices >= 1 (i = decoder layer i's output; < the target's layer "
                          "count); unset = z-lab's picks spread over the target's layers")
+
+
+def check(draft) -> None:
+    check_feature_layers(draft)
     check_dpace(draft)
     if draft.gamma > block_size(draft) - 1:
         raise ValueError(f"draft.gamma = {draft.gamma} with draft.kind = {draft.kind!r} and a block of "

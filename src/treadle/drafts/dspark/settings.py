@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from treadle.drafts.dflash.settings import check_feature_layers
+
 NAME = "dspark"
 KEYS = ("feature_layers", "init", "block_size", "num_layers", "anchors", "slot_gamma", "mask_token_id", "markov_rank")
 TTT_STEPS = 1  # no unroll: one backbone forward, then the Markov head left to right over the block
@@ -36,11 +38,7 @@ def markov_rank(draft) -> int:
 
 
 def check(draft) -> None:
-    layers = draft.feature_layers
-    if layers is not None and (not layers or layers[0] < 1 or any(a >= b for a, b in zip(layers, layers[1:]))):
-        raise ValueError(f"draft.feature_layers = {layers}: accepted: one or more strictly increasing "
-                         "output_hidden_states indices >= 1 (i = decoder layer i's output; < the target's layer "
-                         "count); unset = z-lab's picks spread over the target's layers")
+    check_feature_layers(draft)
     if draft.gamma > block_size(draft):
         raise ValueError(f"draft.gamma = {draft.gamma} with draft.kind = 'dspark' and a block of {block_size(draft)}: "
                          f"one draft forward proposes block_size = {block_size(draft)} tokens (the anchor's slot "
