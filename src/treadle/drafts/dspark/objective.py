@@ -94,16 +94,6 @@ class DSparkObjective(DFlashObjective):
 
 def dspark_setup(cfg, model) -> DSparkObjective:
     """``model.loss_chunk_tokens`` resolved as for dflash (auto: on from a 32k vocabulary), and the objective."""
-    from treadle.errors import UserError
-    from treadle.models.chunked_ce import resolve_chunk_tokens, unhandled_logit_transforms
+    from treadle.drafts.dflash.objective import dflash_setup
 
-    chunk = resolve_chunk_tokens(cfg.model.loss_chunk_tokens, model.target.config.vocab_size)
-    unhandled = chunk and unhandled_logit_transforms(model.target.config)
-    if unhandled:
-        if cfg.model.loss_chunk_tokens != "auto":
-            raise UserError(f"model.loss_chunk_tokens = {cfg.model.loss_chunk_tokens} with a dspark draft: the target "
-                            f"transforms its logits ({', '.join(unhandled)}) in a way the chunked scores do not "
-                            "apply; accepted: model.loss_chunk_tokens = 0")
-        chunk = 0
-    model.loss_chunk_tokens = chunk
-    return DSparkObjective(cfg.draft, cfg.data.seq_len, model.target.config.max_position_embeddings, cfg.train.seed)
+    return dflash_setup(cfg, model, DSparkObjective)
