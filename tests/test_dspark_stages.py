@@ -178,6 +178,10 @@ def test_stitch_refuses_before_writing(tmp_path, v4):
 def test_mistral_large4_stages_are_refused_in_one_line(tmp_path):
     """No public loader reads ``mtp_dspark.*`` (drafts/dspark/stages.py says what was searched): refused, not
     guessed at; transformers drops the tensors on load."""
+    import transformers
+
+    if not hasattr(transformers, "MistralLarge4Config"):  # the fixture is built by transformers' own class
+        pytest.skip(f"transformers {transformers.__version__} has no Mistral Large 4 (mistral_large4)")
     from transformers import MistralLarge4Config, MistralLarge4ForConditionalGeneration
 
     text = dict(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
