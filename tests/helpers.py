@@ -142,3 +142,18 @@ def activation_checkpointing_on(model) -> bool:
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
         "is_gradient_checkpointing"
     return bool(getattr(model, name))
+
+
+def assert_greedy_lossless(model, drafter_cls, gammas=(1, 3, 5), new_tokens: int = 24):
+    """A block draft's greedy speculative decoding gives the target's own greedy continuation at each gamma (8 random
+    prompt tokens of the test tokenizer's 512); returns the prompt and that continuation."""
+    import torch
+
+    from treadle.speculative.decode import speculative_generate, target_generate
+
+    prompt = torch.randint(0, 512, (1, 8))
+    want, _ = target_generate(model.target, prompt, new_tokens)
+    for gamma in gammas:
+        got = speculative_generate(model.target, drafter_cls(model), prompt, gamma=gamma, max_new_tokens=new_tokens)
+        assert got.tokens == want, gamma
+    return prompt, want

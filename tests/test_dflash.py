@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.helpers import TARGET, draft_args, records
+from tests.helpers import TARGET, assert_greedy_lossless, draft_args, records
 from treadle.cli import main
 from treadle.drafts.dflash import layout
 from treadle.drafts.dflash.drafter import DFlashDrafter
@@ -161,11 +161,7 @@ def test_dflash_speculative_decoding_is_lossless():
     whose slots are the target itself (the head reading a copy) gets drafts accepted, so partial acceptance and
     the context hand-over are exercised. Sampled: each q row sums to one and gives its token mass."""
     model = dflash()
-    prompt = torch.randint(0, 512, (1, 8))
-    want, _ = target_generate(model.target, prompt, 24)
-    for gamma in (1, 3, 5):
-        got = speculative_generate(model.target, DFlashDrafter(model), prompt, gamma=gamma, max_new_tokens=24)
-        assert got.tokens == want, gamma
+    prompt, want = assert_greedy_lossless(model, DFlashDrafter)
     with pytest.raises(ValueError, match="block_size - 1 = 5"):
         speculative_generate(model.target, DFlashDrafter(model), prompt, gamma=6, max_new_tokens=8)
 

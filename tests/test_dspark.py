@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.helpers import TARGET, draft_args, records
+from tests.helpers import TARGET, assert_greedy_lossless, draft_args, records
 from treadle.cli import main
 from treadle.drafts.dspark import layout
 from treadle.drafts.dspark.drafter import DSparkDrafter, kept_drafts
@@ -18,7 +18,7 @@ from treadle.drafts.dspark.objective import dspark_slots
 from treadle.drafts.eagle3.model import capture_features
 from treadle.errors import UserError
 from treadle.models.hf import greedy_continuations
-from treadle.speculative.decode import TargetState, speculative_generate, target_generate
+from treadle.speculative.decode import TargetState, speculative_generate
 from treadle.speculative.sampling import Sampler
 
 BLOCK = ("--draft.kind=dspark", "--draft.block_size=5", "--draft.num_layers=2", "--draft.gamma=4",
@@ -112,11 +112,7 @@ def test_confidence_rules_are_the_engines():
 
 def test_dspark_speculative_decoding_is_lossless_with_and_without_the_early_stop():
     model = dspark()
-    prompt = torch.randint(0, 512, (1, 8))
-    want, _ = target_generate(model.target, prompt, 24)
-    for gamma in (1, 3, 5):
-        got = speculative_generate(model.target, DSparkDrafter(model), prompt, gamma=gamma, max_new_tokens=24)
-        assert got.tokens == want, gamma
+    prompt, want = assert_greedy_lossless(model, DSparkDrafter)
     with pytest.raises(ValueError, match="block_size = 5"):
         speculative_generate(model.target, DSparkDrafter(model), prompt, gamma=6, max_new_tokens=8)
     cut = DSparkDrafter(model, confidence_threshold=0.5, confidence_rule="sglang")

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.helpers import TARGET, draft_args, records
+from tests.helpers import TARGET, assert_greedy_lossless, draft_args, records
 from treadle.cli import main
 from treadle.config import DraftConfig
 from treadle.drafts.dflash.model import DFlashDraft
@@ -19,7 +19,7 @@ from treadle.drafts.lilicorr.drafter import LiLiCorrDrafter
 from treadle.drafts.lilicorr.model import LiLiCorrDraft, LiLiCorrModel, build_draft, greedy_walk
 from treadle.drafts.lilicorr.objective import LiLiCorrObjective
 from treadle.models.hf import greedy_continuations
-from treadle.speculative.decode import TargetState, speculative_generate, target_generate
+from treadle.speculative.decode import TargetState, speculative_generate
 from treadle.speculative.sampling import Sampler
 
 BLOCK = ("--draft.kind=lilicorr", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4",
@@ -129,11 +129,7 @@ def test_lilicorr_speculative_decoding_is_lossless():
     """Greedy: the target's own continuation at every gamma up to block_size - 1 (the lattice cut to gamma slots
     as vLLM serves a shorter draft); gamma = block_size is refused."""
     model = lilicorr()
-    prompt = torch.randint(0, 512, (1, 8))
-    want, _ = target_generate(model.target, prompt, 24)
-    for gamma in (1, 3, 5):
-        got = speculative_generate(model.target, LiLiCorrDrafter(model), prompt, gamma=gamma, max_new_tokens=24)
-        assert got.tokens == want, gamma
+    prompt, _ = assert_greedy_lossless(model, LiLiCorrDrafter)
     with pytest.raises(ValueError, match="block_size - 1 = 5"):
         speculative_generate(model.target, LiLiCorrDrafter(model), prompt, gamma=6, max_new_tokens=8)
 
