@@ -94,16 +94,19 @@ def default_mask_token(target_vocab: int, data_vocab: int) -> int:
 # ----------------------------------------------------------------------------- masks
 
 
-def block_rule(doc: torch.Tensor, anchors: torch.Tensor, block_size: int, flex: bool = False) -> Rule:
+def block_rule(doc: torch.Tensor, anchors: torch.Tensor, block_size: int, flex: bool = False,
+               window: int = 0) -> Rule:
     """What the rows of N anchored blocks may read among a packed row's T context keys followed by the blocks' own
     N * block_size keys. Block j (anchor index ``anchors[b, j]``) reads context index t iff t < anchor and t is in
-    the anchor's document, and every row of its own block."""
+    the anchor's document (and, with ``window``, t >= anchor - window), and every row of its own block."""
     B, T = doc.shape
     N = anchors.shape[1]
 
     def allowed(b, h, q, k):
         block, anchor = q // block_size, anchors[b, q // block_size]
         context = (k < anchor) & (doc[b, k.clamp(max=T - 1)] == doc[b, anchor])  # k < anchor < T
+        if window:
+            context = context & (k >= anchor - window)
         return context | ((k >= T) & ((k - T) // block_size == block))
 
     return Rule(allowed, B, N * block_size, T + N * block_size, doc.device, flex)
@@ -332,8 +335,12 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
         block_pos = (position_ids.gather(1, anchors)[..., None] + torch.arange(bs, device=anchors.device)).flatten(1)
         context = draft.fuse(features)
         kv = draft.context_kv(context, self.rotary(context, position_ids))
-        hidden = draft(embeds, self.rotary(embeds, block_pos), kv, block_rule(doc, anchors, bs, self.flex_masks))
+        hidden = draft(embeds, self.rotary(embeds, block_pos), kv, self._block_rule(doc, anchors))
         return hidden.view(B, N, bs, -1)
+
+    def _block_rule(self, doc: torch.Tensor, anchors: torch.Tensor) -> Rule:
+        """Which keys the blocks' rows read (``block_rule``); a draft that sees less context overrides it."""
+        return block_rule(doc, anchors, self.draft_model.block_size, self.flex_masks)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The shared head on the draft's final hidden states [..., d] (flattened: one matmul, not a batched one

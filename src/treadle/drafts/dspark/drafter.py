@@ -13,6 +13,8 @@ Confidence early stop, as the engines serve it (both off by default: the whole b
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from treadle.drafts.dflash.drafter import DFlashDrafter
@@ -80,3 +82,29 @@ class DSparkDrafter(DFlashDrafter):
         self.last_confidence = torch.stack(conf)
         n = kept_drafts(self.last_confidence, self.confidence_threshold, self.confidence_rule)
         return Proposal(tokens[:n], torch.stack(qs)[:n] if qs else None)
+
+
+class StagesDrafter(DSparkDrafter):
+    """DSpark stages a DeepSeek-V4 target ships (dspark/v4.py): the target's layer outputs averaged over their mHC
+    streams, and the block reading the last ``window`` context rows only, as tokenspeed's window cache holds them."""
+
+    name = "dspark-stages"
+
+    def _absorb(self, context_ids: torch.Tensor, state: TargetState) -> None:
+        hidden = getattr(state, "hidden", None)
+        if hidden is not None and hidden.dim() == 4:  # [1, n, hc_mult, len * d]: each layer's streams averaged
+            state = dataclasses.replace(state, hidden=hidden.mean(-2))
+        super()._absorb(context_ids, state)
+
+    def block_hidden(self, context_ids: torch.Tensor) -> torch.Tensor:
+        model, draft = self.model, self.model.draft_model
+        anchor = context_ids.shape[1] - 1
+        tokens = context_ids.new_full((1, self.block_size), draft.mask_token_id)
+        tokens[0, 0] = context_ids[0, -1]
+        embeds = model.target.get_input_embeddings()(tokens)
+        positions = torch.arange(anchor, anchor + self.block_size, device=embeds.device)[None]
+        keys = torch.arange(self.rows + self.block_size, device=embeds.device)
+        seen = (keys >= self.rows) | (keys >= anchor - draft.window)  # context rows are positions 0 .. anchor - 1
+        mask = seen.expand(1, 1, self.block_size, -1)
+        self.forwards += 1
+        return draft(embeds, model.rotary(embeds, positions), self.kv, mask)[0]

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from treadle.drafts.dspark import layout as dspark_layout
 from treadle.drafts.dspark import settings
 from treadle.drafts.dspark.drafter import DSparkDrafter
 from treadle.drafts.dspark.model import build_dspark, load_dspark
 from treadle.drafts.dspark.objective import dspark_setup
 from treadle.drafts.kind import DraftKind
+
+
+STITCHED = "stitched"  # a stages run's export: the target checkpoint with the trained stages put back
 
 
 class DSpark(DraftKind):
@@ -23,11 +28,34 @@ class DSpark(DraftKind):
         return dspark_setup(cfg, model)
 
     def drafter(self, model):
+        from treadle.drafts.dspark.v4 import DSparkStages
+
+        if isinstance(model.draft_model, DSparkStages):
+            from treadle.drafts.dspark.drafter import StagesDrafter
+
+            return StagesDrafter(model)
         return DSparkDrafter(model)
 
     def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
-        """Always the Qwen3DSparkModel layout vLLM and SGLang load (dspark/layout.py): no embedding, head or d2t."""
+        """The Qwen3DSparkModel layout vLLM and SGLang load (dspark/layout.py): no embedding, head or d2t. Stages a
+        target shipped (dspark/v4.py): the stage tensors under the checkpoint's own names and dtypes, with the
+        target's config (``write_extra`` stitches them into a copy of the target)."""
+        from treadle.drafts.dspark.v4 import DSparkStages
+
+        if isinstance(draft, DSparkStages):
+            return draft.to_checkpoint(weights), {**target_config.to_dict(), **draft.export_config(), **meta}
         return dspark_layout.export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
+
+    def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
+                    target_dir: Path | None = None) -> None:
+        """Stages: ``stitched/``, a copy of the target checkpoint with the trained stage tensors put where they were
+        (drafts/dspark/stages.py ``stitch``): every other tensor's bytes, the index and the config unchanged."""
+        if config and config.get("treadle_dspark_stages"):
+            from treadle.drafts.dspark import stages
+            from treadle.drafts.dspark.v4 import FROZEN
+
+            trained = {k: v for k, v in weights.items() if not k.endswith(FROZEN)}
+            stages.stitch(target_dir, Path(directory) / STITCHED, trained)
 
 
 DSPARK = DSpark()

@@ -171,26 +171,22 @@ class DSparkModel(DFlashModel):
 # ----------------------------------------------------------------------------- building and loading
 
 
-def refuse_shipped_stages(target_dir: Path) -> None:
-    """A target that ships DSpark stages (DeepSeek-V4's ``mtp.{s}.*``) is refused rather than given a new draft
-    beside them: its stages are the draft, and fine-tuning them needs DeepSeek-V4's stage forward, which treadle does
-    not have yet (drafts/dspark/stages.py finds, checks and stitches them back)."""
-    from treadle.drafts.dspark import stages
-
-    found = stages.find(target_dir)
-    if found is not None:
-        raise UserError(f"draft.target {target_dir} ships {found.count} DSpark stages (mtp.{{s}}.*); fine-tuning them "
-                        "in place needs DeepSeek-V4's stage forward (mHC streams, windowed sink attention over the "
-                        "fused target states, MoE), which treadle does not implement yet; accepted: serve the stages "
-                        "as shipped (vLLM --speculative-config method dspark), or a target without stages")
-
-
 def build_dspark(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
     """(DSparkModel, target dir, target identity) for a ``DraftConfig``; from ``draft.init`` the directory's draft
     (its layers, block size, mask token and Markov rank are the run's)."""
+    from treadle.drafts.dspark import v4
+
     target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
-    if cfg.init is None:
-        refuse_shipped_stages(target_dir)
+    source = target_dir if cfg.init is None else init_dir(cfg.init)
+    found = v4.shipped(source)
+    if found is not None:  # the stages a DeepSeek-V4 target ships (or a stages run's export): fine-tuned in place
+        where = "draft.target" if cfg.init is None else "draft.init"
+        target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
+        draft = v4.load_stages(source, target.config, found)
+        v4.check_run_keys(cfg, draft, f"{where} {source}")
+        model = v4.StagesModel(target, draft)
+        model.origin = f"DSpark stages: the {found.count} {where} {source} ships (mtp.{{s}}.*)"
+        return model, target_dir, ident
     target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
     if cfg.init is not None:
         draft = draft_from_layout(init_dir(cfg.init), target, "draft.init")
@@ -241,5 +237,11 @@ def draft_from_layout(draft_dir, target, where: str) -> DSparkDraft:
 
 
 def load_dspark(draft_dir, target) -> DSparkModel:
-    """A DSpark draft in the Qwen3DSparkModel layout attached to ``target``."""
+    """A DSpark draft in the Qwen3DSparkModel layout, or DSpark stages (a checkpoint carrying them, a stitched
+    export, a stages run's draft/), attached to ``target``."""
+    from treadle.drafts.dspark import v4
+
+    found = v4.shipped(draft_dir)
+    if found is not None:
+        return v4.StagesModel(target, v4.load_stages(draft_dir, target.config, found)).eval()
     return DSparkModel(target, draft_from_layout(draft_dir, target, "draft")).eval()

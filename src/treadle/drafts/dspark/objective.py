@@ -96,4 +96,6 @@ def dspark_setup(cfg, model) -> DSparkObjective:
     """``model.loss_chunk_tokens`` resolved as for dflash (auto: on from a 32k vocabulary), and the objective."""
     from treadle.drafts.dflash.objective import dflash_setup
 
+    if cfg.draft.block_size is None:  # the draft's own block (a draft.init's, or the stages a target ships)
+        cfg = cfg.model_copy(update={"draft": cfg.draft.model_copy(update={"block_size": model.draft_model.block_size})})
     return dflash_setup(cfg, model, DSparkObjective)
