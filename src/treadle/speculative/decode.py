@@ -199,11 +199,15 @@ def forward_tree(model: torch.nn.Module, tokens: list[int], parents: list[int], 
 def _target_forward(
     target: torch.nn.Module, input_ids: torch.LongTensor, cache: DynamicCache, layers: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``forward_logits`` plus, when ``layers`` is non-empty, those layers' hidden states concatenated [1, T, len*d]."""
+    """``forward_logits`` plus, when ``layers`` is non-empty, those layers' hidden states concatenated [1, T, len*d]:
+    recorded where they are made (``capture_features``, as training reads them), not from ``output_hidden_states``,
+    whose last entry some models (DeepSeek-V4) replace with the final normed state."""
     if not layers:
         return forward_logits(target, input_ids, cache), None
-    out = target(input_ids=input_ids, use_cache=True, output_hidden_states=True, **cache_kwargs(target, cache))
-    return out.logits[0], torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+    from treadle.drafts.eagle3.model import capture_features
+
+    with capture_features(target, layers) as tap:
+        return forward_logits(target, input_ids, cache), tap.take()
 
 
 def _layer_kv(cache: DynamicCache, length: int, index: int = -1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,7 +52,11 @@ def names(num_layers: int) -> dict[str, str]:
 
 
 def is_layout(config: dict) -> bool:
-    return ARCHITECTURE in (config.get("architectures") or ()) or config.get("speculators_model_type") == "dspark"
+    """A DSpark draft's config, or a DeepSeek-V4 checkpoint's that carries DSpark stages (its ``dspark_*`` keys:
+    the target itself, or a stages run's stitched copy; dspark/v4.py loads those)."""
+    stages = config.get("model_type") == "deepseek_v4" and config.get("dspark_block_size") is not None
+    return (ARCHITECTURE in (config.get("architectures") or ()) or config.get("speculators_model_type") == "dspark"
+            or stages)
 
 
 def read_config(draft_dir) -> dict | None:

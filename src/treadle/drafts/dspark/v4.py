@@ -171,8 +171,9 @@ class DSparkStages(nn.Module):
         first = self.stages[0]
         return first.main_norm(first.main_proj(features.to(first.main_proj.weight.dtype)))
 
-    def context_kv(self, context: torch.Tensor, rope) -> list[torch.Tensor]:
-        return [stage.block.self_attn.keys(context, rope) for stage in self.stages]
+    def context_kv(self, context: torch.Tensor, rope) -> list[tuple]:
+        """Per stage, the context's (K, V): one tensor twice (K = V), in DFlash's pairs so its drafter caches them."""
+        return [(kv, kv) for kv in (stage.block.self_attn.keys(context, rope) for stage in self.stages)]
 
     def forward(self, embeds: torch.Tensor, rope, context_kv: list, mask) -> torch.Tensor:
         """The block rows' final hidden states [B, Q, d] (after hc_head and the last stage's norm). ``mask``: a
@@ -180,7 +181,7 @@ class DSparkStages(nn.Module):
         mask = mask.dense() if hasattr(mask, "dense") else mask
         x = embeds.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
         for stage, kv in zip(self.stages, context_kv):
-            x = stage.block(x, context_kv=kv, rope=rope, mask=mask)
+            x = stage.block(x, context_kv=kv[0], rope=rope, mask=mask)
         last = self.stages[-1]
         return last.norm(last.hc_head(x))
 
