@@ -203,12 +203,208 @@ def test_mistral_large4_stages_are_refused_in_one_line(tmp_path):
         stages.find(path)
 
 
-def test_a_dspark_run_on_a_target_with_stages_is_refused(v4):
-    """Not a new draft trained beside the stages the target ships: one line saying what is missing."""
+# ----------------------------------------------------------------------------- fine-tuning the stages in place
+#
+# The reference below is written from the consumer's own code (lightseekorg/tokenspeed @f4d8ec6e:
+# runtime/models/deepseek_v4_dspark.py ``forward_backbone`` / ``_forward_stage``, deepseek_v4_dspark_ops/attention.py
+# ``dspark_attention_forward_batched`` with its FP8 emulation left out, deepseek_v4_dspark_ops/heads.py, the mHC
+# Triton kernels in runtime/layers/deepseek_v4_mhc.py, ``hc_head`` / ``deepseek_v4_select_experts`` in
+# runtime/models/deepseek_v4.py), reading the stage tensors by their checkpoint names: plain float64 torch, no
+# transformers module.
+
+
+def _rms(x, w, eps=1e-6):
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return x if w is None else x * w
+
+
+def _rope(x, pos, rd, theta, inverse=False):
+    """Adjacent-pair complex RoPE on the last ``rd`` channels (``precompute_dspark_freqs_cis``)."""
+    freqs = 1.0 / theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+    phase = torch.polar(torch.ones(len(pos), rd // 2, dtype=torch.float64), torch.outer(pos.double(), freqs))
+    phase = phase.conj() if inverse else phase
+    shape = (len(pos),) + (1,) * (x.dim() - 2) + (rd // 2,)
+    rot = torch.view_as_real(torch.view_as_complex(x[..., -rd:].unflatten(-1, (-1, 2)).contiguous())
+                             * phase.view(shape)).flatten(-2)
+    return torch.cat((x[..., :-rd], rot), -1)
+
+
+def _mhc_pre(res, fn, scale, base, hc, iters, eps=1e-6, hc_eps=1e-6):
+    """The mHC kernels' pre / post / comb and the collapsed layer input, per token: res [Q, hc, d]."""
+    flat = res.flatten(1)
+    mix = (flat @ fn.T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+    pre = torch.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(mix[:, hc: 2 * hc] * scale[1] + base[hc: 2 * hc])
+    comb = (mix[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc).softmax(-1) + hc_eps  # [in, out]
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return (pre[..., None] * res).sum(1), post, comb
+
+
+def _mhc_post(h, res, post, comb):
+    return post[..., None] * h[:, None] + torch.einsum("qio,qid->qod", comb, res)
+
+
+def _ffn(x, w, c):
+    def swiglu(x, w1, w3, w2):
+        lim = c["swiglu_limit"]
+        return (torch.nn.functional.silu((x @ w1.T).clamp(max=lim)) * (x @ w3.T).clamp(-lim, lim)) @ w2.T
+
+    scores = torch.sqrt(torch.nn.functional.softplus(x @ w["ffn.gate.weight"].T))
+    ids = torch.topk(scores + w["ffn.gate.bias"], c["num_experts_per_tok"], -1).indices
+    weights = scores.gather(1, ids)
+    weights = weights / weights.sum(-1, keepdim=True) * c["routed_scaling_factor"]
+    out = swiglu(x, *(w[f"ffn.shared_experts.w{i}.weight"] for i in (1, 3, 2)))
+    for q in range(x.shape[0]):
+        for e, g in zip(ids[q].tolist(), weights[q]):
+            out[q] += g * swiglu(x[q], *(w[f"ffn.experts.{e}.w{i}.weight"] for i in (1, 3, 2)))
+    return out
+
+
+def _attention(x, main_x, ctx_pos, blk_pos, w, c):
+    H, hd, rd, g = c["num_attention_heads"], c["head_dim"], c["qk_rope_head_dim"], c["o_groups"]
+    theta = c["rope_theta"]
+    q = (_rms(x @ w["attn.wq_a.weight"].T, w["attn.q_norm.weight"]) @ w["attn.wq_b.weight"].T).unflatten(-1, (H, hd))
+    q = _rope(_rms(q, None), blk_pos, rd, theta)
+    kv = torch.cat([_rope(_rms(h @ w["attn.wkv.weight"].T, w["attn.kv_norm.weight"]), p, rd, theta)
+                    for h, p in ((main_x, ctx_pos), (x, blk_pos))])
+    scores = torch.einsum("qhd,kd->qhk", q, kv) * hd ** -0.5
+    m = scores.amax(-1, keepdim=True)
+    p = (scores - m).exp()
+    out = torch.einsum("qhk,kd->qhd", p, kv) / (p.sum(-1) + (w["attn.attn_sink"][None] - m[..., 0]).exp())[..., None]
+    out = _rope(out, blk_pos, rd, theta, inverse=True).reshape(len(blk_pos), g, -1)
+    out = torch.einsum("qgd,grd->qgr", out, w["attn.wo_a.weight"].view(g, c["o_lora_rank"], -1)).flatten(1)
+    return out @ w["attn.wo_b.weight"].T
+
+
+def reference_block(ckpt, c, features, ids, anchor, window):
+    """The last stage's normed output [block, d] of the block anchored at index ``anchor`` (positions = indices)."""
+    S, hc, bs = c["dspark_num_stages"], c["hc_mult"], c["dspark_block_size"]
+    st = [{k[len(f"mtp.{s}."):]: v for k, v in ckpt.items() if k.startswith(f"mtp.{s}.")} for s in range(S)]
+    ctx_pos = torch.arange(max(0, anchor - window), anchor)
+    blk_pos = torch.arange(anchor, anchor + bs)
+    main_x = _rms(features[ctx_pos] @ st[0]["main_proj.weight"].T, st[0]["main_norm.weight"])
+    tokens = torch.full((bs,), c["dspark_noise_token_id"])
+    tokens[0] = ids[anchor]
+    res = ckpt["model.embed_tokens.weight"][tokens][:, None].repeat(1, hc, 1)
+    for w in st:
+        x, post, comb = _mhc_pre(res, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], hc, c["hc_sinkhorn_iters"])
+        res = _mhc_post(_attention(_rms(x, w["attn_norm.weight"]), main_x, ctx_pos, blk_pos, w, c), res, post, comb)
+        x, post, comb = _mhc_pre(res, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], hc, c["hc_sinkhorn_iters"])
+        res = _mhc_post(_ffn(_rms(x, w["ffn_norm.weight"]), w, c), res, post, comb)
+    last = st[-1]
+    flat = res.flatten(1)  # tokenspeed's hc_head
+    mix = (flat @ last["hc_head_fn"].T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6)
+    pre = torch.sigmoid(mix * last["hc_head_scale"] + last["hc_head_base"]) + 1e-6
+    return _rms((pre[..., None] * res).sum(1), last["norm.weight"])
+
+
+@pytest.mark.parametrize("markov", stages.MARKOV, ids=["v4", "v4.1"])
+def test_the_stage_forward_is_the_consumers_in_float64(tmp_path, markov):
+    """The training forward of several anchored blocks (a window shorter than the context, so it matters) equals
+    the consumer's stage math per block, and the slot logits / confidence read the checkpoint's Markov and
+    confidence tensors. fp32 bounds: transformers' V4 modules (mHC, RoPE, norms) compute in fp32 whatever the
+    input dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from treadle.drafts.dspark import v4
+
+    path = v4_with_stages(tmp_path / "t", markov)
+    ckpt = {k: v.double() for k, v in tensors_of(path).items()}
+    c = json.loads((path / "config.json").read_text())
+    target = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").double()
+    draft = v4.load_stages(path, target.config, stages.find(path)).double()
+    draft.window = 3
+    model = v4.StagesModel(target, draft).double()
+    T, g = 12, torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (1, T), generator=g)
+    features = torch.randn(1, T, len(TAPS) * D, generator=g, dtype=torch.float64)
+    anchors = torch.tensor([[1, 5, 8]])
+    positions = torch.arange(T)[None]
+    with torch.no_grad():
+        got = model._blocks(ids, positions, features, anchors, torch.ones_like(ids))
+        prev = torch.randint(0, V, got.shape[:-1], generator=g)
+        logits = model.slot_logits(got, draft.markov_w1(prev))
+        conf = draft.confidence_logit(got, draft.markov_w1(prev))
+    last = f"mtp.{STAGES - 1}."
+    for j, a in enumerate(anchors[0].tolist()):
+        want = reference_block(ckpt, c, features[0], ids[0], a, window=3)
+        torch.testing.assert_close(got[0, j], want, rtol=1e-5, atol=1e-5)
+        e = ckpt[last + markov[0]][prev[0, j]]
+        torch.testing.assert_close(logits[0, j], want @ ckpt["head.weight"].T + e @ ckpt[last + markov[1]].T,
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(conf[0, j], (torch.cat((want, e), -1) @ ckpt[last + "confidence_head.proj.weight"].T)[:, 0],
+                                   rtol=1e-5, atol=1e-5)
+    # What the run feeds it: each tapped layer's output averaged over its mHC streams (tokenspeed's capture).
+    taps = []
+    hooks = [target.model.layers[i].register_forward_hook(lambda m, i, o: taps.append(o.mean(-2))) for i in TAPS]
+    with torch.no_grad():
+        _, fed = model._target_forward(ids, positions, hidden=True)
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(fed, torch.cat(taps, -1), rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def v4_target(shards, tmp_path_factory):
+    """The DeepSeek-V4.1 fixture with the shards' tokenizer: a target a run trains against."""
+    from transformers import AutoTokenizer
+
+    path = v4_with_stages(tmp_path_factory.mktemp("v41") / "target", stages.MARKOV[1])
+    AutoTokenizer.from_pretrained(shards / "tok").save_pretrained(path)
+    return path
+
+
+def test_a_dspark_run_fine_tunes_the_stages_and_stitches_them_back(shards, v4_target, tmp_path, capsys):
+    """``draft.kind = "dspark"`` on a target that ships stages trains them (the loss falls), exports them under the
+    checkpoint's names and stitches them into a copy of the target (every tensor not trained byte for byte), and
+    spec-eval decodes the stitched checkpoint losslessly."""
+    from tests.helpers import draft_args, records
+    from treadle.cli import main
+
+    run = tmp_path / "run"
+    assert main(draft_args(shards, v4_target, run, "--draft.kind=dspark", "--train.max_steps=8", "--draft.anchors=4",
+                           "--optim.lr=1e-2", "--draft.gamma=3", "--draft.loss=kl")) == 0
+    loss = records(run)
+    assert min(loss[7], loss[8]) < loss[1]
+    exported = tensors_of(run / "draft")
+    theirs, ours = tensors_of(v4_target), tensors_of(run / "draft" / "stitched")
+    assert ours.keys() == theirs.keys() and exported.keys() == {k for k in theirs if k.startswith("mtp.")}
+    trained = {k for k in exported if not k.endswith("ffn.gate.bias")}
+    changed = set()
+    for k, t in theirs.items():
+        same = ours[k].dtype == t.dtype and ours[k].view(torch.uint8).equal(t.contiguous().view(torch.uint8))
+        if k in trained:
+            assert torch.equal(ours[k], exported[k]), k  # the trained value, where it was
+            changed |= set() if same else {k}
+        else:
+            assert same, k  # not trained: the target's bytes
+    assert {"mtp.0.main_proj.weight", "mtp.1.markov_head.embed.weight", "mtp.1.confidence_head.proj.weight",
+            "mtp.0.attn.wq_b.weight", "mtp.1.ffn.experts.0.w1.weight"} & changed
+    for name in ("config.json", INDEX):
+        assert (run / "draft" / "stitched" / name).read_bytes() == (v4_target / name).read_bytes()
+    out = tmp_path / "spec.json"
+    capsys.readouterr()
+    assert main(["spec-eval", "--target", str(v4_target), "--draft", str(run / "draft" / "stitched"), "--num-prompts",
+                 "2", "--gamma", "3", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["lossless"] is True and got["drafter"] == "dspark-stages"
+
+
+def test_runs_on_stages_refuse_quantized_stages_and_contradicting_keys(tmp_path, v4):
+    """FP8 / FP4 stage tensors: refused (treadle does not re-quantize); a [draft] key the stages decide must match."""
     from treadle.drafts.dspark.model import build_dspark
 
     class Cfg:
-        target, init = str(v4), None
+        target, init, block_size, feature_layers, num_layers, mask_token_id, markov_rank = (None,) * 7
 
-    with pytest.raises(UserError, match=r"ships 2 DSpark stages .* does not implement yet"):
-        build_dspark(Cfg, V, None)
+    q = Cfg()
+    q.target = str(v4_with_stages(tmp_path / "q", quantized=True))
+    with pytest.raises(UserError, match=r"stores its DSpark stages quantized \(mtp.0.ffn.shared_experts.w1"):
+        build_dspark(q, V, None)
+    wrong = Cfg()
+    wrong.target, wrong.block_size = str(v4), 7
+    with pytest.raises(UserError, match=r"draft.block_size = 7 but the DSpark stages of draft.target .* have 4"):
+        build_dspark(wrong, V, None)
