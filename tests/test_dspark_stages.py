@@ -290,7 +290,8 @@ def reference_block(ckpt, c, features, ids, anchor, window):
     tokens[0] = ids[anchor]
     res = ckpt["model.embed_tokens.weight"][tokens][:, None].repeat(1, hc, 1)
     for w in st:
-        x, post, comb = _mhc_pre(res, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], hc, c["hc_sinkhorn_iters"])
+        x, post, comb = _mhc_pre(res, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], hc,
+                                 c["hc_sinkhorn_iters"])
         res = _mhc_post(_attention(_rms(x, w["attn_norm.weight"]), main_x, ctx_pos, blk_pos, w, c), res, post, comb)
         x, post, comb = _mhc_pre(res, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], hc, c["hc_sinkhorn_iters"])
         res = _mhc_post(_ffn(_rms(x, w["ffn_norm.weight"]), w, c), res, post, comb)
@@ -335,8 +336,8 @@ def test_the_stage_forward_is_the_consumers_in_float64(tmp_path, markov):
         e = ckpt[last + markov[0]][prev[0, j]]
         torch.testing.assert_close(logits[0, j], want @ ckpt["head.weight"].T + e @ ckpt[last + markov[1]].T,
                                    rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(conf[0, j], (torch.cat((want, e), -1) @ ckpt[last + "confidence_head.proj.weight"].T)[:, 0],
-                                   rtol=1e-5, atol=1e-5)
+        proj = ckpt[last + "confidence_head.proj.weight"]
+        torch.testing.assert_close(conf[0, j], (torch.cat((want, e), -1) @ proj.T)[:, 0], rtol=1e-5, atol=1e-5)
     # What the run feeds it: each tapped layer's output averaged over its mHC streams (tokenspeed's capture).
     taps = []
     hooks = [target.model.layers[i].register_forward_hook(lambda m, i, o: taps.append(o.mean(-2))) for i in TAPS]

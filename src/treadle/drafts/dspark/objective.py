@@ -97,5 +97,6 @@ def dspark_setup(cfg, model) -> DSparkObjective:
     from treadle.drafts.dflash.objective import dflash_setup
 
     if cfg.draft.block_size is None:  # the draft's own block (a draft.init's, or the stages a target ships)
-        cfg = cfg.model_copy(update={"draft": cfg.draft.model_copy(update={"block_size": model.draft_model.block_size})})
+        draft = cfg.draft.model_copy(update={"block_size": model.draft_model.block_size})
+        cfg = cfg.model_copy(update={"draft": draft})
     return dflash_setup(cfg, model, DSparkObjective)

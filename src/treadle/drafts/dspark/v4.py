@@ -69,7 +69,8 @@ def stage_config(target_config, experts: int):
     captured context), a routed MoE (a stage is no hash-routed layer: its index is past the target's), the stage
     expert count (V4.1's ``dspark_n_routed_experts``)."""
     c = copy.deepcopy(target_config)
-    c.num_hidden_layers, c.layer_types, c.mlp_layer_types, c.n_routed_experts = 1, ["sliding_attention"], ["moe"], experts
+    c.num_hidden_layers, c.layer_types, c.mlp_layer_types = 1, ["sliding_attention"], ["moe"]
+    c.n_routed_experts = experts
     c._attn_implementation, c._experts_implementation = "eager", "eager"
     return c
 
