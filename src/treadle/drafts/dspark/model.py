@@ -113,6 +113,8 @@ class DSparkOutput:
     hit: torch.Tensor  # the draft's argmax equals the target's (bool)
     target_ce: torch.Tensor  # the target's own CE summed over the row's labels (the floor), scalar
 
+    logits = None  # never whole: DFlash's objective reads the per-slot scores (as a chunked DFlash output's)
+
 
 class DSparkModel(DFlashModel):
     """What a dspark draft run trains: a frozen target and a trainable ``DSparkDraft`` on its fused features."""
