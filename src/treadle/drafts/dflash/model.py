@@ -190,14 +190,10 @@ class BlockDraftHooks:
         """Refuse, in one line, a target this kind does not train on (none for DFlash)."""
 
     @classmethod
-    def layout_config(cls, draft_dir, where: str) -> dict:
-        """config.json of a draft in its layout; refused in one line when ``draft_dir`` holds none."""
-        lay = cls.layout
-        config = lay.read_config(draft_dir)
-        if config is None:
-            raise UserError(f"{where} {draft_dir} is not a {lay.TITLE} draft in z-lab's layout (config.json with "
-                            f"architectures = [{lay.ARCHITECTURE!r}])")
-        return config
+    def layout_name(cls) -> str:
+        """What a directory in its layout holds, as the refusal of one that is not names it."""
+        return (f"{cls.layout.TITLE} draft in z-lab's layout (config.json with architectures = "
+                f"[{cls.layout.ARCHITECTURE!r}])")
 
     @classmethod
     def layout_spec(cls, config: dict, target_config, where) -> dict:
@@ -521,7 +517,9 @@ def draft_from_layout(draft_dir, target, where: str, draft_class=None) -> DFlash
     from treadle.models.finite import check_tensors
 
     draft_class = draft_class or DFlashDraft
-    config = draft_class.layout_config(draft_dir, where)
+    config = draft_class.layout.read_config(draft_dir)
+    if config is None:
+        raise UserError(f"{where} {draft_dir} is not a {draft_class.layout_name()}")
     if "target" in config:
         checked_export(draft_dir, target, draft_class.kind, f"a {draft_class.kind}")
     draft = draft_class(target.config, **draft_class.layout_spec(config, target.config, draft_dir))

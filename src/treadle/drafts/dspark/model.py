@@ -78,12 +78,9 @@ class DSparkDraft(DFlashDraft):
             refuse_shipped_stages(target_dir)
 
     @classmethod
-    def layout_config(cls, draft_dir, where: str) -> dict:
-        config = dspark_layout.read_config(draft_dir)
-        if config is None:
-            raise UserError(f"{where} {draft_dir} is not a DSpark draft (config.json with architectures = "
-                            f"[{dspark_layout.ARCHITECTURE!r}], or speculators_model_type = 'dspark')")
-        return config
+    def layout_name(cls) -> str:
+        return (f"DSpark draft (config.json with architectures = [{dspark_layout.ARCHITECTURE!r}], or "
+                "speculators_model_type = 'dspark')")
 
     @classmethod
     def layout_spec(cls, config: dict, target_config, where) -> dict:
