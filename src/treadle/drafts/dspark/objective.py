@@ -54,10 +54,3 @@ class DSparkObjective(DFlashObjective):
     def row_loss(self, out, token: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, dict]:
         loss, _ = super().row_loss(out, token + out.bce.to(token.dtype), w)
         return loss, {"confidence_bce": out.bce.detach().sum().double()}
-
-
-def dspark_setup(cfg, model) -> DSparkObjective:
-    """``model.loss_chunk_tokens`` resolved as for dflash (auto: on from a 32k vocabulary), and the objective."""
-    from treadle.drafts.dflash.objective import dflash_setup
-
-    return dflash_setup(cfg, model, DSparkObjective)
