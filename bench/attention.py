@@ -152,8 +152,12 @@ def main() -> int:
             print(f"attention: {kind} at {seq} ...", file=sys.stderr, flush=True)
             done = subprocess.run(child_command(kind, seq, args), capture_output=True, text=True)
             if done.returncode:
-                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                results.append({"kind": kind, "seq_len": seq, "error": f"exit {done.returncode}: {last}"})
+                lines = done.stderr.strip().splitlines() or ["no output"]
+                # where it failed: the traceback's last two frames (the third GPU run got only "tensors on cuda:0
+                # and cpu" back from flex at 32k, and no way to tell which tensor)
+                frames = [ln.strip() for ln in lines if ln.strip().startswith('File "')][-2:]
+                results.append({"kind": kind, "seq_len": seq, "error": f"exit {done.returncode}: {lines[-1]}"
+                                + (f" (at {' <- '.join(reversed(frames))})" if frames else "")})
                 continue
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     model = f"tiny preset + {args.overrides}" if overrides else "tiny preset"

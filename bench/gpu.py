@@ -105,13 +105,16 @@ LONG_ROWS = {"dflash": ["--draft.anchors=none"]}
 # rows; `--only side-by-side` runs them all (the GPU session's one script: about 6 minutes on an H100/H200).
 LOOPS = ["treadle-defaults", "treadle-best", "hf-bf16", "hf-compile", "bare-compile"]
 SIDE_BY_SIDE = [*LOOPS, "attention"]
+# Issue 42's rows: the same 1.1B loop with rank-16 adapters on every decoder linear (the base frozen in bf16 / in
+# NF4 through bitsandbytes), timed by the same Timer: peak memory and tokens/s against full training (treadle-*).
+LORA = ["lora-r16", "qlora-r16"]
 # Expected on an H200 from the first run's timings (research notes of 2026-11: a compiled 1.1B treadle run trained
 # 40 steps in ~26 s, compile included; eager 48-54k tokens/s): ~30 s of start-up each (imports, the corpus, a 1.1B
 # init), then 45 / 55 / 42 / 90 / 55 s for the loops and ~150 s for the six attention cases (two FlexAttention
 # compiles): ~7.3 minutes. The limits below bound a slow start at 10 minutes, the device's per-command limit.
 SIDE_BY_SIDE_TIMEOUTS = {"treadle-defaults": 75, "treadle-best": 90, "hf-bf16": 75, "hf-compile": 120,
-                         "bare-compile": 90, "attention": 150}
-GROUPS = {"side-by-side": SIDE_BY_SIDE}
+                         "bare-compile": 90, "attention": 150, "lora-r16": 90, "qlora-r16": 120}
+GROUPS = {"side-by-side": SIDE_BY_SIDE, "lora": LORA}
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ TOY = Sizes(tiny_steps=4, tiny_seq=64, tiny_batch=2, big=LLAMA_TOY, big_steps=4,
                      "spec-glide-1b": 300, "spec-eagle3-1b": 300, "spec-dflash-1b": 300, "samples": 120, "features-1b": 300, "eagle3-1b-stored": 300,
                      "dsv3-1b": 300, "mtp-1b-shipped": 300, "mtp-1b-ft": 300, "spec-mtp-1b-before": 300,
                      "spec-mtp-1b-after": 300,
-                     "fp8": 120, **{name: 300 for name in SIDE_BY_SIDE}},
+                     "fp8": 120, **{name: 300 for name in SIDE_BY_SIDE + LORA}},
             samples=20, mtp_big=DSV3_TOY, loop_steps=4, attn_seqs="256", attn_model=LLAMA_TOY,
             attn_steps=1)
 
@@ -376,6 +379,7 @@ def side_by_side_items(out: Path, device: str, s: Sizes) -> list[Item]:
                     launcher=loops, row=loop_row, validate=lambda argv: _bench("gpu_loops").parser().parse_args(argv))
 
     compiled = "compile" if cuda else "compile skipped on CPU"
+    lora = ["--lora.rank=16", "--lora.alpha=32", "--lora.target_modules=all-linear", "--optim.weight_decay=0"]
     kinds = "dense,varlen,flex" if cuda else "dense,varlen"
     attention_args = ["--seqs", s.attn_seqs, "--kinds", kinds, "--steps", str(s.attn_steps), "--device", device,
                       "--threads", "4" if cuda else "1", "--dtype", "bf16" if cuda else "fp32",
@@ -383,12 +387,14 @@ def side_by_side_items(out: Path, device: str, s: Sizes) -> list[Item]:
     return [
         treadle("treadle-defaults", f"treadle at its defaults (dtype, compile, attention, chunked loss: auto), {size}",
                 []),
-        treadle("treadle-best", f"treadle at its best: bf16, {compiled}, varlen attention, chunked loss off, {size}",
-                ["--model.dtype=bf16", f"--model.compile={'true' if cuda else 'false'}", "--model.attention=varlen",
+        treadle("treadle-best", f"treadle at its best: bf16, {compiled}, attention auto, chunked loss off, {size}",
+                ["--model.dtype=bf16", f"--model.compile={'true' if cuda else 'false'}",
                  "--model.loss_chunk_tokens=0"]),
         script("hf-bf16", f"HF Trainer bf16=True, {size} (the same rows, position_ids)", ["hf"]),
         script("hf-compile", f"HF Trainer bf16=True, torch_compile=True ({compiled}), {size}", ["hf", "--compile"]),
         script("bare-compile", f"a bare loop, each decoder layer compiled ({compiled}), {size}", ["bare"]),
+        treadle("lora-r16", f"treadle defaults + LoRA r=16 on all decoder linears (base frozen), {size}", lora),
+        treadle("qlora-r16", f"the same with the base in NF4 (bitsandbytes), {size}", [*lora, "--lora.quantize=4bit"]),
         Item("attention", f"attention {kinds.replace(',', ' / ')} at {s.attn_seqs} tokens, micro-batch 1, a "
                           f"{s.attn_model['num_hidden_layers']}-layer slice of the {n_big} width",
              attention_args, launcher=[sys.executable, str(REPO / "bench" / "attention.py")], row=attention_row,

@@ -104,3 +104,25 @@ def test_the_loops_timer_counts_the_steps_it_names_and_writes_one_record(tmp_pat
     got = json.loads((tmp_path / "step_timer.json").read_text())
     assert got["tokens_per_s"] == 25 * 600 / 3.0 and got["steps"] == [16, 40] and got["settings"] == "x"
     assert got["peak_kind"] == "RSS" and got["peak_gib"] > 0 and got["mfu"] is None  # no peak known on a CPU
+    # A peak a loop's own metrics logged (treadle resets CUDA's at each log step) is kept when it is the higher.
+    timer = Timer(str(tmp_path), last=2, tokens_per_step=600, device=torch.device("cpu"))
+    timer.step_end(1, model, 64)
+    timer.step_end(2, model, 64, logged_peak_gib=1e6)
+    assert json.loads((tmp_path / "step_timer.json").read_text())["peak_gib"] == 1e6
+
+
+def test_the_loops_mfu_is_against_the_bf16_peak(monkeypatch):
+    """Every loop trains under bf16 autocast: its MFU is against the device's bf16 peak (the third GPU run's table
+    read 505% against the fp32 one)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import gpu_loops
+
+    from treadle.config import ModelConfig
+    from treadle.metrics import flops
+    from treadle.models.hf import build_model
+
+    model = build_model(ModelConfig(), 256)
+    asked = []
+    monkeypatch.setattr(flops, "peak_tflops", lambda device, dtype, configured: asked.append(dtype) or 1.0)
+    gpu_loops.utilization(model, 64, 1000.0, None)
+    assert asked == ["bf16"]

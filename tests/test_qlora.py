@@ -77,3 +77,21 @@ def test_qlora_is_refused_in_one_line_where_it_does_not_run(shards, tmp_path, ca
         assert main(_run_args(shards, base, tmp_path / "r", *extra)) == 2
         err = capsys.readouterr().err.strip()
         assert want in err and len(err.splitlines()) == 1, err
+
+
+def test_a_bf16_qlora_run_multiplies_its_4bit_layers_in_bf16(shards, tmp_path):
+    """The 4-bit layers dequantize to the run's autocast dtype, as QLoRA computes (in fp32 they ran a 1.1B step at
+    57 TFLOP/s on an H200 against LoRA's 101); an fp32 run keeps fp32."""
+    from treadle.train.run import build_trainer, close_trainer
+
+    base = tmp_path / "base"
+    build_family("llama", base, shards / "tok")
+    for dtype, want in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        trainer = build_trainer(load_config(None, _run_args(shards, base, tmp_path / dtype, f"--model.dtype={dtype}",
+                                                           "--train.max_steps=2")[1:]))
+        try:
+            layers = [m for m in trainer.engine.module.modules() if isinstance(m, bnb.nn.Linear4bit)]
+            assert layers and {m.compute_dtype for m in layers} == {want}, dtype
+            trainer.fit()  # and the step runs in that dtype
+        finally:
+            close_trainer(trainer)

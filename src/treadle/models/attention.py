@@ -48,6 +48,12 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash's; an fp32 CUDA run att
 # Below this many tokens a CPU row attends through the dense mask: the mask is small, and one masked call beats a
 # call per document (bench/attention.py measures the crossing).
 CPU_DENSE_UP_TO = 2048
+# The same on CUDA, where rows up to this length keep sdpa's dense mask. Measured on an H200 (torch 2.11, 1.1B Llama,
+# 8 x 2048 packed rows, bf16): dense 48.4k tokens/s, varlen_attn 14-27k (docs/benchmarks.md, third GPU run). Dense
+# computes every masked-out score, a share of the step that grows with the row (at 16k about as much as the rest of
+# a 1.1B's step), so varlen takes over for long rows, where the mask alone is rows x 1 GiB at 32k. Not yet measured
+# between 2k and 32k: bench/gpu.py's attention rows (8k, 32k) are the check.
+CUDA_DENSE_UP_TO = 16384
 
 
 @dataclass(frozen=True)
@@ -250,11 +256,12 @@ def resolve(choice: str, config, device: torch.device, seq_len: int, context_par
     if choice == "auto":
         if why_not:
             return "dense", why_not
-        if device.type == "cuda":
-            return "varlen", "packed documents on CUDA: flash over each document, no mask"
-        if seq_len > CPU_DENSE_UP_TO:
-            return "varlen", f"rows of {seq_len} tokens on CPU: each document by itself, memory linear in the row"
-        return "dense", f"rows of {seq_len} tokens on CPU: one masked call is faster than one call per document"
+        cuda = device.type == "cuda"
+        where = "CUDA" if cuda else "CPU"
+        if seq_len > (CUDA_DENSE_UP_TO if cuda else CPU_DENSE_UP_TO):
+            how = "flash over each document (varlen_attn)" if cuda else "each document by itself"
+            return "varlen", f"rows of {seq_len} tokens on {where}: {how}, no mask, memory linear in the row"
+        return "dense", f"rows of {seq_len} tokens on {where}: one masked call is faster than one call per document"
     if choice != "dense" and why_not:
         raise UserError(f"model.attention = {choice!r} cannot run this model: {why_not}; accepted: 'dense' or 'auto'")
     if choice == "flex" and device.type != "cuda":

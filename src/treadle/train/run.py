@@ -49,6 +49,7 @@ from treadle.train.callbacks import (AdapterExportCallback, Callback, Checkpoint
 from treadle.drafts.features.run import attach_store, is_speculators_store, refuse_unstorable, speculators_samples
 from treadle.drafts.registry import build_draft, kind
 from treadle.train.adapters import describe_adapters, draft_lora_adapters, lora_adapters
+from treadle.models.lora import quantized_compute_dtype
 from treadle.train.auto import resolve_auto
 from treadle.train.draft import AcceptanceCallback, DraftExportCallback, TTTAccuracyCallback, eval_prompts
 from treadle.train.moe import ExpertLoadCallback, RouterObjective, refuse_router_keys, router_objective
@@ -422,6 +423,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     auto_lines += choose_attention(cfg, setup.model, device, layout.cp_size)
     if cfg.model.dtype == "fp8":  # a model transform: before checkpointing wraps layers, compile and the engine
         auto_lines.append(apply_fp8(setup.model, cfg.model.fp8_recipe))
+    if cfg.lora.quantize == "4bit" and cfg.model.dtype == "bf16":  # QLoRA: the NF4 matmuls in autocast's dtype
+        quantized_compute_dtype(setup.model, torch.bfloat16)
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
     apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)

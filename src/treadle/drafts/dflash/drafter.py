@@ -59,6 +59,11 @@ class DFlashDrafter:
     def block_hidden(self, context_ids: torch.Tensor) -> torch.Tensor:
         """The draft's final hidden states [1, block_size - 1, d] of slots 1.. of the block anchored at the last
         token (one draft forward)."""
+        return self.block_states(context_ids)[:, 1:]
+
+    def block_states(self, context_ids: torch.Tensor) -> torch.Tensor:
+        """The draft's final hidden states [1, block_size, d] of every slot of the block anchored at the last token,
+        the anchor's included (DSpark's drafts too): one draft forward."""
         model, draft = self.model, self.model.draft_model
         anchor = context_ids.shape[1] - 1
         tokens = context_ids.new_full((1, self.block_size), draft.mask_token_id)
@@ -68,7 +73,7 @@ class DFlashDrafter:
         mask = torch.ones(1, 1, self.block_size, self.rows + self.block_size, dtype=torch.bool, device=embeds.device)
         hidden = draft(embeds, model.rotary(embeds, positions), self.kv, mask)
         self.forwards += 1
-        return hidden[:, 1:]
+        return hidden
 
     @torch.inference_mode()
     def propose(self, context_ids: torch.Tensor, state: TargetState, gamma: int, sampler: Sampler) -> Proposal:

@@ -7,31 +7,38 @@ from pathlib import Path
 from treadle.drafts.dflash import settings
 from treadle.drafts.dflash.drafter import DFlashDrafter
 from treadle.drafts.dflash import layout as dflash_layout
-from treadle.drafts.dflash.layout import export as dflash_export
-from treadle.drafts.dflash.model import build_dflash, load_dflash
-from treadle.drafts.dflash.objective import dflash_setup
+from treadle.drafts.dflash.model import DFlashModel, build_dflash, load_dflash
+from treadle.drafts.dflash.objective import DFlashObjective, dflash_setup
 from treadle.drafts.kind import DraftKind
 
 
 class DFlash(DraftKind):
+    """DFlash's kind. A kind built on its backbone that differs only in its classes and layout (DSpark) subclasses it
+    and names them."""
+
     settings = settings
+    model_class = DFlashModel  # what build_dflash / load_dflash make
+    objective_class = DFlashObjective
+    drafter_class = DFlashDrafter
+    layout = dflash_layout  # whose ``export`` writes the consumers' layout
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
-        return build_dflash(cfg, data_vocab, data_tokenizer_fingerprint, empty)
+        return build_dflash(cfg, data_vocab, data_tokenizer_fingerprint, empty, self.model_class)
 
     def load(self, draft_dir, target):
-        return load_dflash(draft_dir, target)
+        return load_dflash(draft_dir, target, self.model_class)
 
     def setup(self, cfg, model, datasets):
-        return dflash_setup(cfg, model)
+        return dflash_setup(cfg, model, self.objective_class)
 
     def drafter(self, model):
-        return DFlashDrafter(model)
+        return self.drafter_class(model)
 
     def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
-        """Always z-lab's DFlashDraftModel layout vLLM and SGLang load (dflash/layout.py: config.json a Qwen3 config
-        with dflash_config, ``model.safetensors`` under z-lab's names, no embedding or head)."""
-        return dflash_export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
+        """Always the layout vLLM and SGLang load; DFlash's is z-lab's DFlashDraftModel one (dflash/layout.py:
+        config.json a Qwen3 config with dflash_config, ``model.safetensors`` under z-lab's names, no embedding or
+        head)."""
+        return self.layout.export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
 
     def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
                     target_dir: Path | None = None) -> None:

@@ -166,7 +166,48 @@ class DFlashLayer(nn.Module):
         return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
-class DFlashDraft(nn.Module):
+class BlockDraftHooks:
+    """What ``build_dflash`` and ``draft_from_layout`` ask of a draft class: DFlash's answers, which a kind built on
+    its backbone (DFlash2, LiLiCorr, DSpark) overrides where it differs."""
+
+    kind = KIND
+    layout = dflash_layout  # the module that writes and reads its z-lab layout
+    settings = settings  # the module whose block_size / num_layers give the [draft] keys' defaults
+
+    @classmethod
+    def run_options(cls, cfg) -> dict:
+        """Constructor keywords a new draft takes from a ``DraftConfig`` beyond DFlash's (none)."""
+        return {}
+
+    @classmethod
+    def layout_options(cls, config: dict, target_config, where) -> dict:
+        """Constructor keywords a draft in its layout takes from its config.json beyond DFlash's (none)."""
+        return {}
+
+    def init_keys(self) -> tuple:
+        """(draft.key, this draft's value) pairs a ``draft.init`` run must not contradict beyond DFlash's (none)."""
+        return ()
+
+    @classmethod
+    def layout_name(cls) -> str:
+        """What a directory in its layout holds, as the refusal of one that is not names it."""
+        return (f"{cls.layout.TITLE} draft in z-lab's layout (config.json with architectures = "
+                f"[{cls.layout.ARCHITECTURE!r}])")
+
+    @classmethod
+    def layout_spec(cls, config: dict, target_config, where) -> dict:
+        """The constructor keywords (beyond the target's config) of the draft a config.json in its layout describes,
+        checked against the target (a treadle export's fingerprint is checked before)."""
+        dflash_layout.check_fits(config, target_config, where)
+        layers = dflash_layout.feature_layers(config, target_config.num_hidden_layers, where)
+        check_feature_layers(layers, target_config.num_hidden_layers, f"{where}/config.json target_layer_ids + 1")
+        return {"feature_layers": layers, "num_layers": config["num_hidden_layers"],
+                "block_size": dflash_layout.block_size(config),
+                "mask_token_id": dflash_layout.mask_token_id(config, where),
+                **cls.layout_options(config, target_config, where)}
+
+
+class DFlashDraft(BlockDraftHooks, nn.Module):
     """The trainable draft: fc + hidden_norm, ``num_layers`` layers, the final norm. It owns no embedding or head
     (the target's are shared, frozen)."""
 
@@ -187,23 +228,6 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(self.new_layer(s) for _ in range(num_layers))
         self.norm = RMSNorm(d, eps=s.rms_norm_eps)
         init_linears(self, target_config)
-
-    kind = KIND
-    layout = dflash_layout  # the module that writes and reads its z-lab layout
-
-    @classmethod
-    def run_options(cls, cfg) -> dict:
-        """Constructor keywords a new draft takes from a ``DraftConfig`` beyond DFlash's (none)."""
-        return {}
-
-    @classmethod
-    def layout_options(cls, config: dict, target_config, where) -> dict:
-        """Constructor keywords a draft in its layout takes from its config.json beyond DFlash's (none)."""
-        return {}
-
-    def init_keys(self) -> tuple:
-        """(draft.key, this draft's value) pairs a ``draft.init`` run must not contradict beyond DFlash's (none)."""
-        return ()
 
     def new_layer(self, s) -> nn.Module:
         """One draft layer of shape ``s`` (a kind built on this draft, DFlash2, makes its own)."""
@@ -467,12 +491,13 @@ def build_dflash(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
     if n < 2:
         raise UserError(f"draft.target {target_dir} has {n} decoder layer; a {cfg.kind} draft reads states of "
                         "decoder layers before the last; accepted: a target with 2 or more layers")
-    count = settings.num_layers(cfg)
+    count = draft_class.settings.num_layers(cfg)
     layers = tuple(cfg.feature_layers) if cfg.feature_layers else default_feature_layers(n, count)
     check_feature_layers(layers, n, "draft.feature_layers")
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token(target.config.vocab_size,
                                                                                          data_vocab)
-    draft = draft_class(target.config, layers, count, settings.block_size(cfg), mask, **draft_class.run_options(cfg))
+    draft = draft_class(target.config, layers, count, draft_class.settings.block_size(cfg), mask,
+                        **draft_class.run_options(cfg))
     return model_class(target, draft), target_dir, ident
 
 
@@ -494,22 +519,15 @@ def draft_from_layout(draft_dir, target, where: str, draft_class=None) -> DFlash
     from treadle.models.finite import check_tensors
 
     draft_class = draft_class or DFlashDraft
-    lay = draft_class.layout
-    config = lay.read_config(draft_dir)
+    config = draft_class.layout.read_config(draft_dir)
     if config is None:
-        raise UserError(f"{where} {draft_dir} is not a {lay.TITLE} draft in z-lab's layout (config.json with "
-                        f"architectures = [{lay.ARCHITECTURE!r}])")
+        raise UserError(f"{where} {draft_dir} is not a {draft_class.layout_name()}")
     if "target" in config:
         checked_export(draft_dir, target, draft_class.kind, f"a {draft_class.kind}")
-    dflash_layout.check_fits(config, target.config, draft_dir)
-    layers = dflash_layout.feature_layers(config, target.config.num_hidden_layers, draft_dir)
-    check_feature_layers(layers, target.config.num_hidden_layers, f"{draft_dir}/config.json target_layer_ids + 1")
-    draft = draft_class(target.config, layers, config["num_hidden_layers"], dflash_layout.block_size(config),
-                        dflash_layout.mask_token_id(config, draft_dir),
-                        **draft_class.layout_options(config, target.config, draft_dir))
+    draft = draft_class(target.config, **draft_class.layout_spec(config, target.config, draft_dir))
     file = Path(draft_dir) / "model.safetensors"
     tensors = check_tensors(load_file(str(file)), file, where)
-    draft.load_state_dict(lay.import_weights(tensors, draft, draft_dir))
+    draft.load_state_dict(draft_class.layout.import_weights(tensors, draft, draft_dir))
     return draft
 
 

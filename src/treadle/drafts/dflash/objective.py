@@ -95,24 +95,32 @@ class DFlashObjective:
     ``target_loss`` (the target's own CE, the floor), ``draft_ce`` / ``draft_kl`` (unweighted, over scored slots),
     per slot ``ttt_hits_k`` / ``ttt_rows_k`` and per prefix ``block_hits_k`` / ``block_rows_k``."""
 
+    settings = settings  # the kind's [draft] defaults (block_size, slot_gamma): DSpark has its own
+    anchor_drafts = False  # slot 0 (the anchor's) is not scored; DSpark's drafts too (block_size scored slots)
+
     def __init__(self, cfg, seq_len: int, max_positions: int, seed: int = 0):
         self.cfg = cfg
         self.seed = seed
-        self.block_size = settings.block_size(cfg)
+        self.block_size = self.settings.block_size(cfg)
+        self.slots = self.block_size if self.anchor_drafts else self.block_size - 1  # scored slots per block
         self.count = cfg.anchors or max(1, seq_len // self.block_size)
         self.seq_len = seq_len
-        self.gamma = settings.slot_gamma(cfg)
-        self.weights = slot_weights(self.block_size, self.gamma)
+        self.gamma = self.settings.slot_gamma(cfg)
+        self.weights = slot_weights(self.slots + 1, self.gamma)
         self.dpace = cfg.slot_weighting == "dpace"
         self.max_offset = max(0, min(cfg.max_position_offset, max_positions - seq_len - self.block_size))
 
     @property
-    def label(self) -> str:
+    def token_loss(self) -> str:
+        """What ``draft.loss`` scores per slot, in words."""
         c = self.cfg
-        what = {"ce": "cross-entropy on the data", "kl": "KL(target || draft)",
+        return {"ce": "cross-entropy on the data", "kl": "KL(target || draft)",
                 "mix": f"{1 - c.kl_weight:g} cross-entropy + {c.kl_weight:g} KL(target || draft)"}[c.loss]
+
+    @property
+    def label(self) -> str:
         weights = "by D-PACE" if self.dpace else f"exp(-(k-1)/{self.gamma:g})"
-        return (f"{what} at the {self.block_size - 1} slots of up to {self.count} blocks per row, slot k weighted "
+        return (f"{self.token_loss} at the {self.slots} slots of up to {self.count} blocks per row, slot k weighted "
                 f"{weights}, summed, per label token")
 
     @property
@@ -120,7 +128,7 @@ class DFlashObjective:
         """Not a mean per scored slot: the loop divides every loss by the label tokens, and a row scores fewer slots
         than it has label tokens, so this figure sits below the draft's mean per slot (and can sit below the
         target's val loss, a mean per label token, while every slot is worse)."""
-        slots = self.block_size - 1
+        slots = self.slots
         return (f"the draft's cross-entropy on the data, summed over the scored slots ({slots} per block, up to "
                 f"{self.count} blocks per row: at most {min(self.count * slots, self.seq_len)} of a row's "
                 f"{self.seq_len} label tokens), per label token; not a mean per slot")
@@ -136,6 +144,12 @@ class DFlashObjective:
         first = int(batch["order_position"][0]) if "order_position" in batch else 0
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + first + 7_919)
         return int(torch.randint(0, self.max_offset + 1, (), generator=g))
+
+    def scored(self, labels: torch.Tensor, doc: torch.Tensor, anchors: torch.Tensor,
+               valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, N, slots] bool: the slot is scored, its data token) of the blocks at ``anchors`` (``scored_slots``;
+        DSpark shifts and cuts them)."""
+        return scored_slots(labels, doc, anchors, valid, self.block_size)
 
     def row_loss(self, out, token: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """(the rows' loss [B], side sums) from the model's output, the slots' token losses [B, N, K] and the slot
@@ -153,7 +167,7 @@ class DFlashObjective:
     def losses(self, model, batch: Batch, offset: int, train: bool):
         positions, labels = batch["position_ids"], batch["labels"]
         anchors, valid = sample_anchors(labels, self.count, self._seeds(batch))
-        scored, tokens = scored_slots(labels, document_ids(positions), anchors, valid, self.block_size)
+        scored, tokens = self.scored(labels, document_ids(positions), anchors, valid)
         out = model(input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions,
                     offset), anchors=anchors, doc_position_ids=positions, labels=labels,
                     slot_labels=torch.where(scored, tokens, IGNORE_INDEX), reads=batch_reads(batch))
@@ -179,10 +193,10 @@ class DFlashObjective:
         loss, more = self.row_loss(out, token, w)
         side = {"target_loss": out.target_ce, "draft_ce": ce.detach().sum(), "draft_kl": kl.detach().sum(), **more}
         prefix = hit.long().cumprod(-1).bool()
-        for k in range(self.block_size - 1):
+        for k in range(self.slots):
             side[f"ttt_hits_{k + 1}"] = hit[..., k].sum().double()
             side[f"ttt_rows_{k + 1}"] = scored[..., k].sum().double()
-        for k in range(self.block_size - 1):
+        for k in range(self.slots):
             side[f"block_hits_{k + 1}"] = prefix[..., k].sum().double()
             side[f"block_rows_{k + 1}"] = scored[..., k].sum().double()
         return loss, side
@@ -205,4 +219,7 @@ def dflash_setup(cfg, model, objective_class=None) -> DFlashObjective:
         chunk = 0
     model.loss_chunk_tokens = chunk
     objective_class = objective_class or DFlashObjective  # a kind built on DFlash brings its own (DFlash2, LiLiCorr)
-    return objective_class(cfg.draft, cfg.data.seq_len, model.target.config.max_position_embeddings, cfg.train.seed)
+    draft = cfg.draft
+    if draft.block_size is None:  # the draft's own block: a draft.init's, or the DSpark stages a target ships
+        draft = draft.model_copy(update={"block_size": model.draft_model.block_size})
+    return objective_class(draft, cfg.data.seq_len, model.target.config.max_position_embeddings, cfg.train.seed)

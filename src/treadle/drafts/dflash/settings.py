@@ -18,16 +18,17 @@ NUM_LAYERS = 5  # z-lab's, SpecForge's and speculators' released drafts
 SLOT_GAMMA = 7.0  # the DFlash paper's decay at block 16 (ModelOpt's doc: 4 at block 8)
 
 
-def block_size(draft) -> int:
-    return draft.block_size or BLOCK_SIZE
+# The getters of the block's shape keys; a kind on this backbone with other defaults (DSpark) binds ``default``.
+def block_size(draft, default: int = BLOCK_SIZE) -> int:
+    return draft.block_size or default
 
 
-def num_layers(draft) -> int:
-    return draft.num_layers or NUM_LAYERS
+def num_layers(draft, default: int = NUM_LAYERS) -> int:
+    return draft.num_layers or default
 
 
-def slot_gamma(draft) -> float:
-    return draft.slot_gamma or SLOT_GAMMA
+def slot_gamma(draft, default: float = SLOT_GAMMA) -> float:
+    return draft.slot_gamma or default
 
 
 def check_feature_layers(draft) -> None:

@@ -47,16 +47,9 @@ class DSparkDrafter(DFlashDrafter):
         self.last_confidence: torch.Tensor | None = None  # the latest block's confidence logits
 
     def block_hidden(self, context_ids: torch.Tensor) -> torch.Tensor:
-        """The backbone's final hidden states [block_size, d] of the block anchored at the last token."""
-        model, draft = self.model, self.model.draft_model
-        anchor = context_ids.shape[1] - 1
-        tokens = context_ids.new_full((1, self.block_size), draft.mask_token_id)
-        tokens[0, 0] = context_ids[0, -1]
-        embeds = model.target.get_input_embeddings()(tokens)
-        positions = torch.arange(anchor, anchor + self.block_size, device=embeds.device)[None]
-        mask = torch.ones(1, 1, self.block_size, self.rows + self.block_size, dtype=torch.bool, device=embeds.device)
-        self.forwards += 1
-        return draft(embeds, model.rotary(embeds, positions), self.kv, mask)[0]
+        """The backbone's final hidden states [block_size, d] of the block anchored at the last token: every slot,
+        the anchor's included (DFlash's ``block_states``)."""
+        return self.block_states(context_ids)[0]
 
     @torch.inference_mode()
     def propose(self, context_ids: torch.Tensor, state: TargetState, gamma: int, sampler: Sampler) -> Proposal:

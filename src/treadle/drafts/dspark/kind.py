@@ -1,31 +1,35 @@
-"""DSpark as a draft kind (drafts/kind.py): its model, objective, drafter and layout behind one object."""
+"""DSpark as a draft kind (drafts/kind.py): DFlash's (drafts/dflash/kind.py) with DSpark's model, objective,
+drafter and layout."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from treadle.drafts.dflash.kind import DFlash
 from treadle.drafts.dspark import layout as dspark_layout
 from treadle.drafts.dspark import settings
 from treadle.drafts.dspark.drafter import DSparkDrafter
-from treadle.drafts.dspark.model import build_dspark, load_dspark
-from treadle.drafts.dspark.objective import dspark_setup
-from treadle.drafts.kind import DraftKind
+from treadle.drafts.dspark.model import DSparkModel, build_dspark, load_dspark
+from treadle.drafts.dspark.objective import DSparkObjective
 
 
 STITCHED = "stitched"  # a stages run's export: the target checkpoint with the trained stages put back
 
 
-class DSpark(DraftKind):
+class DSpark(DFlash):
     settings = settings
+    model_class = DSparkModel
+    objective_class = DSparkObjective
+    drafter_class = DSparkDrafter
+    # Always the Qwen3DSparkModel layout vLLM and SGLang load (dspark/layout.py): no embedding, head or d2t; stages
+    # a target shipped (dspark/v4.py) are exported under the checkpoint's own names instead
+    layout = dspark_layout
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_dspark(cfg, data_vocab, data_tokenizer_fingerprint, empty)
 
     def load(self, draft_dir, target):
         return load_dspark(draft_dir, target)
-
-    def setup(self, cfg, model, datasets):
-        return dspark_setup(cfg, model)
 
     def drafter(self, model):
         from treadle.drafts.dspark.v4 import DSparkStages
@@ -34,17 +38,16 @@ class DSpark(DraftKind):
             from treadle.drafts.dspark.drafter import StagesDrafter
 
             return StagesDrafter(model)
-        return DSparkDrafter(model)
+        return super().drafter(model)
 
     def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
-        """The Qwen3DSparkModel layout vLLM and SGLang load (dspark/layout.py): no embedding, head or d2t. Stages a
-        target shipped (dspark/v4.py): the stage tensors under the checkpoint's own names and dtypes, with the
-        target's config (``write_extra`` stitches them into a copy of the target)."""
+        """Stages a target shipped: the stage tensors under the checkpoint's own names and dtypes, with the target's
+        config (``write_extra`` stitches them into a copy of the target); else the Qwen3DSparkModel layout."""
         from treadle.drafts.dspark.v4 import DSparkStages
 
         if isinstance(draft, DSparkStages):
             return draft.to_checkpoint(weights), {**target_config.to_dict(), **draft.export_config(), **meta}
-        return dspark_layout.export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
+        return super().export(draft, weights, target_config, torch_dtype, dtype, meta)
 
     def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
                     target_dir: Path | None = None) -> None:

@@ -31,11 +31,11 @@ from torch import nn
 
 from treadle.data.packed import IGNORE_INDEX
 from treadle.drafts.dflash.model import (
-    DFlashDraft, DFlashModel, _target_ce, check_feature_layers, default_feature_layers, default_mask_token,
+    DFlashDraft, DFlashModel, _target_ce, build_dflash, check_feature_layers, load_dflash,
 )
 from treadle.drafts.dspark import layout as dspark_layout
 from treadle.drafts.dspark import settings
-from treadle.drafts.glide.model import checked_export, document_ids
+from treadle.drafts.glide.model import document_ids
 from treadle.drafts.kind import init_dir
 from treadle.drafts.targets import checked_target
 from treadle.errors import UserError
@@ -64,6 +64,30 @@ class DSparkDraft(DFlashDraft):
             nn.init.normal_(w, std=std)
         nn.init.zeros_(self.confidence.bias)
 
+    kind = KIND
+    layout = dspark_layout  # the Qwen3DSparkModel layout, not z-lab's
+    settings = settings  # DSpark's defaults (block 7)
+
+    @classmethod
+    def run_options(cls, cfg) -> dict:
+        return {"markov_rank": settings.markov_rank(cfg)}
+
+    def init_keys(self) -> tuple:
+        return (("markov_rank", self.markov_rank),)
+
+    @classmethod
+    def layout_name(cls) -> str:
+        return (f"DSpark draft (config.json with architectures = [{dspark_layout.ARCHITECTURE!r}], or "
+                "speculators_model_type = 'dspark')")
+
+    @classmethod
+    def layout_spec(cls, config: dict, target_config, where) -> dict:
+        """The DeepSpec / speculators keys read (dspark/layout.py: ``read_spec``), not z-lab's alone."""
+        spec = dspark_layout.read_spec(config, target_config, where)
+        check_feature_layers(spec["feature_layers"], target_config.num_hidden_layers,
+                             f"{where}/config.json target_layer_ids + 1")
+        return spec
+
     def markov_bias(self, prev_embed: torch.Tensor) -> torch.Tensor:
         return self.markov_w2(prev_embed)
 
@@ -71,8 +95,6 @@ class DSparkDraft(DFlashDraft):
         """Slot logits of acceptance [...]: sigmoid gives the estimated probability the slot's draft is accepted."""
         return self.confidence(torch.cat((hidden, prev_embed.to(hidden.dtype)), -1)).squeeze(-1)
 
-    def export_config(self) -> dict:
-        return {"treadle_draft_kind": KIND}
 
 
 @dataclass
@@ -86,9 +108,13 @@ class DSparkOutput:
     hit: torch.Tensor  # the draft's argmax equals the target's (bool)
     target_ce: torch.Tensor  # the target's own CE summed over the row's labels (the floor), scalar
 
+    logits = None  # never whole: DFlash's objective reads the per-slot scores (as a chunked DFlash output's)
+
 
 class DSparkModel(DFlashModel):
     """What a dspark draft run trains: a frozen target and a trainable ``DSparkDraft`` on its fused features."""
+
+    draft_class = DSparkDraft  # what build_dflash / load_dflash make for this run model
 
     def slot_logits(self, hidden: torch.Tensor, prev_embed: torch.Tensor) -> torch.Tensor:
         """Slot logits [..., V]: the shared head on the slot's hidden state plus the Markov bias of the token before
@@ -172,76 +198,33 @@ class DSparkModel(DFlashModel):
 
 
 def build_dspark(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
-    """(DSparkModel, target dir, target identity) for a ``DraftConfig``; from ``draft.init`` the directory's draft
-    (its layers, block size, mask token and Markov rank are the run's)."""
+    """(DSparkModel, target dir, target identity) for a ``DraftConfig``: the stages a DeepSeek-V4 target (or
+    ``draft.init``) ships, fine-tuned in place (dspark/v4.py); else DFlash's build (``build_dflash``) of a
+    ``DSparkDraft``, from ``draft.init`` the directory's draft (its layers, block size, mask token and Markov rank
+    are the run's)."""
     from treadle.drafts.dspark import v4
 
     target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
     source = target_dir if cfg.init is None else init_dir(cfg.init)
     found = v4.shipped(source)
-    if found is not None:  # the stages a DeepSeek-V4 target ships (or a stages run's export): fine-tuned in place
-        where = "draft.target" if cfg.init is None else "draft.init"
-        target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
-        draft = v4.load_stages(source, target.config, found)
-        v4.check_run_keys(cfg, draft, f"{where} {source}")
-        model = v4.StagesModel(target, draft)
-        model.origin = f"DSpark stages: the {found.count} {where} {source} ships (mtp.{{s}}.*)"
-        return model, target_dir, ident
+    if found is None:
+        return build_dflash(cfg, data_vocab, data_tokenizer_fingerprint, empty, DSparkModel)
+    where = "draft.target" if cfg.init is None else "draft.init"
     target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
-    if cfg.init is not None:
-        draft = draft_from_layout(init_dir(cfg.init), target, "draft.init")
-        for key, want, have in (("feature_layers", cfg.feature_layers, list(draft.feature_layers)),
-                                ("num_layers", cfg.num_layers, draft.num_layers),
-                                ("block_size", cfg.block_size, draft.block_size),
-                                ("mask_token_id", cfg.mask_token_id, draft.mask_token_id),
-                                ("markov_rank", cfg.markov_rank, draft.markov_rank)):
-            if want is not None and want != have:
-                raise UserError(f"draft.{key} = {want} but draft.init {cfg.init} has {have}; accepted: draft.{key} "
-                                "unset (the initial draft's) or equal to it")
-        return DSparkModel(target, draft), target_dir, ident
-    n = target.config.num_hidden_layers
-    if n < 2:
-        raise UserError(f"draft.target {target_dir} has {n} decoder layer; a dspark draft reads states of decoder "
-                        "layers before the last; accepted: a target with 2 or more layers")
-    count = settings.num_layers(cfg)
-    layers = tuple(cfg.feature_layers) if cfg.feature_layers else default_feature_layers(n, count)
-    check_feature_layers(layers, n, "draft.feature_layers")
-    mask = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token(target.config.vocab_size,
-                                                                                         data_vocab)
-    draft = DSparkDraft(target.config, layers, count, settings.block_size(cfg), mask, settings.markov_rank(cfg))
-    return DSparkModel(target, draft), target_dir, ident
-
-
-def draft_from_layout(draft_dir, target, where: str) -> DSparkDraft:
-    """The DSparkDraft a directory in the Qwen3DSparkModel layout holds (treadle's export, DeepSpec's checkpoint, or
-    a speculators-format one with the same slot convention), checked against ``target``."""
-    from safetensors.torch import load_file
-
-    from treadle.models.finite import check_tensors
-
-    config = dspark_layout.read_config(draft_dir)
-    if config is None:
-        raise UserError(f"{where} {draft_dir} is not a DSpark draft (config.json with architectures = "
-                        f"[{dspark_layout.ARCHITECTURE!r}], or speculators_model_type = 'dspark')")
-    if "target" in config:
-        checked_export(draft_dir, target, KIND, "a dspark")
-    spec = dspark_layout.read_spec(config, target.config, draft_dir)
-    check_feature_layers(spec["feature_layers"], target.config.num_hidden_layers,
-                         f"{draft_dir}/config.json target_layer_ids + 1")
-    draft = DSparkDraft(target.config, spec["feature_layers"], spec["num_layers"], spec["block_size"],
-                        spec["mask_token_id"], spec["markov_rank"])
-    file = Path(draft_dir) / "model.safetensors"
-    tensors = check_tensors(load_file(str(file)), file, where)
-    draft.load_state_dict(dspark_layout.import_weights(tensors, draft, draft_dir))
-    return draft
+    draft = v4.load_stages(source, target.config, found)
+    v4.check_run_keys(cfg, draft, f"{where} {source}")
+    model = v4.StagesModel(target, draft)
+    model.origin = f"DSpark stages: the {found.count} {where} {source} ships (mtp.{{s}}.*)"
+    return model, target_dir, ident
 
 
 def load_dspark(draft_dir, target) -> DSparkModel:
-    """A DSpark draft in the Qwen3DSparkModel layout, or DSpark stages (a checkpoint carrying them, a stitched
-    export, a stages run's draft/), attached to ``target``."""
+    """A DSpark draft in the Qwen3DSparkModel layout (treadle's export, DeepSpec's checkpoint, or a speculators-format
+    one with the same slot convention), or DSpark stages (a checkpoint carrying them, a stitched export, a stages
+    run's draft/), attached to ``target``."""
     from treadle.drafts.dspark import v4
 
     found = v4.shipped(draft_dir)
     if found is not None:
         return v4.StagesModel(target, v4.load_stages(draft_dir, target.config, found)).eval()
-    return DSparkModel(target, draft_from_layout(draft_dir, target, "draft")).eval()
+    return load_dflash(draft_dir, target, DSparkModel)

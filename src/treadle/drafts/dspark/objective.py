@@ -18,19 +18,10 @@ over scored slots, per label token, as ``draft_ce``).
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
-
 import torch
 
-from treadle.data.packed import IGNORE_INDEX
-from treadle.drafts.dflash.objective import DFlashObjective, sample_anchors, scored_slots
+from treadle.drafts.dflash.objective import DFlashObjective, scored_slots
 from treadle.drafts.dspark import settings
-from treadle.drafts.glide.model import anchored_positions, document_ids
-from treadle.drafts.run_model import batch_reads
-
-if TYPE_CHECKING:
-    from treadle.train.step import Batch
 
 
 def dspark_slots(labels: torch.Tensor, doc: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
@@ -42,61 +33,24 @@ def dspark_slots(labels: torch.Tensor, doc: torch.Tensor, anchors: torch.Tensor,
 
 
 class DSparkObjective(DFlashObjective):
-    def __init__(self, cfg, seq_len: int, max_positions: int, seed: int = 0):
-        super().__init__(cfg, seq_len, max_positions, seed)
-        self.block_size = settings.block_size(cfg)
-        self.count = cfg.anchors or max(1, seq_len // self.block_size)
-        self.gamma = settings.slot_gamma(cfg)
-        self.weights = [math.exp(-k / self.gamma) for k in range(self.block_size)]
-        self.dpace = False
-        self.max_offset = max(0, min(cfg.max_position_offset, max_positions - seq_len - self.block_size))
+    """DFlash's objective (anchors, token losses, weights, metrics) over DSpark's slots, plus the confidence BCE."""
+
+    settings = settings
+    anchor_drafts = True
 
     @property
     def label(self) -> str:
-        c = self.cfg
-        what = {"ce": "cross-entropy on the data", "kl": "KL(target || draft)",
-                "mix": f"{1 - c.kl_weight:g} cross-entropy + {c.kl_weight:g} KL(target || draft)"}[c.loss]
-        return (f"{what} + the confidence head's BCE at the {self.block_size} slots of up to {self.count} blocks per "
-                f"row, slot k weighted exp(-k/{self.gamma:g}), summed, per label token")
+        return (f"{self.token_loss} + the confidence head's BCE at the {self.slots} slots of up to {self.count} "
+                f"blocks per row, slot k weighted exp(-k/{self.gamma:g}), summed, per label token")
 
     @property
     def eval_label(self) -> str:
-        return (f"the draft's cross-entropy on the data, summed over the scored slots ({self.block_size} per block, "
+        return (f"the draft's cross-entropy on the data, summed over the scored slots ({self.slots} per block, "
                 f"up to {self.count} blocks per row), per label token; not a mean per slot")
 
-    def losses(self, model, batch: Batch, offset: int, train: bool):
-        positions, labels = batch["position_ids"], batch["labels"]
-        anchors, valid = sample_anchors(labels, self.count, self._seeds(batch))
-        scored, tokens = dspark_slots(labels, document_ids(positions), anchors, valid, self.block_size)
-        out = model(input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions,
-                    offset), anchors=anchors, doc_position_ids=positions, labels=labels,
-                    slot_labels=torch.where(scored, tokens, IGNORE_INDEX), reads=batch_reads(batch))
-        ce, kl, hit = out.ce, out.kl, out.hit
-        if not train:
-            return ce.sum((1, 2)), {"target_loss": out.target_ce}
-        if self.cfg.loss == "mix":
-            token = (1.0 - self.cfg.kl_weight) * ce + self.cfg.kl_weight * kl
-        else:
-            token = ce if self.cfg.loss == "ce" else kl
-        w = torch.tensor(self.weights, dtype=ce.dtype, device=ce.device)
-        loss = ((token + out.bce.to(token.dtype)) * w).sum((1, 2))
-        side = {"target_loss": out.target_ce, "draft_ce": ce.detach().sum(), "draft_kl": kl.detach().sum(),
-                "confidence_bce": out.bce.detach().sum().double()}
-        prefix = hit.long().cumprod(-1).bool()
-        for k in range(self.block_size):
-            side[f"ttt_hits_{k + 1}"] = hit[..., k].sum().double()
-            side[f"ttt_rows_{k + 1}"] = scored[..., k].sum().double()
-        for k in range(self.block_size):
-            side[f"block_hits_{k + 1}"] = prefix[..., k].sum().double()
-            side[f"block_rows_{k + 1}"] = scored[..., k].sum().double()
-        return loss, side
+    def scored(self, labels, doc, anchors, valid):
+        return dspark_slots(labels, doc, anchors, valid, self.block_size)
 
-
-def dspark_setup(cfg, model) -> DSparkObjective:
-    """``model.loss_chunk_tokens`` resolved as for dflash (auto: on from a 32k vocabulary), and the objective."""
-    from treadle.drafts.dflash.objective import dflash_setup
-
-    if cfg.draft.block_size is None:  # the draft's own block (a draft.init's, or the stages a target ships)
-        draft = cfg.draft.model_copy(update={"block_size": model.draft_model.block_size})
-        cfg = cfg.model_copy(update={"draft": draft})
-    return dflash_setup(cfg, model, DSparkObjective)
+    def row_loss(self, out, token: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        loss, _ = super().row_loss(out, token + out.bce.to(token.dtype), w)
+        return loss, {"confidence_bce": out.bce.detach().sum().double()}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from treadle.drafts.dflash.settings import check_feature_layers
+from functools import partial
+
+from treadle.drafts.dflash import settings as dflash
 
 NAME = "dspark"
 KEYS = ("feature_layers", "init", "block_size", "num_layers", "anchors", "slot_gamma", "mask_token_id", "markov_rank")
@@ -21,16 +23,9 @@ SLOT_GAMMA = 4.0
 MARKOV_RANK = 256
 
 
-def block_size(draft) -> int:
-    return draft.block_size or BLOCK_SIZE
-
-
-def num_layers(draft) -> int:
-    return draft.num_layers or NUM_LAYERS
-
-
-def slot_gamma(draft) -> float:
-    return draft.slot_gamma or SLOT_GAMMA
+block_size = partial(dflash.block_size, default=BLOCK_SIZE)
+num_layers = partial(dflash.num_layers, default=NUM_LAYERS)
+slot_gamma = partial(dflash.slot_gamma, default=SLOT_GAMMA)
 
 
 def markov_rank(draft) -> int:
@@ -38,7 +33,7 @@ def markov_rank(draft) -> int:
 
 
 def check(draft) -> None:
-    check_feature_layers(draft)
+    dflash.check_feature_layers(draft)
     if draft.gamma > block_size(draft):
         raise ValueError(f"draft.gamma = {draft.gamma} with draft.kind = 'dspark' and a block of {block_size(draft)}: "
                          f"one draft forward proposes block_size = {block_size(draft)} tokens (the anchor's slot "

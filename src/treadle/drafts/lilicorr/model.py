@@ -37,7 +37,7 @@ from torch import nn
 
 from treadle.data.packed import IGNORE_INDEX
 from treadle.drafts.dflash import settings as dflash_settings
-from treadle.drafts.dflash.model import DFlashDraft, DFlashModel, DFlashOutput
+from treadle.drafts.dflash.model import BlockDraftHooks, DFlashDraft, DFlashModel, DFlashOutput
 from treadle.drafts.dflash2 import settings as dflash2_settings
 from treadle.drafts.dflash2.model import DFlash2Draft
 from treadle.drafts.glide.model import RMSNorm, init_linears
@@ -228,7 +228,7 @@ def lattice_terms(start: torch.Tensor, pair: torch.Tensor, truth: torch.Tensor, 
     return ce, (logp.exp() * w).sum(-1)
 
 
-class LiLiCorrDraft(nn.Module):
+class LiLiCorrDraft(BlockDraftHooks, nn.Module):
     """What a lilicorr run trains: a block draft (``backbone``) and its correlator (``lilicorr``). It passes the
     backbone's interface through, so the backbone's run model and drafter use it unchanged, and it is built and
     loaded as DFlash's run model builds its ``draft_class`` (drafts/dflash/model.py: ``build_dflash``,
