@@ -14,7 +14,7 @@ from treadle.drafts.dflash import layout
 from treadle.drafts.dflash.drafter import DFlashDrafter
 from treadle.drafts.dflash.model import DFlashDraft, DFlashModel, block_mask, default_feature_layers, load_dflash
 from treadle.drafts.dflash.objective import dpace_weights, sample_anchors, scored_slots, slot_weights
-from treadle.drafts.eagle3.model import capture_features
+from treadle.drafts.targets import capture_features
 from treadle.drafts.glide.model import document_ids
 from treadle.models.hf import greedy_continuations
 from treadle.speculative.decode import TargetState, crop_cache, speculative_generate, target_generate

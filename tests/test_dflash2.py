@@ -15,7 +15,7 @@ from treadle.drafts.dflash.model import DFlashDraft, DFlashModel
 from treadle.drafts.dflash2 import layout
 from treadle.drafts.dflash2.drafter import DFlash2Drafter
 from treadle.drafts.dflash2.model import DFlash2Draft, DFlash2Model, load_dflash2
-from treadle.drafts.eagle3.model import capture_features
+from treadle.drafts.targets import capture_features
 from treadle.errors import UserError
 from treadle.models.hf import greedy_continuations
 from treadle.speculative.decode import TargetState, speculative_generate

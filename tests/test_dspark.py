@@ -15,7 +15,7 @@ from treadle.drafts.dspark import layout
 from treadle.drafts.dspark.drafter import DSparkDrafter, kept_drafts
 from treadle.drafts.dspark.model import DSparkDraft, DSparkModel, load_dspark
 from treadle.drafts.dspark.objective import dspark_slots
-from treadle.drafts.eagle3.model import capture_features
+from treadle.drafts.targets import capture_features
 from treadle.errors import UserError
 from treadle.models.hf import greedy_continuations
 from treadle.speculative.decode import TargetState, speculative_generate

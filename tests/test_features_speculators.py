@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.helpers import TARGET
-from treadle.drafts.eagle3.model import capture_features
+from treadle.drafts.targets import capture_features
 from treadle.drafts.features.speculators import SpeculatorsSamples, is_speculators_dir
 from treadle.drafts.ttt import scored_rows
 from treadle.errors import UserError

@@ -13,7 +13,7 @@ from tests.helpers import TARGET, assert_greedy_lossless, draft_args, records
 from treadle.cli import main
 from treadle.config import DraftConfig
 from treadle.drafts.dflash.model import DFlashDraft
-from treadle.drafts.eagle3.model import capture_features
+from treadle.drafts.targets import capture_features
 from treadle.drafts.glide.model import document_ids
 from treadle.drafts.lilicorr.drafter import LiLiCorrDrafter
 from treadle.drafts.lilicorr.model import LiLiCorrDraft, LiLiCorrModel, build_draft, greedy_walk

@@ -31,12 +31,16 @@ as the alternative. What each family gets (tests/test_families.py, tests/test_gl
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Iterator
+
+import torch
 
 from treadle.errors import UserError
 from treadle.models.identity import target_config_fingerprint, target_summary
 from treadle.model_dirs import model_fingerprint
-from treadle.models.hf import load_causal_lm
+from treadle.models.hf import decoder_layers, load_causal_lm
 from treadle.tokenizer import tokenizer_fingerprint
 
 KINDS = ("glide", "eagle3")
@@ -193,3 +197,37 @@ def checked_target(target_dir: Path, data_vocab: int, data_tokenizer_fingerprint
         raise UserError(f"data.train was tokenized with tokenizer {data_tokenizer_fingerprint}, draft.target "
                         f"{target_dir} uses {theirs}; accepted: shards made with the target's tokenizer")
     return target, ident
+
+
+@contextlib.contextmanager
+def capture_features(target, layers: tuple[int, ...]) -> Iterator["FeatureTap"]:
+    """Record, during every target forward inside the block, the outputs of decoder ``layers`` (see ``FeatureTap``)."""
+    tap = FeatureTap(target, layers)
+    try:
+        yield tap
+    finally:
+        tap.close()
+
+
+class FeatureTap:
+    """Forward hooks where the chosen ``output_hidden_states`` entries are made (the embedding for 0, decoder layer
+    i - 1 for i); ``take()`` is the latest forward's features, [B, T, len * d], without asking the model for all."""
+
+    def __init__(self, target, layers: tuple[int, ...]):
+        stack = [target.get_input_embeddings(), *decoder_layers(target)]
+        self._got: dict[int, torch.Tensor] = {}
+
+        def hook(index):
+            def record(_module, _inputs, out):
+                self._got[index] = out[0] if isinstance(out, tuple) else out
+            return record
+
+        self.layers = tuple(layers)
+        self._handles = [stack[i].register_forward_hook(hook(i)) for i in sorted(set(layers))]
+
+    def take(self) -> torch.Tensor:
+        return torch.cat([self._got[i] for i in self.layers], dim=-1)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()

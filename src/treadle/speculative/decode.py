@@ -204,7 +204,7 @@ def _target_forward(
     whose last entry some models (DeepSeek-V4) replace with the final normed state."""
     if not layers:
         return forward_logits(target, input_ids, cache), None
-    from treadle.drafts.eagle3.model import capture_features
+    from treadle.drafts.targets import capture_features
 
     with capture_features(target, layers) as tap:
         return forward_logits(target, input_ids, cache), tap.take()

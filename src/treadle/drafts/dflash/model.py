@@ -42,13 +42,13 @@ from transformers.activations import ACT2FN
 from treadle.drafts.kind import init_dir
 from treadle.drafts.dflash import layout as dflash_layout
 from treadle.drafts.dflash import settings
-from treadle.drafts.eagle3.model import capture_features, draft_rotary, draft_shape
+from treadle.drafts.eagle3.model import draft_rotary, draft_shape
 from treadle.drafts.glide.model import (
     WHOLE, RMSNorm, checked_export, document_ids, init_linears, rotate, sdpa, target_mask,
 )
 from treadle.drafts.masks import Rule
 from treadle.drafts.run_model import DraftRunModel, FusedFeatureReads
-from treadle.drafts.targets import checked_target
+from treadle.drafts.targets import capture_features, checked_target
 from treadle.errors import UserError
 from treadle.model_dirs import resolve_model_dir
 from treadle.data.packed import IGNORE_INDEX

@@ -27,11 +27,9 @@ the draft, in its checkpoints and export, and a reduced draft without them is re
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -49,8 +47,7 @@ from treadle.drafts.glide.model import (
 )
 from treadle.drafts.masks import ttt_rule
 from treadle.drafts.run_model import DraftRunModel, FusedFeatureReads
-from treadle.models.hf import decoder_layers
-from treadle.drafts.targets import checked_target
+from treadle.drafts.targets import capture_features, checked_target
 from treadle.drafts.ttt_scores import UnrollScores, chunked_unroll_scores
 
 KIND = "eagle3"
@@ -64,40 +61,6 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
     if picks[0] < picks[1] < picks[2]:
         return picks
     return (1, max(1, num_layers // 2), max(1, num_layers - 1))
-
-
-@contextlib.contextmanager
-def capture_features(target, layers: tuple[int, ...]) -> Iterator["FeatureTap"]:
-    """Record, during every target forward inside the block, the outputs of decoder ``layers`` (see ``FeatureTap``)."""
-    tap = FeatureTap(target, layers)
-    try:
-        yield tap
-    finally:
-        tap.close()
-
-
-class FeatureTap:
-    """Forward hooks where the chosen ``output_hidden_states`` entries are made (the embedding for 0, decoder layer
-    i - 1 for i); ``take()`` is the latest forward's features, [B, T, len * d], without asking the model for all."""
-
-    def __init__(self, target, layers: tuple[int, ...]):
-        stack = [target.get_input_embeddings(), *decoder_layers(target)]
-        self._got: dict[int, torch.Tensor] = {}
-
-        def hook(index):
-            def record(_module, _inputs, out):
-                self._got[index] = out[0] if isinstance(out, tuple) else out
-            return record
-
-        self.layers = tuple(layers)
-        self._handles = [stack[i].register_forward_hook(hook(i)) for i in sorted(set(layers))]
-
-    def take(self) -> torch.Tensor:
-        return torch.cat([self._got[i] for i in self.layers], dim=-1)
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 # ----------------------------------------------------------------------------- the draft block
