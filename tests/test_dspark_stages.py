@@ -7,6 +7,7 @@ stage tensors then added to the saved safetensors the way the released checkpoin
 ``mtp_dspark.*``), which transformers' loaders drop (asserted)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -365,11 +366,30 @@ def test_a_dspark_run_fine_tunes_the_stages_and_stitches_them_back(shards, v4_ta
     from tests.helpers import draft_args, records
     from treadle.cli import main
 
-    run = tmp_path / "run"
-    assert main(draft_args(shards, v4_target, run, "--draft.kind=dspark", "--train.max_steps=8", "--draft.anchors=4",
-                           "--optim.lr=1e-2", "--draft.gamma=3", "--draft.loss=kl")) == 0
+    run, resumed = tmp_path / "run", tmp_path / "resumed"
+    argv = ("--draft.kind=dspark", "--train.max_steps=8", "--draft.anchors=4", "--optim.lr=1e-2", "--draft.gamma=3",
+            "--draft.loss=kl", "--checkpoint.every=4")
+    assert main(draft_args(shards, v4_target, run, *argv)) == 0
     loss = records(run)
     assert min(loss[7], loss[8]) < loss[1]
+    # Resume from step 4 elsewhere: steps 5-8 bit for bit.
+    assert main(draft_args(shards, v4_target, resumed, *argv,
+                           f"--checkpoint.resume={run / 'checkpoints' / 'step_4'}")) == 0
+    assert sorted(records(resumed)) == [5, 6, 7, 8] and all(records(resumed)[k] == loss[k] for k in (5, 6, 7, 8))
+    # What a stages run does not do yet: one line each, nothing trained (an engine of several processes is refused
+    # before one is started: checked on the config, as torchrun would hand it over).
+    capsys.readouterr()
+    assert main(draft_args(shards, v4_target, tmp_path / "refused", *argv, f"--draft.features={tmp_path}",
+                           "--draft.max_position_offset=0")) == 2
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]  # the target's load note aside
+    assert len(errors) == 1 and "draft.features with the DSpark stages" in errors[0], errors
+    from treadle.config import load_config
+    from treadle.drafts.dspark.v4 import refuse_unbuilt
+
+    for extra, want in (("--distributed.engine=fsdp2", "distributed.engine = 'fsdp2' is not built for them"),
+                        ("--distributed.tensor_parallel=2", "distributed.tensor_parallel = 2 is not built")):
+        with pytest.raises(UserError, match=re.escape(want)):
+            refuse_unbuilt(load_config(None, draft_args(shards, v4_target, run, *argv, extra)[1:]))
     exported = tensors_of(run / "draft")
     theirs, ours = tensors_of(v4_target), tensors_of(run / "draft" / "stitched")
     assert ours.keys() == theirs.keys() and exported.keys() == {k for k in theirs if k.startswith("mtp.")}

@@ -31,6 +31,13 @@ class DSpark(DFlash):
     def load(self, draft_dir, target):
         return load_dspark(draft_dir, target)
 
+    def setup(self, cfg, model, datasets):
+        from treadle.drafts.dspark.v4 import StagesModel, refuse_unbuilt
+
+        if isinstance(model, StagesModel):
+            refuse_unbuilt(cfg)
+        return super().setup(cfg, model, datasets)
+
     def drafter(self, model):
         from treadle.drafts.dspark.v4 import DSparkStages
 

@@ -321,3 +321,25 @@ def check_run_keys(cfg, draft: DSparkStages, where) -> None:
         if want is not None and (list(want) if key == "feature_layers" else want) != have:
             raise UserError(f"draft.{key} = {want} but the DSpark stages of {where} have {have}; accepted: "
                             f"draft.{key} unset (the stages' own) or equal to it")
+
+
+def refuse_unbuilt(cfg) -> None:
+    """What a run on shipped stages does not do yet, refused in one line before it trains: one process only (a
+    DeepSeek-V4 stage's hyper-connection streams and experts are not sharded or replicated by treadle's engines, and
+    no multi-process run of them has been checked), and the live target only (a feature store does not hold the
+    stages' stream-averaged reads)."""
+    import os
+
+    d = cfg.distributed
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    spread = [f"{k} = {v}" for k, v in (("distributed.engine", repr(d.engine)), ("WORLD_SIZE", world),
+                                          ("distributed.tensor_parallel", d.tensor_parallel),
+                                          ("distributed.context_parallel", d.context_parallel),
+                                          ("distributed.pipeline_parallel", d.pipeline_parallel))
+              if (v not in ("'auto'", "'local'", 1))]
+    if spread:
+        raise UserError(f"a dspark run on the DSpark stages a target ships runs in one process: {spread[0]} is not "
+                        "built for them; accepted: distributed.engine = 'local' (or 'auto') in one process")
+    if cfg.draft.features:
+        raise UserError("draft.features with the DSpark stages a target ships: a store does not hold the stages' "
+                        "stream-averaged reads; accepted: the live target (draft.features unset)")
