@@ -70,10 +70,14 @@ class DFlashDrafter:
         tokens[0, 0] = context_ids[0, -1]
         embeds = model.target.get_input_embeddings()(tokens)
         positions = torch.arange(anchor, anchor + self.block_size, device=embeds.device)[None]
-        mask = torch.ones(1, 1, self.block_size, self.rows + self.block_size, dtype=torch.bool, device=embeds.device)
-        hidden = draft(embeds, model.rotary(embeds, positions), self.kv, mask)
+        hidden = draft(embeds, model.rotary(embeds, positions), self.kv, self.block_mask(anchor, embeds.device))
         self.forwards += 1
         return hidden
+
+    def block_mask(self, anchor: int, device) -> torch.Tensor:
+        """[1, 1, block, context rows + block]: which keys the block's slots read (every one: the block attends
+        bidirectionally over itself and the whole context)."""
+        return torch.ones(1, 1, self.block_size, self.rows + self.block_size, dtype=torch.bool, device=device)
 
     @torch.inference_mode()
     def propose(self, context_ids: torch.Tensor, state: TargetState, gamma: int, sampler: Sampler) -> Proposal:

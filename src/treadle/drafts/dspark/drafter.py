@@ -89,15 +89,7 @@ class StagesDrafter(DSparkDrafter):
             state = dataclasses.replace(state, hidden=hidden.mean(-2))
         super()._absorb(context_ids, state)
 
-    def block_hidden(self, context_ids: torch.Tensor) -> torch.Tensor:
-        model, draft = self.model, self.model.draft_model
-        anchor = context_ids.shape[1] - 1
-        tokens = context_ids.new_full((1, self.block_size), draft.mask_token_id)
-        tokens[0, 0] = context_ids[0, -1]
-        embeds = model.target.get_input_embeddings()(tokens)
-        positions = torch.arange(anchor, anchor + self.block_size, device=embeds.device)[None]
-        keys = torch.arange(self.rows + self.block_size, device=embeds.device)
-        seen = (keys >= self.rows) | (keys >= anchor - draft.window)  # context rows are positions 0 .. anchor - 1
-        mask = seen.expand(1, 1, self.block_size, -1)
-        self.forwards += 1
-        return draft(embeds, model.rotary(embeds, positions), self.kv, mask)[0]
+    def block_mask(self, anchor: int, device) -> torch.Tensor:
+        keys = torch.arange(self.rows + self.block_size, device=device)
+        seen = (keys >= self.rows) | (keys >= anchor - self.model.draft_model.window)  # context rows: 0 .. anchor - 1
+        return seen.expand(1, 1, self.block_size, -1)
