@@ -284,6 +284,8 @@ def _fp8_dry_run(argv: list[str]) -> None:
     sys.path.insert(0, str(REPO / "bench"))
     import fp8
 
+    from treadle.errors import UserError
+
     if fp8.dry_run(Path(argv[1])) != 0:
         raise UserError("bench/fp8.py --dry-run: a run's config is invalid")
 

@@ -13,7 +13,8 @@ from tests.helpers import TARGET, assert_greedy_lossless, draft_args, records
 from treadle.cli import main
 from treadle.drafts.dspark import layout
 from treadle.drafts.dspark.drafter import DSparkDrafter, kept_drafts
-from treadle.drafts.dspark.model import DSparkDraft, DSparkModel, load_dspark
+from treadle.drafts.dspark.build import load_dspark
+from treadle.drafts.dspark.model import DSparkDraft, DSparkModel
 from treadle.drafts.dspark.objective import dspark_slots
 from treadle.drafts.targets import capture_features
 from treadle.errors import UserError

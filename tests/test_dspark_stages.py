@@ -416,7 +416,7 @@ def test_a_dspark_run_fine_tunes_the_stages_and_stitches_them_back(shards, v4_ta
 
 def test_runs_on_stages_refuse_quantized_stages_and_contradicting_keys(tmp_path, v4):
     """FP8 / FP4 stage tensors: refused (treadle does not re-quantize); a [draft] key the stages decide must match."""
-    from treadle.drafts.dspark.model import build_dspark
+    from treadle.drafts.dspark.build import build_dspark
 
     class Cfg:
         target, init, block_size, feature_layers, num_layers, mask_token_id, markov_rank = (None,) * 7

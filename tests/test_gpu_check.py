@@ -19,7 +19,7 @@ ITEMS = ["tiny", "llama-1b", "torchrun", "glide", "eagle3", "dflash", "glide-1b"
          "spec-glide", "spec-glide-1b", "spec-eagle3", "spec-eagle3-1b", "spec-dflash", "spec-dflash-1b",
          "samples", "features-1b", "eagle3-1b-stored", "dsv3-1b", "mtp-1b-shipped", "spec-mtp-1b-before",
          "mtp-1b-ft", "spec-mtp-1b-after", "fp8", "treadle-defaults", "treadle-best", "hf-bf16", "hf-compile",
-         "bare-compile", "attention"]
+         "bare-compile", "lora-r16", "qlora-r16", "attention"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

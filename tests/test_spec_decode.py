@@ -155,10 +155,14 @@ class FeatureSpy(Spy):
 
 def assert_hidden_rows_tile_the_sequence(calls, target, full: list[int]) -> None:
     """Each call's hidden rows start where the last call's ended and equal a fresh target forward over ``full``
-    (the accepted sequence), the feature layers concatenated in the drafter's order."""
-    with torch.inference_mode():
-        fresh = target(input_ids=torch.tensor([full]), output_hidden_states=True).hidden_states
-    want = torch.cat([fresh[i] for i in FeatureSpy.feature_layers], dim=-1)
+    (the accepted sequence) read as training reads it (``capture_features``: where each state is made, so the last
+    layer's is its own output, not the final norm's that ``output_hidden_states`` puts last), the feature layers
+    concatenated in the drafter's order."""
+    from treadle.drafts.targets import capture_features
+
+    with torch.inference_mode(), capture_features(target, FeatureSpy.feature_layers) as tap:
+        target(input_ids=torch.tensor([full]))
+        want = tap.take()
     covered = 0
     for length, start, hidden in calls:
         assert start == covered and start + hidden.shape[1] == length - 1

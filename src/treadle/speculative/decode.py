@@ -46,9 +46,11 @@ class TargetState:
       its cache: on the first ``propose`` of a sequence the whole prompt (n = P),
       afterwards the verified tokens cut to the accepted ones (the previous bonus
       and the accepted drafts, n = accepted + 1). Together over a sequence's calls
-      they cover every position exactly once. A layer index indexes HF's
-      ``output_hidden_states`` tuple: 0 is the embedding output, i the output of
-      decoder layer i (1..num_hidden_layers).
+      they cover every position exactly once. A layer index counts as HF's
+      ``output_hidden_states`` tuple does: 0 is the embedding output, i the output of
+      decoder layer i (1..num_hidden_layers), recorded where it is made, as training
+      reads it (``drafts.targets.capture_features``: the last layer's own output, not
+      the final norm's that some models put last in that tuple).
     - ``layer_kv``: only for a drafter whose ``kv_layers`` is non-empty, else None. Decoder
       layer index -> that layer's keys and values for positions 0..L-2, as ``kv`` (Gemma 4's
       assistant reads the last full and the last sliding layer's).
@@ -90,8 +92,8 @@ class Drafter(Protocol):
     """Proposes tokens for the target to verify. One instance serves one sequence at a time.
 
     Optional attribute ``feature_layers: tuple[int, ...]`` (absent or empty: none):
-    target layers whose hidden states the drafter reads; the decode loop then runs
-    the target with ``output_hidden_states=True`` and fills ``TargetState.hidden``.
+    target layers whose hidden states the drafter reads; the decode loop then records
+    them during the target's forwards and fills ``TargetState.hidden``.
 
     Optional attribute ``kv_layers: tuple[int, ...]`` (absent or empty: none): decoder
     layers whose K/V the drafter reads besides the last one (``TargetState.layer_kv``).
@@ -176,7 +178,7 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.LongTensor, cache: D
 
 
 def forward_tree(model: torch.nn.Module, tokens: list[int], parents: list[int], past: int, cache: DynamicCache,
-                 hidden: bool = False, feed: list[int] | None = None):
+                 feed: list[int] | None = None):
     """Run ``model`` over tree nodes ``feed`` (default: all of ``tokens``) after ``past`` cached positions.
 
     Node i sits at position ``past + depth`` (a root, parent -1, at depth 0) and
@@ -192,8 +194,7 @@ def forward_tree(model: torch.nn.Module, tokens: list[int], parents: list[int], 
     dtype = next(model.parameters()).dtype
     return model(input_ids=torch.tensor([[tokens[i] for i in feed]]),
                  position_ids=torch.tensor([[past + depths[i] for i in feed]]),
-                 attention_mask=additive(allowed, dtype)[None, None], use_cache=True, **cache_kwargs(model, cache),
-                 output_hidden_states=hidden)
+                 attention_mask=additive(allowed, dtype)[None, None], use_cache=True, **cache_kwargs(model, cache))
 
 
 def _target_forward(
@@ -283,8 +284,12 @@ def _verify_tree(
     if any(proposal.parents[i] not in row for i in range(len(drafts))):
         raise RuntimeError("a draft tree node's parent is unscored: only leaves may be")
     past = cache.get_seq_length()
-    out = forward_tree(target, [bonus, *(drafts[i] for i in scored)], [-1] + [row[proposal.parents[i]] for i in scored],
-                       past, cache, bool(layers))
+    from treadle.drafts.targets import capture_features
+
+    with capture_features(target, layers) as tap:  # the features as training reads them (as _target_forward does)
+        out = forward_tree(target, [bonus, *(drafts[i] for i in scored)],
+                           [-1] + [row[proposal.parents[i]] for i in scored], past, cache)
+        features = tap.take() if layers else None
     logits = out.logits[0]
     if sampler.greedy:
         choice = logits.argmax(-1).tolist()
@@ -307,7 +312,7 @@ def _verify_tree(
     keep = torch.cat([torch.arange(past), torch.tensor(path) + past])
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.index_select(-2, keep), layer.values.index_select(-2, keep)
-    hidden = torch.cat([out.hidden_states[i] for i in layers], dim=-1)[:, path] if layers else None
+    hidden = features[:, path] if layers else None
     return [drafts[node] for node in accepted], next_token, hidden
 
 

@@ -9,7 +9,8 @@ from treadle.drafts.dflash.kind import DFlash
 from treadle.drafts.dspark import layout as dspark_layout
 from treadle.drafts.dspark import settings
 from treadle.drafts.dspark.drafter import DSparkDrafter
-from treadle.drafts.dspark.model import DSparkModel, build_dspark, load_dspark
+from treadle.drafts.dspark.build import build_dspark, load_dspark
+from treadle.drafts.dspark.model import DSparkModel
 from treadle.drafts.dspark.objective import DSparkObjective
 
 

@@ -23,7 +23,6 @@ target's when the draft ships none).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,16 +30,12 @@ from torch import nn
 
 from treadle.data.packed import IGNORE_INDEX
 from treadle.drafts.dflash.model import (
-    DFlashDraft, DFlashModel, _target_ce, build_dflash, check_feature_layers, load_dflash,
+    DFlashDraft, DFlashModel, _target_ce, check_feature_layers,
 )
 from treadle.drafts.dspark import layout as dspark_layout
 from treadle.drafts.dspark import settings
 from treadle.drafts.glide.model import document_ids
-from treadle.drafts.kind import init_dir
-from treadle.drafts.targets import checked_target
-from treadle.errors import UserError
-from treadle.model_dirs import resolve_model_dir
-from treadle.models.chunked_ce import chunked_rows, model_logits
+from treadle.models.chunked_ce import chunked_rows
 from treadle.models.upcast import at_least_fp32
 
 KIND = "dspark"
@@ -192,39 +187,3 @@ class DSparkModel(DFlashModel):
         guess = torch.cat(slots, dim=1)  # [N, L, gamma]: anchor a's slot k - 1 guesses token a + k
         return [torch.cat((guess.new_full((N, k - 1), -1), guess[:, : L - k + 1, k - 1]), dim=1)
                 for k in range(1, gamma + 1)]
-
-
-# ----------------------------------------------------------------------------- building and loading
-
-
-def build_dspark(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
-    """(DSparkModel, target dir, target identity) for a ``DraftConfig``: the stages a DeepSeek-V4 target (or
-    ``draft.init``) ships, fine-tuned in place (dspark/v4.py); else DFlash's build (``build_dflash``) of a
-    ``DSparkDraft``, from ``draft.init`` the directory's draft (its layers, block size, mask token and Markov rank
-    are the run's)."""
-    from treadle.drafts.dspark import v4
-
-    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
-    source = target_dir if cfg.init is None else init_dir(cfg.init)
-    found = v4.shipped(source)
-    if found is None:
-        return build_dflash(cfg, data_vocab, data_tokenizer_fingerprint, empty, DSparkModel)
-    where = "draft.target" if cfg.init is None else "draft.init"
-    target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
-    draft = v4.load_stages(source, target.config, found)
-    v4.check_run_keys(cfg, draft, f"{where} {source}")
-    model = v4.StagesModel(target, draft)
-    model.origin = f"DSpark stages: the {found.count} {where} {source} ships (mtp.{{s}}.*)"
-    return model, target_dir, ident
-
-
-def load_dspark(draft_dir, target) -> DSparkModel:
-    """A DSpark draft in the Qwen3DSparkModel layout (treadle's export, DeepSpec's checkpoint, or a speculators-format
-    one with the same slot convention), or DSpark stages (a checkpoint carrying them, a stitched export, a stages
-    run's draft/), attached to ``target``."""
-    from treadle.drafts.dspark import v4
-
-    found = v4.shipped(draft_dir)
-    if found is not None:
-        return v4.StagesModel(target, v4.load_stages(draft_dir, target.config, found)).eval()
-    return load_dflash(draft_dir, target, DSparkModel)

@@ -42,8 +42,8 @@ from treadle.drafts.kind import init_dir
 from treadle.drafts.eagle3 import layout as eagle3_layout
 from treadle.drafts.eagle3.attention import UnrollKeys
 from treadle.drafts.glide.model import (
-    WHOLE, GlideShape, RMSNorm, WholeSequences, attention_mask, checked_export,
-    document_ids, init_linears, read_draft_config, sdpa, self_attention_inputs, target_mask, ttt_mask,
+    WHOLE, GlideShape, RMSNorm, WholeSequences, checked_export,
+    document_ids, init_linears, read_draft_config, sdpa, self_attention_inputs, target_mask,
 )
 from treadle.drafts.masks import ttt_rule
 from treadle.drafts.run_model import DraftRunModel, FusedFeatureReads
