@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(k not in KINDS for k in kinds):
         parser.error(f"--kinds {args.kinds}: accepted: {', '.join(KINDS)}")
     # what bench/spec.py's helpers read from its own arguments
-    args.target_config, args.data, args.budget, args.regen_all = spec.BENCH_TARGET, "builtin", "wall", False
+    args.target_config = Path(__file__).resolve().parents[1] / spec.BENCH_TARGET  # from any working directory
+    args.data, args.budget, args.regen_all = "builtin", "wall", False
     torch.set_num_threads(2)
     args.out.mkdir(parents=True, exist_ok=True)
 
