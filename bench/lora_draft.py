@@ -23,7 +23,8 @@ layout for draft adapters is not settled (docs/lora.md).
                                [--adapt-steps 150] [--prompts 8] [--max-new-tokens 64]
 
 Results: a markdown table on stdout and ``<out>/results.json`` (default out: runs/bench-lora-draft).
-``--quick`` is a smoke run of the whole pipeline (a 30-step target, 3 steps per draft, 2 prompts x 16 tokens).
+``--quick`` is a smoke run of the whole pipeline (a 30-step target, 3 steps per draft, 2 prompts x 16 tokens, each
+training run's own evaluation cut to one batch and 2 prompts).
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ MODES = {"greedy": spec.MODES["chain"], "T=1": spec.MODES["t1"]}
 DOMAINS = ("chat", "code")
 DEFAULTS = dict(target=spec.SUITES["spec"]["target"], out=Path("runs/bench-lora-draft"), target_steps=None,
                 base_steps=300, adapt_steps=150, prompts=8, max_new_tokens=64, chat_rows=2000)
+# --quick also evaluates each training run lightly (its own start and end evals: one batch, 2 prompts of 8 tokens):
+# spec-eval's table is what the bench reads, and the runs' evals otherwise cost most of a smoke run.
+QUICK_EVAL = ("--train.eval_batches=1", "--draft.eval_prompts=2", "--draft.eval_new_tokens=8")
 QUICK = dict(target="runs/bench-quick-lora-draft/target", out=Path("runs/bench-quick-lora-draft"), target_steps=30,
              base_steps=3, adapt_steps=3, prompts=2, max_new_tokens=16, chat_rows=64)
 
@@ -68,6 +72,12 @@ def chat_data(args) -> tuple[Path, list[dict]]:
     train = args.out / "chat-train.jsonl"
     train.write_text("".join(line + "\n" for line in rows[: -args.prompts]))
     return train, [json.loads(line) for line in rows[-args.prompts:]]
+
+
+def light_eval(recipe: spec.Recipe) -> spec.Recipe:
+    """``recipe`` with --quick's light evaluation (later settings win)."""
+    return spec.Recipe(recipe.name, lambda args: [*recipe.train_args(args), *QUICK_EVAL], recipe.drafter,
+                       recipe.family, gamma=recipe.gamma)
 
 
 def adapt_recipe(base: spec.Recipe, way: str, chat_train: Path, base_run: Path) -> spec.Recipe:
@@ -108,6 +118,7 @@ def load(way: str, runs: dict, target):
 
 def bench_kind(args, kind: str, chat_train: Path, target, prompts: dict, eos_id) -> list[dict]:
     recipe = {r.name: r for r in spec.RECIPES}[kind]
+    recipe = light_eval(recipe) if args.quick else recipe
     print(f"{kind}: base draft, {args.base_steps} steps on the built-in corpus ...", file=sys.stderr, flush=True)
     trained = {"base": train(args, recipe, args.base_steps)}
     for way in WAYS[1:]:
@@ -178,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    spec.bench_target(args)
+    spec.bench_target(args, *(("--train.eval_batches=1",) if args.quick else ()))
     chat_train, held_out = chat_data(args)
     target = load_causal_lm(Path(args.target), "--target")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(Path(args.target), "--target"))
