@@ -363,11 +363,11 @@ def train_windows(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
     return windows
 
 
-def bench_target(args) -> Path:
+def bench_target(args, *overrides: str) -> Path:
     """The suite's target config's run (configs/bench-target.toml's by default), trained once (an interrupted run
-    resumes from its checkpoint)."""
+    resumes from its checkpoint); ``overrides``: more --key=value settings (a smoke run's lighter evaluation)."""
     steps = [f"--train.max_steps={args.target_steps}"] if args.target_steps else []
-    cfg = load_config(args.target_config, [f"--train.output_dir={args.target}", *steps])
+    cfg = load_config(args.target_config, [f"--train.output_dir={args.target}", *steps, *overrides])
     if not any((Path(args.target) / sub / "config.json").is_file() for sub in ("hf", ".")):  # a run, or an HF dir
         print(f"training the bench target ({args.target_config}) into {args.target} ...", file=sys.stderr, flush=True)
         run_training(cfg, live=False)
