@@ -11,10 +11,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.helpers import TARGET, draft_args, records
 from treadle.cli import main
-from treadle.drafts.eagle3.model import (
-    Eagle3Draft, Eagle3Model, capture_features, default_feature_layers, frequent_tokens, load_eagle3, ttt_mask,
-)
-from treadle.drafts.glide.model import document_ids
+from treadle.drafts.eagle3.model import Eagle3Draft, Eagle3Model, default_feature_layers, frequent_tokens, load_eagle3
+from treadle.drafts.glide.model import document_ids, ttt_mask
+from treadle.drafts.targets import capture_features
 from treadle.models.hf import greedy_continuations
 from treadle.speculative.acceptance import chain_acceptance
 from treadle.speculative.decode import TargetState
