@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from treadle.drafts.dflash.model import build_dflash, load_dflash
-from treadle.drafts.dspark import v4
+from treadle.drafts.dspark import stages
 from treadle.drafts.dspark.model import DSparkModel
 from treadle.drafts.kind import init_dir
 from treadle.drafts.targets import checked_target
@@ -20,9 +20,11 @@ def build_dspark(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
     are the run's)."""
     target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
     source = target_dir if cfg.init is None else init_dir(cfg.init)
-    found = v4.shipped(source)
+    found = stages.find(source)
     if found is None:
         return build_dflash(cfg, data_vocab, data_tokenizer_fingerprint, empty, DSparkModel)
+    from treadle.drafts.dspark import v4  # transformers' DeepSeek-V4 modeling, for a run on stages only
+
     where = "draft.target" if cfg.init is None else "draft.init"
     target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
     draft = v4.load_stages(source, target.config, found)
@@ -36,7 +38,9 @@ def load_dspark(draft_dir, target) -> DSparkModel:
     """A DSpark draft in the Qwen3DSparkModel layout (treadle's export, DeepSpec's checkpoint, or a speculators-format
     one with the same slot convention), or DSpark stages (a checkpoint carrying them, a stitched export, a stages
     run's draft/), attached to ``target``."""
-    found = v4.shipped(draft_dir)
+    found = stages.find(draft_dir)
     if found is not None:
+        from treadle.drafts.dspark import v4
+
         return v4.StagesModel(target, v4.load_stages(draft_dir, target.config, found)).eval()
     return load_dflash(draft_dir, target, DSparkModel)

@@ -306,12 +306,6 @@ class StagesModel(DSparkModel):
         return block_rule(doc, anchors, self.draft_model.block_size, self.flex_masks, self.draft_model.window)
 
 
-def shipped(directory):
-    """The DSpark stages ``directory`` carries (a DeepSeek-V4 checkpoint, a stitched export, or the draft/ of a
-    stages run), or None."""
-    return found_stages.find(directory)
-
-
 def check_run_keys(cfg, draft: DSparkStages, where) -> None:
     """A run's [draft] keys must not contradict the stages (their config decides them)."""
     for key, have in (("feature_layers", list(draft.feature_layers)), ("num_layers", draft.num_layers),
