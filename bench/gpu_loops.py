@@ -95,6 +95,7 @@ class StepTimer(Callback):
 
     def __init__(self):
         self.timer: Timer | None = None
+        self.peak = 0.0  # the highest peak the run's log windows recorded so far (GiB)
 
     def on_train_start(self, trainer) -> None:
         from treadle.models.chunked_ce import chunked_head
@@ -117,7 +118,7 @@ class StepTimer(Callback):
         resets it, so the Timer alone would see only what was allocated after the last log (the third GPU run read
         a 1.1B full-training peak of 12.4 GiB, its weights and optimizer state at rest, for this reason)."""
         logged = trainer.last_records.get("step", {}).get("memory_allocated_gib", 0.0)
-        self.peak = max(getattr(self, "peak", 0.0), logged)
+        self.peak = max(self.peak, logged)
         return self.peak
 
 

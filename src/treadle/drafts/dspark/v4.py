@@ -325,12 +325,11 @@ def refuse_unbuilt(cfg) -> None:
     import os
 
     d = cfg.distributed
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    spread = [f"{k} = {v}" for k, v in (("distributed.engine", repr(d.engine)), ("WORLD_SIZE", world),
-                                          ("distributed.tensor_parallel", d.tensor_parallel),
-                                          ("distributed.context_parallel", d.context_parallel),
-                                          ("distributed.pipeline_parallel", d.pipeline_parallel))
-              if (v not in ("'auto'", "'local'", 1))]
+    spread = [f"distributed.engine = {d.engine!r}"] if d.engine not in ("auto", "local") else []
+    spread += [f"distributed.{k} = {getattr(d, k)}" for k in ("tensor_parallel", "context_parallel",
+                                                              "pipeline_parallel") if getattr(d, k) > 1]
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        spread.append(f"WORLD_SIZE = {os.environ['WORLD_SIZE']}")
     if spread:
         raise UserError(f"a dspark run on the DSpark stages a target ships runs in one process: {spread[0]} is not "
                         "built for them; accepted: distributed.engine = 'local' (or 'auto') in one process")
