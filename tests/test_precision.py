@@ -11,6 +11,8 @@ from treadle.config import load_config
 from treadle.engine import build_engine
 from treadle.engine.bf16_weights import Bf16WeightsEngine
 from treadle.errors import UserError
+from treadle import machine_load
+from treadle.machine_load import Given, Readings
 from treadle.models import autotune
 from treadle.models.hf import build_model
 from treadle.train.auto import check_dtype
@@ -18,6 +20,23 @@ from treadle.train.step import loss_sum
 from tests.helpers import SMALL_MODEL, args, records
 
 CPU = torch.device("cpu")
+# The machine's load as the probe's watch reads it, given: a test never depends on how busy its machine is.
+QUIET = Readings(load=0.5, cpus=2, steal=0.0)
+LOADED = Readings(load=3.9, cpus=2, steal=0.0)
+
+
+def quiet():
+    return Given(QUIET)
+
+
+def loaded():
+    return Given(LOADED)
+
+
+@pytest.fixture
+def quiet_machine(monkeypatch):
+    """Runs through the CLI read a quiet machine (the probe's figures may be cached)."""
+    monkeypatch.setattr(machine_load, "watch", quiet)
 
 
 def _batch(gen, rows=2, seq=16, vocab=100):
@@ -107,19 +126,20 @@ def test_auto_picks_the_fastest_candidate_only_past_the_bf16_margin(tmp_path, mo
                               ({"fp32": 1.0, "bf16": 0.8, "bf16-weights": 0.6}, "bf16-weights"),
                               ({"fp32": 0.5, "bf16": 0.8, "bf16-weights": 0.6}, "fp32")):
         cached.write_text(json.dumps({"seconds": seconds}))
-        choice, layer_s, steady = autotune.choose_dtype(model, 4, 32, CPU, candidates)
-        assert choice.value == expected and layer_s == seconds[expected] and steady and str(cached) in choice.why
+        choice, layer_s, busy = autotune.choose_dtype(model, 4, 32, CPU, candidates)
+        assert choice.value == expected and layer_s == seconds[expected] and busy is None and str(cached) in choice.why
     # A measurement whose passes disagree (a busy machine) decides this run only: nothing is cached.
     monkeypatch.setattr(autotune, "STEADY", 0.5)  # no two passes are ever this close
-    choice, layer_s, steady = autotune.choose_dtype(model, 2, 8, CPU, candidates)
-    assert "not cached: passes varied" in choice.why and [p.name for p in cached.parent.iterdir()] == [cached.name]
-    assert autotune.choose_compile(10 * layer_s, layers=4, micro_steps=10**9, device=CPU, steady=steady).value is False
+    choice, layer_s, busy = autotune.choose_dtype(model, 2, 8, CPU, candidates, watch=quiet)
+    assert "with passes that varied by more than " in choice.why and "this run only, not cached" in choice.why
+    assert [p.name for p in cached.parent.iterdir()] == [cached.name]
+    assert autotune.choose_compile(10 * layer_s, layers=4, micro_steps=10**9, device=CPU, busy=busy).value is False
     assert autotune.choose_compile(1.0, layers=4, micro_steps=100, device=CPU).value is False  # 400 s
     assert autotune.choose_compile(1.0, layers=4, micro_steps=200, device=CPU).value is True  # 800 s
 
 
 def test_auto_is_measured_once_recorded_in_config_toml_and_leaves_the_runs_randomness_alone(shards, tmp_path, monkeypatch,
-                                                                                             capsys):
+                                                                                             capsys, quiet_machine):
     monkeypatch.setenv("TREADLE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(autotune, "STEADY", float("inf"))  # cached however busy the machine is
     monkeypatch.setattr(autotune, "STALE", float("inf"))  # and kept however the load changes between the runs
@@ -143,7 +163,7 @@ GEMMA3 = ('{model_type="gemma3_text",hidden_size=32,intermediate_size=64,num_hid
 
 
 def test_auto_probes_a_gemma3_run_whose_layers_take_a_rotary_embedding_per_layer_type(shards, tmp_path, monkeypatch,
-                                                                                         capsys):
+                                                                                         capsys, quiet_machine):
     """Gemma 3's rotary embedding takes the layer type: the probe runs the layer with the inputs its model makes."""
     monkeypatch.setenv("TREADLE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(autotune, "STEADY", float("inf"))  # a steady figure, so the compile line gives the estimate
@@ -165,11 +185,11 @@ def test_a_family_the_probe_cannot_run_falls_back_in_one_line_per_choice(tmp_pat
         raise TypeError("FancyRotary.forward() missing 1 required positional argument: 'layer_type'")
 
     monkeypatch.setattr(autotune, "_layer_inputs", unrunnable)
-    choice, layer_s, steady = autotune.choose_dtype(model, 4, 32, CPU, ("fp32", "bf16"))
-    assert choice.value == "fp32" and layer_s is None and not steady
+    choice, layer_s, busy = autotune.choose_dtype(model, 4, 32, CPU, ("fp32", "bf16"), watch=quiet)
+    assert choice.value == "fp32" and layer_s is None and busy.startswith("one llama decoder layer could not be probed")
     assert choice.why == ("one llama decoder layer could not be probed (TypeError: FancyRotary.forward() missing 1 "
                           "required positional argument: 'layer_type'); fp32, which needs no measurement")
-    compiled = autotune.choose_compile(layer_s, 2, 100, CPU, steady)
+    compiled = autotune.choose_compile(layer_s, 2, 100, CPU, busy)
     assert compiled.value is False and compiled.why.startswith("no step-time estimate (the probe could not run)")
     assert not (tmp_path / "autotune").exists()
 
@@ -184,7 +204,7 @@ def test_a_cached_figure_taken_under_load_is_measured_again_and_the_line_says_so
     # As a run on a busy machine cached it (x10, so that a check on a loaded test machine is still far from it):
     # seconds per pass of a layer that takes about a millisecond.
     cached.write_text(json.dumps({"seconds": {"fp32": 34.24, "bf16": 50.0}}))
-    choice, layer_s, _ = autotune.choose_dtype(model, 4, 32, CPU, candidates)
+    choice, layer_s, _ = autotune.choose_dtype(model, 4, 32, CPU, candidates, watch=quiet)
     assert "; the cached fp32 34240 ms was " in choice.why and "slower than a check now" in choice.why, choice.why
     assert "taken under load: measured again" in choice.why and "measured now in" in choice.why
     fresh = json.loads(cached.read_text())["seconds"]
@@ -192,15 +212,93 @@ def test_a_cached_figure_taken_under_load_is_measured_again_and_the_line_says_so
     # Measured again on a machine too busy for a steady figure: the stale one is dropped, the next run measures.
     cached.write_text(json.dumps({"seconds": {"fp32": 34.24, "bf16": 50.0}}))
     monkeypatch.setattr(autotune, "STEADY", 0.5)  # no two passes are ever this close
-    choice, _, steady = autotune.choose_dtype(model, 4, 32, CPU, candidates)
-    assert "not cached: passes varied" in choice.why and "measured again" in choice.why and not cached.exists()
+    choice, _, busy = autotune.choose_dtype(model, 4, 32, CPU, candidates, watch=quiet)
+    assert "not cached" in choice.why and "measured again" in choice.why and not cached.exists()
+    assert busy.startswith("with passes that varied")
     monkeypatch.setattr(autotune, "STEADY", float("inf"))
+    # Issue 48: measured again under a steady load, whose passes agree: not cached again either.
+    cached.write_text(json.dumps({"seconds": {"fp32": 34.24, "bf16": 50.0}}))
+    choice, _, busy = autotune.choose_dtype(model, 4, 32, CPU, candidates, watch=loaded)
+    assert ("on a loaded machine (load 3.9 on 2 CPUs): this choice holds for this run only, not cached; the cached "
+            "fp32 34240 ms was ") in choice.why and "measured again" in choice.why and not cached.exists()
     # The other way round, a figure far faster than the check: this machine is busy now, the calmer figure is kept.
     cached.write_text(json.dumps({"seconds": {"fp32": 1e-7, "bf16": 2e-7}}))
-    choice, layer_s, steady = autotune.choose_dtype(model, 4, 32, CPU, candidates)
-    assert choice.value == "fp32" and layer_s == 1e-7 and steady
+    choice, layer_s, busy = autotune.choose_dtype(model, 4, 32, CPU, candidates)
+    assert choice.value == "fp32" and layer_s == 1e-7 and busy is None
     assert f"cached in {cached}; a check now ran " in choice.why
     assert "a busy machine, the cached figure kept" in choice.why
+
+
+def test_a_figure_measured_on_a_loaded_machine_is_not_cached_and_decides_no_compile(tmp_path, monkeypatch, one_thread):
+    """Issue 48: under a steady load the passes agree, so steadiness alone cached a figure 10x too slow."""
+    monkeypatch.setenv("TREADLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "STEADY", float("inf"))  # passes that agree, as under a steady load
+    model = build_model(load_config(None, [f"--model.overrides={SMALL_MODEL}"]).model, vocab_size=100)
+    candidates = ("fp32", "bf16")
+    choice, layer_s, busy = autotune.choose_dtype(model, 4, 32, CPU, candidates, watch=loaded)
+    assert busy == "on a loaded machine (load 3.9 on 2 CPUs)" and layer_s > 0
+    assert choice.why.endswith("on a loaded machine (load 3.9 on 2 CPUs): this choice holds for this run only, "
+                               "not cached)"), choice.why
+    assert not (tmp_path / "autotune").exists()
+    # The compile estimate does not inherit the figure.
+    compiled = autotune.choose_compile(layer_s, 4, 10**9, CPU, busy)
+    assert compiled.value is False and compiled.estimate_s is None
+    assert compiled.why == ("no step-time estimate from a figure measured on a loaded machine (load 3.9 on 2 CPUs); "
+                            "model.compile = true compiles anyway")
+    # Quiet, the same measurement is cached.
+    choice, _, busy = autotune.choose_dtype(model, 4, 32, CPU, candidates, watch=quiet)
+    assert busy is None and "measured now in" in choice.why and "not cached" not in choice.why
+    assert autotune.probe_path(model, 4, 32, CPU, candidates).is_file()
+
+
+def test_the_load_verdict_reads_the_load_average_steal_and_a_reference_kernel(tmp_path, monkeypatch):
+    judge = machine_load.judge
+    assert judge(Readings(load=3.9, cpus=2)).loaded and judge(Readings(load=3.9, cpus=2)).why == "load 3.9 on 2 CPUs"
+    quiet_verdict = judge(Readings(load=2.4, cpus=2, steal=0.02, reference_s=1.2, quiet_s=1.0))
+    assert not quiet_verdict.loaded  # this process' own thread and 1.4 others' on 2 CPUs
+    assert quiet_verdict.why == ("load 2.4 on 2 CPUs, 2% of CPU time stolen by the hypervisor, a reference kernel "
+                                 "1.2x slower than on this machine when quiet")
+    stolen = judge(Readings(load=0.1, cpus=16, steal=0.3))
+    assert stolen.loaded and stolen.why == "30% of CPU time stolen by the hypervisor"
+    slow = judge(Readings(load=None, cpus=2, reference_s=3.0, quiet_s=1.0))
+    assert slow.loaded and slow.why == "a reference kernel 3.0x slower than on this machine when quiet"
+    assert not judge(Readings(cpus=2)).loaded and judge(Readings(cpus=2)).why == "no load readings on this system"
+    assert machine_load.steal_share((1000, 10), (1200, 50)) == 0.2
+    assert machine_load.steal_share((1000, 10), (1010, 12)) is None  # too few ticks to say
+    ticks = machine_load.cpu_ticks()
+    assert ticks is None or ticks[0] >= ticks[1] >= 0
+    # The real reference kernel: against a quiet figure no machine reaches, loaded, and the figure is kept.
+    path = tmp_path / "reference.json"
+    path.write_text(json.dumps({"seconds": 1e-12}))
+    verdict = machine_load.Watch(path).verdict()
+    assert verdict.loaded and "x slower than on this machine when quiet" in verdict.why
+    assert json.loads(path.read_text()) == {"seconds": 1e-12}
+    # No figure yet and nothing else loaded: the quiet figure is recorded (the fastest pass, before or after).
+    monkeypatch.setattr(machine_load, "load_average", lambda: 0.0)
+    monkeypatch.setattr(machine_load, "cpu_ticks", lambda: None)
+    path.unlink()
+    watch = machine_load.Watch(path)
+    assert not watch.verdict().loaded and json.loads(path.read_text())["seconds"] == min(watch.reference) > 0
+
+
+def test_a_resumed_runs_compile_estimate_counts_the_steps_left(tmp_path, monkeypatch):
+    from treadle.train.auto import resolve_auto
+
+    monkeypatch.setenv("TREADLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "STALE", float("inf"))  # the made-up figure below passes the check
+    cfg = load_config(None, [f"--model.overrides={SMALL_MODEL}", "--model.dtype=fp32", "--model.compile=auto",
+                             "--train.max_steps=100", "--train.grad_accum_steps=2"])
+    model = build_model(cfg.model, vocab_size=100)
+    entry = autotune.probe_path(model, cfg.train.micro_batch_size, cfg.data.seq_len, CPU, ("fp32",))
+    entry.parent.mkdir(parents=True)
+    entry.write_text(json.dumps({"seconds": {"fp32": 0.5}}))
+    layers = len(autotune.decoder_layers(model))
+    _, lines, check = resolve_auto(cfg, model, "local", CPU, start_step=40)
+    assert (f"estimated eager time {0.5 * layers * 120:.0f} s = one decoder layer's 500 ms x {layers} layers x 120 "
+            "micro-batches left after step 40 (the probe's figure") in lines[0], lines
+    assert check.estimate_s == 0.5 * layers * 120
+    _, lines, _ = resolve_auto(cfg, model, "local", CPU)
+    assert f"x {layers} layers x 200 micro-batches (the probe's figure" in lines[0]
 
 
 def test_the_first_steps_check_the_probes_figure_and_the_compile_estimate(shards, tmp_path, monkeypatch, capsys):

@@ -6,8 +6,9 @@ a hypervisor may hide either), so the CPU choice is measured: a few forward+back
 the run's own shape in each candidate dtype, interleaved round by round (a busy neighbour slows all alike) and
 judged by each candidate's fastest pass. The layer is run with the inputs its own model makes for it (a one-layer
 copy of the architecture, its forward stopped at the layer), so every decoder family is probed the same way; one
-that still cannot be falls back to fp32 in one line. The result is cached per machine and shape in treadle's cache;
-a later run times the cached choice again briefly and measures everything again when the cached figure was taken
+that still cannot be falls back to fp32 in one line. The result is cached per machine and shape in treadle's
+cache, only when its passes agreed and the machine was not loaded while they ran (``treadle/machine_load.py``); a
+later run times the cached choice again briefly and measures everything again when the cached figure was taken
 under load (``STALE``), and the run's first steps check the figure once more (``train/auto.py``). CUDA decides by
 capability: bf16 from Ampere (8.0) on.
 
@@ -22,17 +23,19 @@ import copy
 import hashlib
 import json
 import os
-import platform
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
+from treadle import machine_load
 from treadle.corpus import cache_dir
 from treadle.fsutil import write_atomic
+from treadle.machine_load import machine
 from treadle.models.hf import decoder_layers
 
 DTYPES = ("fp32", "bf16", "bf16-weights")
@@ -55,23 +58,9 @@ class Choice:
     estimate_s: float | None = None  # compile: the run's estimated eager time it was judged by
 
 
-def _machine() -> dict:
-    """What makes a measurement valid elsewhere: CPU model and flags, torch, threads."""
-    cpu = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, val = line.partition(":")
-            if key.strip() in ("model name", "flags") and key.strip() not in cpu:
-                cpu[key.strip()] = val.strip()
-    except OSError:
-        cpu["processor"] = platform.processor()
-    return {"host": platform.node(), "machine": platform.machine(), **cpu, "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
-
-
 def cpu_flags() -> list[str]:
     """The CPU's bf16-related flags (recorded beside the figures; not used for the choice)."""
-    flags = _machine().get("flags", "").split()
+    flags = machine().get("flags", "").split()
     return [f for f in flags if "bf16" in f or f.startswith("amx") or f in ("avx512f", "avx512_fp16", "avx2")]
 
 
@@ -190,7 +179,7 @@ def _shape_key(model: nn.Module, rows: int, seq_len: int, device: torch.device, 
     cfg = _target(model).config
     shape = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
                                                 "num_key_value_heads", "head_dim", "num_experts", "num_local_experts")}
-    key = {"v": PROBE_VERSION, "machine": _machine(), "device": str(device), "layer": type(layer).__name__,
+    key = {"v": PROBE_VERSION, "machine": machine(), "device": str(device), "layer": type(layer).__name__,
            "shape": shape, "rows": rows, "seq_len": seq_len, "candidates": list(candidates)}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -203,15 +192,21 @@ def probe_path(model: nn.Module, rows: int, seq_len: int, device: torch.device, 
     return cache_dir() / "autotune" / f"{_shape_key(model, rows, seq_len, device, candidates)}.json"
 
 
-def probe(model: nn.Module, rows: int, seq_len: int, device: torch.device,
-          candidates: tuple[str, ...]) -> tuple[dict[str, float], str, bool]:
-    """``measure``'s result from the cache, else measured now and cached if steady; where it came from, in words;
-    and whether it is steady (cached ones are).
+def probe(model: nn.Module, rows: int, seq_len: int, device: torch.device, candidates: tuple[str, ...],
+          watch: Callable[[], machine_load.Watch | machine_load.Given] | None = None,
+          ) -> tuple[dict[str, float], str, str | None]:
+    """``measure``'s result from the cache, else measured now and cached if it can be trusted; where it came from, in
+    words; and why it cannot be trusted beyond this run (None: it can; cached ones can).
+
+    A figure measured now is cached only when its passes agreed (``STEADY``) and the machine was not loaded while
+    they ran (``watch``, default ``machine_load.watch``: the load average, CPU steal, a reference kernel): passes under
+    a steady load agree too, and such a figure would decide every later run on this machine (issue 48).
 
     A cached figure is checked first: its fastest candidate is timed again (``CHECK_ROUNDS`` passes). A figure
     more than ``STALE`` times slower than the check was taken under load (the fastest pass of an idle machine cannot
-    be that much slower than a later one), so every candidate is measured again and the cache replaced. A check
-    slower than the figure means this machine is busy now: the calmer cached figure is kept, and the line says so.
+    be that much slower than a later one), so every candidate is measured again and the cache replaced, or dropped
+    when the new figure cannot be trusted either. A check slower than the figure means this machine is busy now:
+    the calmer cached figure is kept, and the line says so.
     """
     path = probe_path(model, rows, seq_len, device, candidates)
     try:
@@ -228,80 +223,89 @@ def probe(model: nn.Module, rows: int, seq_len: int, device: torch.device,
         if ratio <= STALE:
             kept = "" if ratio >= 1 / STALE else (f"; a check now ran {1 / ratio:.1f}x slower ({_ms(now, [fastest])}): "
                                                   "a busy machine, the cached figure kept")
-            return cached, f"cached in {path}{kept}", True
+            return cached, f"cached in {path}{kept}", None
         note = (f"; the cached {_ms(cached, [fastest])} was {ratio:.1f}x slower than a check now "
                 f"({_ms(now, [fastest])}), taken under load: measured again")
+    watching = (watch or machine_load.watch)()
     t0 = time.perf_counter()
     seconds, steady = measure(model, rows, seq_len, device, candidates)
     took = time.perf_counter() - t0
-    if not steady:  # a busy machine: this choice holds for this run only, the next run measures again
+    verdict = watching.verdict()
+    busy = (f"on a loaded machine ({verdict.why})" if verdict.loaded
+            else None if steady else f"with passes that varied by more than {STEADY - 1:.0%}")
+    if busy is not None:  # this choice holds for this run only, the next run measures again
         if cached is not None:  # and not from the stale figure
             path.unlink(missing_ok=True)
-        return seconds, (f"measured now in {took:.1f} s, not cached: passes varied by more than {STEADY - 1:.0%}"
-                         f"{note}"), False
+        return seconds, f"measured now in {took:.1f} s {busy}: this choice holds for this run only, not cached{note}", \
+            busy
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps({"seconds": seconds, "probe_s": took}))
     except OSError:
         pass  # a read-only cache measures again next time; the run itself is unaffected
-    return seconds, f"measured now in {took:.1f} s{note}", True
+    return seconds, f"measured now in {took:.1f} s{note}", None
 
 
-def safe_probe(model: nn.Module, rows: int, seq_len: int, device: torch.device,
-               candidates: tuple[str, ...]) -> tuple[dict[str, float] | None, str, bool]:
+def safe_probe(model: nn.Module, rows: int, seq_len: int, device: torch.device, candidates: tuple[str, ...],
+               watch: Callable[[], machine_load.Watch | machine_load.Given] | None = None,
+               ) -> tuple[dict[str, float] | None, str, str | None]:
     """``probe``, or, where one decoder layer of this family cannot be run on its own, ``None`` and why (one line):
     ``auto`` then falls back to what needs no measurement instead of stopping the run."""
     try:
-        return probe(model, rows, seq_len, device, candidates)
+        return probe(model, rows, seq_len, device, candidates, watch)
     except Exception as exc:  # noqa: BLE001 - any family-specific failure; the run goes on without a figure
         kind = getattr(_target(model).config, "model_type", type(_target(model)).__name__)
         message = str(exc).splitlines()[0] if str(exc) else ""
-        return None, f"one {kind} decoder layer could not be probed ({type(exc).__name__}: {message})", False
+        why = f"one {kind} decoder layer could not be probed ({type(exc).__name__}: {message})"
+        return None, why, why
 
 
-def choose_dtype(model: nn.Module, rows: int, seq_len: int, device: torch.device,
-                 candidates: tuple[str, ...]) -> tuple[Choice, float | None, bool]:
+def choose_dtype(model: nn.Module, rows: int, seq_len: int, device: torch.device, candidates: tuple[str, ...],
+                 watch: Callable[[], machine_load.Watch | machine_load.Given] | None = None,
+                 ) -> tuple[Choice, float | None, str | None]:
     """The fastest of ``candidates`` (fp32 first) for this model and micro-batch on ``device``, with the reason;
     the chosen dtype's seconds per layer and micro-batch (the compile estimate's unit; None where the probe could
-    not run); whether the timing was steady."""
+    not run); why that figure holds for this run only (None: it can be trusted; ``probe``)."""
     if device.type == "cuda":  # by capability; the chosen dtype alone is timed, for the compile estimate
         cap = torch.cuda.get_device_capability(device)
         fast = cap >= (8, 0) and "bf16" in candidates
         choice = Choice("bf16" if fast else "fp32", f"CUDA capability {cap[0]}.{cap[1]} "
                                                     f"{'has bf16 tensor cores' if fast else 'has no fast bf16'}")
-        seconds, _, steady = safe_probe(model, rows, seq_len, device, (choice.value,))
-        return choice, seconds and seconds[choice.value], steady
-    seconds, source, steady = safe_probe(model, rows, seq_len, device, candidates)
+        seconds, _, busy = safe_probe(model, rows, seq_len, device, (choice.value,), watch)
+        return choice, seconds and seconds[choice.value], busy
+    seconds, source, busy = safe_probe(model, rows, seq_len, device, candidates, watch)
     if seconds is None:
-        return Choice("fp32", f"{source}; fp32, which needs no measurement"), None, False
+        return Choice("fp32", f"{source}; fp32, which needs no measurement"), None, busy
     fastest = min(candidates, key=lambda c: seconds[c])
     if fastest != "fp32" and seconds["fp32"] / seconds[fastest] < BF16_MARGIN:
         fastest = "fp32"
     times = _ms(seconds, candidates)
     why = (f"one decoder layer's forward+backward at {rows} x {seq_len} on {device.type}: {times} "
            f"(bf16 must be {BF16_MARGIN:.2f}x fp32's speed; {source})")
-    return Choice(fastest, why), seconds[fastest], steady
+    return Choice(fastest, why), seconds[fastest], busy
 
 
 def choose_compile(layer_seconds: float | None, layers: int, micro_steps: int, device: torch.device,
-                   steady: bool = True) -> Choice:
+                   busy: str | None = None, after_step: int = 0) -> Choice:
     """Compile when the run's estimated eager time (decoder layers only) exceeds ``COMPILE_PAYS_AFTER_S``.
 
-    Not on an unsteady timing: a busy machine inflates the estimate, but it slows the compile as much, so the
-    fixed threshold would compile runs that do not pay it back. The line says what the estimate is made of; the
-    run's first steps check it (``train/auto.py``, ``StepTimeCheck``).
+    ``micro_steps``: the micro-batches left to run (a resume: after ``after_step``). Not on a figure measured on a
+    busy machine (``busy``, why): the load inflates the estimate (issue 48: 344 s estimated for a run that trained in
+    141 s), and it slows the compile as much, so the fixed threshold would compile runs that do not pay it back. The
+    line says what the estimate is made of; the run's first steps check it (``train/auto.py``, ``StepTimeCheck``).
     """
     if device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")):
         return Choice(False, "no C++ compiler for torch.compile's CPU code")
     if layer_seconds is None:
         return Choice(False, "no step-time estimate (the probe could not run); model.compile = true compiles anyway")
-    if not steady:
-        return Choice(False, "the step-time estimate was taken on a busy machine (passes varied); "
-                             "model.compile = true compiles anyway")
+    if busy is not None:
+        return Choice(False, f"no step-time estimate from a figure measured {busy}; model.compile = true compiles "
+                             "anyway")
     estimate = layer_seconds * layers * micro_steps
+    left = f" left after step {after_step}" if after_step else ""
     basis = (f"estimated eager time {estimate:.0f} s = one decoder layer's {layer_seconds * 1e3:.0f} ms x {layers} "
-             f"layer{'s' * (layers != 1)} x {micro_steps} micro-batches (the probe's figure; the embedding, head, "
-             "optimizer and evals not counted)")
+             f"layer{'s' * (layers != 1)} x {micro_steps} micro-batches{left} (the probe's figure; the embedding, "
+             "head, optimizer and evals not counted)")
     if estimate < COMPILE_PAYS_AFTER_S:
         return Choice(False, f"{basis} < {COMPILE_PAYS_AFTER_S:.0f} s, where a compile starts to pay back", estimate)
     return Choice(True, f"{basis} >= {COMPILE_PAYS_AFTER_S:.0f} s", estimate)

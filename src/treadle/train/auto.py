@@ -49,10 +49,11 @@ def check_dtype(cfg: Config, engine: str, device: torch.device | None = None) ->
                         f"fp32 shards); accepted: {accepted}")
 
 
-def resolve_auto(cfg: Config, model: nn.Module, engine: str,
-                 device: torch.device) -> tuple[Config, list[str], StepTimeCheck | None]:
+def resolve_auto(cfg: Config, model: nn.Module, engine: str, device: torch.device,
+                 start_step: int = 0) -> tuple[Config, list[str], StepTimeCheck | None]:
     """``cfg`` with ``auto`` replaced by the choices for this run, a line per choice saying why, and the callback
-    that checks the choices' figure against the run's first steps (None when nothing was ``auto``)."""
+    that checks the choices' figure against the run's first steps (None when nothing was ``auto``). ``start_step``:
+    the step a resume continues from (the compile estimate counts the steps left)."""
     check_dtype(cfg, engine, device)
     m, t = cfg.model, cfg.train
     if m.dtype == "fp8" and m.compile == "auto":  # no probe: it measures the dtypes auto chooses between
@@ -65,22 +66,22 @@ def resolve_auto(cfg: Config, model: nn.Module, engine: str,
     rows, seq_len = t.micro_batch_size, cfg.data.seq_len
     # A draft run compiles its one block; the frozen target stays eager.
     layers = 1 if cfg.draft.kind else len(decoder_layers(model))
-    micro_steps = t.max_steps * t.grad_accum_steps
+    micro_steps = max(t.max_steps - start_step, 0) * t.grad_accum_steps
 
     def decide() -> tuple[list[tuple[str, str | bool, str]], float | None, float | None, str | None]:
         decided = []
         if m.dtype == "auto":
             candidates = dtype_candidates(cfg, engine)
-            choice, layer_s, steady = choose_dtype(model, rows, seq_len, device, candidates)
+            choice, layer_s, busy = choose_dtype(model, rows, seq_len, device, candidates)
             decided.append(("dtype", choice.value, choice.why))
             chosen = (choice.value,) if device.type == "cuda" else candidates
         else:
             chosen = (m.dtype,)
-            seconds, _, steady = safe_probe(model, rows, seq_len, device, chosen)
+            seconds, _, busy = safe_probe(model, rows, seq_len, device, chosen)
             layer_s = seconds and seconds[m.dtype]
         estimate = None
         if m.compile == "auto":
-            choice = choose_compile(layer_s, layers, micro_steps, device, steady)
+            choice = choose_compile(layer_s, layers, micro_steps, device, busy, start_step)
             decided.append(("compile", choice.value, choice.why))
             estimate = choice.estimate_s
         cache = str(probe_path(model, rows, seq_len, device, chosen)) if layer_s is not None else None

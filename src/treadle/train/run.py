@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from treadle import distributed
 from treadle.checkpoint.export import claim_export
 from treadle.checkpoint.manager import CheckpointManager
+from treadle.checkpoint.validate import run_state
 from treadle.config import Config, SourceConfig, _explain, explicit_tree, parse_duration
 from treadle.data.holdout import Interleaved
 from treadle.data.loader import StepLoader, check_token_ids, eval_batches
@@ -380,6 +381,17 @@ def close_trainer(trainer: Trainer) -> None:
         trainer.metrics.close()
 
 
+def _resume_step(ckpt: Path | None) -> int:
+    """The step a resume continues from (0: a fresh start), for what counts the steps left; a damaged checkpoint
+    reads 0 here and is refused by check_resume, with its other refusals in their order."""
+    if ckpt is None:
+        return 0
+    try:
+        return run_state(ckpt)["train"]["step"]
+    except UserError:
+        return 0
+
+
 def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback], opened: contextlib.ExitStack) -> Trainer:
     d = cfg.distributed
     info = init_distributed(cfg.train.device, num_threads=cfg.train.threads or None,
@@ -419,7 +431,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if d.pipeline_parallel > 1:  # the layer split, before anything is written (the engine splits it later)
         plan_stages(setup.model, d.pipeline_parallel, d.pipeline_schedule)
     # model.dtype / compile = auto -> what runs fastest here, before check_resume compares and config.toml records it
-    cfg, auto_lines, step_time_check = resolve_auto(cfg, setup.model, engine_name, device)
+    cfg, auto_lines, step_time_check = resolve_auto(cfg, setup.model, engine_name, device, _resume_step(resume_from))
     auto_lines += choose_attention(cfg, setup.model, device, layout.cp_size)
     if cfg.model.dtype == "fp8":  # a model transform: before checkpointing wraps layers, compile and the engine
         auto_lines.append(apply_fp8(setup.model, cfg.model.fp8_recipe))
