@@ -330,6 +330,67 @@ def test_spec_eval_writes_json(run_dir, tmp_path, capsys, monkeypatch):
     assert json.loads(out.read_text())["num_prompts"] == 1
 
 
+def test_spec_eval_interleaves_and_repeats_the_timed_phases_and_warns_on_a_loaded_machine(run_dir, tmp_path, capsys,
+                                                                                           monkeypatch):
+    """Issue 48: under load one side's timing was slowed more than the other's (0.09x, 0.36x quiet). The phases
+    alternate prompt by prompt and pass by pass; speeds are the median pass's, with the spread; a loaded machine
+    (readings given here: never this machine's) is said in one line; tau and the lossless check come from one pass."""
+    from treadle import machine_load
+    from treadle.speculative import decode
+
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setenv("TREADLE_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real_target, real_spec = decode.target_generate, decode.speculative_generate
+
+    def target_spy(*a, **k):
+        calls.append("T")
+        return real_target(*a, **k)
+
+    def spec_spy(*a, **k):
+        calls.append("S")
+        return real_spec(*a, **k)
+
+    monkeypatch.setattr(decode, "target_generate", target_spy)  # evaluate imports them from decode when it runs
+    monkeypatch.setattr(decode, "speculative_generate", spec_spy)
+    loaded = machine_load.Readings(load=3.9, cpus=2, steal=0.0)
+    monkeypatch.setattr(machine_load, "watch", lambda: machine_load.Given(loaded))
+    common = ["--target", str(run_dir), "--draft", str(run_dir), "--num-prompts", "2", "--prompt-len", "16",
+              "--max-new-tokens", "12"]
+    assert spec_eval(*common, "--repeats", "2", "--json", str(tmp_path / "a.json")) == 0
+    assert calls == ["T", "S"] + ["T", "S", "S", "T"] + ["S", "T", "T", "S"]  # the warm-up, then two passes
+    out, err = capsys.readouterr()
+    r = json.loads((tmp_path / "a.json").read_text())
+    assert r["repeats"] == 2 and len(r["speedup_repeats"]) == 2 and r["speedup"] in r["speedup_repeats"]
+    assert r["speedup_min"] == min(r["speedup_repeats"]) <= r["speedup"] <= r["speedup_max"]
+    assert r["speedup"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_target"], rel=1e-12)
+    assert r["load"] == {"loaded": True, "why": "load 3.9 on 2 CPUs"} and evaluate.is_spec_eval_json(tmp_path / "a.json")
+    assert f"{r['speedup']:.2f}x (median of 2 passes; {r['speedup_min']:.2f}x to {r['speedup_max']:.2f}x)" in out
+    warning, = [line for line in err.splitlines() if "loaded" in line]
+    assert warning.startswith("treadle: spec-eval: the machine was loaded while it timed the decoding (load 3.9 on 2 "
+                              "CPUs): the tokens/s and the speedup ") and warning.endswith("do not depend on it")
+    # One pass on a quiet machine: the same tau, acceptance and draft forwards (counted over the first pass only),
+    # and no warning.
+    quiet = machine_load.Readings(load=0.2, cpus=2, steal=0.0)
+    monkeypatch.setattr(machine_load, "watch", lambda: machine_load.Given(quiet))
+    calls.clear()
+    assert spec_eval(*common, "--repeats", "1", "--json", str(tmp_path / "b.json")) == 0
+    assert calls == ["T", "S", "T", "S", "S", "T"]
+    one = json.loads((tmp_path / "b.json").read_text())
+    assert one["repeats"] == 1 and one["load"]["loaded"] is False and "loaded" not in capsys.readouterr().err
+    for key in ("tau", "acceptance_unconditional", "draft_forwards_per_round", "lossless", "generated_tokens"):
+        assert one[key] == r[key], key
+    with pytest.raises(UserError, match=r"^--repeats 0: must be >= 1"):
+        spec_eval(*common, "--repeats", "0")
+
+
+def test_speed_figures_are_the_median_pass_and_the_spread():
+    figures = evaluate.speed_figures([(10.0, 20.0), (30.0, 10.0), (4.0, 10.0)])
+    assert figures == {"tokens_per_s_spec": 10.0, "tokens_per_s_target": 20.0, "speedup": 0.5, "repeats": 3,
+                       "speedup_min": 0.4, "speedup_max": 3.0, "speedup_repeats": [0.5, 3.0, 0.4]}
+    assert evaluate.speed_figures([(1.0, 1.0), (2.0, 1.0)])["speedup"] == 1.0  # an even count: the lower middle
+
+
 def test_spec_eval_model_draft_and_prompts_file(run_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "class A:\\n    def f(self):"}\n{"text": "for i in range(3):"}\n')

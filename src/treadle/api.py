@@ -234,7 +234,9 @@ def spec_eval(target: str | os.PathLike, draft: str | os.PathLike, **options: An
     ``--json`` writes (tau, acceptance per position, tokens/s, lossless, ...); prints nothing.
 
     Options, as the command's flags: gamma=4, prompts=None (a JSONL file; None: the built-in held-out split),
-    num_prompts=8, prompt_len=64, max_new_tokens=64, json_path=None (also write the record there), threads=0.
+    num_prompts=8, prompt_len=64, max_new_tokens=64, json_path=None (also write the record there), threads=0,
+    repeats=3 (timed passes: the speeds are the median pass's, speedup_min / speedup_max their spread; the record's
+    ``load`` says whether the machine was loaded while they ran).
     """
     check_versions()
     from treadle.speculative.evaluate import spec_eval as run

@@ -1,10 +1,15 @@
 """``treadle spec-eval``: measure a drafter against a target with speculative decoding.
 
-For each prompt the target first decodes on its own (the baseline for tokens/s
-and, greedy, the reference output), then speculatively with the drafter, as a
-chain of ``--gamma`` drafts or a ``--tree``. Greedy, the speculative output must
-equal the reference token for token ("lossless"); otherwise the command names the
-prompt and position and exits 1. Sampled (``--temperature`` > 0), outputs differ
+For each prompt the target decodes on its own (the baseline for tokens/s and,
+greedy, the reference output) and speculatively with the drafter, as a chain of
+``--gamma`` drafts or a ``--tree``, the two phases interleaved prompt by prompt
+in alternating order and repeated ``--repeats`` times for the speeds: a load
+that comes and goes slows both alike, and the spread of the per-repeat speedup
+shows what remains (issue 48: 0.09x under load, 0.36x quiet, tau unchanged);
+a line warns when the machine was loaded (``treadle/machine_load.py``). tau and
+the lossless check come from the first pass. Greedy, the speculative output
+must equal the reference token for token ("lossless"); otherwise the command
+names the prompt and position and exits 1. Sampled (``--temperature`` > 0), outputs differ
 run to run by design: speculative sampling keeps the target's distribution
 (tests/test_spec_sampling.py checks it statistically) and only tau and speed are
 reported.
@@ -17,8 +22,9 @@ import json
 import sys
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+from treadle import machine_load
 from treadle.errors import UserError, first_line
 from treadle.fsutil import claim_output, write_atomic
 from treadle.model_dirs import download_hint, resolve_model_dir
@@ -30,9 +36,11 @@ if TYPE_CHECKING:
 
     from treadle.speculative.tree import DynamicTree
 
+    from treadle.machine_load import Given, Watch
     from treadle.speculative.decode import Drafter
 
 _WARMUP_TOKENS = 4
+REPEATS = 3  # --repeats' default: timed passes of both phases (a median and a spread)
 # --dtype: the torch dtype of the decoding weights. bf16 means bf16 weights, not autocast: the engines a draft is
 # exported for load its checkpoint at dtype bfloat16 and run every activation in it (docs/drafts.md, precision).
 DTYPES = ("fp32", "bf16")
@@ -79,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a DSpark draft's confidence early stop, as the engines serve it: verify only the "
                              "drafts its confidence head keeps at this threshold (default: 0, the whole block, "
                              "both engines' default)")
+    parser.add_argument("--repeats", type=int, default=REPEATS, metavar="N",
+                        help="timed passes over the prompts, each decoding every prompt speculatively and with the "
+                             "target alone, interleaved; speeds are the median pass's, with the spread (default: "
+                             f"{REPEATS}); tau and the lossless check come from the first pass")
     parser.add_argument("--confidence-rule", choices=("sglang", "vllm"), default="sglang",
                         help="with --confidence-threshold: sglang = up to the first draft whose confidence < P "
                              "(SGLang, DeepSpec); vllm = the drafts whose cumulative confidence >= P (default: sglang)")
@@ -179,11 +191,15 @@ def evaluate_drafter(
     seed: int = 0,
     tree: tuple[int, ...] | DynamicTree | None = None,
     device: torch.device | None = None,
+    repeats: int = 1,
+    watch: Callable[[], Watch | Given] | None = None,
 ) -> dict:
     """Target-alone and speculative decoding of every prompt: acceptance, speed and (greedy) losslessness.
 
     ``tree``: branching per depth or a ``DynamicTree``, ``gamma`` its depth. ``lossless`` is None when sampled.
-    ``device``: where the models already are; the decode loops' own tensors are made there too.
+    ``device``: where the models already are; the decode loops' own tensors are made there too. ``repeats``: timed
+    passes over the prompts (``_timed_passes``); ``watch``: the machine's load around them (default
+    ``machine_load.watch``).
     """
     import torch
 
@@ -194,10 +210,57 @@ def evaluate_drafter(
     device = torch.device("cpu") if device is None else device
     sampler = Sampler(temperature, top_p, torch.Generator(device).manual_seed(seed))
     with torch.device(device):  # the loops build their small tensors (ids, positions, masks) without naming a device
-        return _evaluate(target, drafter, prompts, gamma, max_new_tokens, eos_id, sampler, tree, temperature, top_p)
+        return _evaluate(target, drafter, prompts, gamma, max_new_tokens, eos_id, sampler, tree, temperature, top_p,
+                         repeats, watch or machine_load.watch)
 
 
-def _evaluate(target, drafter, prompts, gamma, max_new_tokens, eos_id, sampler, tree, temperature, top_p) -> dict:
+def _timed_passes(target, drafter, prompts, max_new_tokens, eos_id, sampler, decode, repeats: int):
+    """``repeats`` passes over ``prompts``, each prompt decoded by the target alone and speculatively, the two
+    interleaved and their order alternating by prompt and by pass (a load that comes or goes lands on both alike).
+    Returns the first pass's outputs (the target's references and the speculative results: tau and the lossless
+    check are computed once), every pass's speeds, [(speculative tokens/s, target-alone tokens/s)], and the first
+    pass's count of draft forwards."""
+    import torch
+
+    from treadle.speculative.decode import target_generate
+
+    references, results, speeds = [], [], []
+    forwards = _ForwardCounter(drafter)  # the first pass's draft forwards
+    for r in range(repeats):
+        totals = {"target": [0, 0.0], "spec": [0, 0.0]}  # tokens, seconds
+        for index, prompt in enumerate(prompts):
+            prompt_ids = torch.tensor([prompt])
+            for phase in ("target", "spec") if (index + r) % 2 == 0 else ("spec", "target"):
+                if phase == "target":
+                    tokens, seconds = target_generate(target, prompt_ids, max_new_tokens, eos_id, sampler)
+                    if r == 0:
+                        references.append(tokens)
+                else:
+                    result = decode(prompt_ids, max_new_tokens)
+                    tokens, seconds = result.tokens, result.seconds
+                    if r == 0:
+                        results.append(result)
+                totals[phase][0] += len(tokens)
+                totals[phase][1] += seconds
+        if r == 0:
+            forwards.remove()
+        speeds.append(tuple(n / s for n, s in (totals["spec"], totals["target"])))
+    return references, results, speeds, forwards
+
+
+def speed_figures(speeds: list[tuple[float, float]]) -> dict:
+    """The result's speed keys from every pass's (speculative, target-alone) tokens/s: the median pass's (by its
+    speedup; the lower middle one of an even count), so speedup = tokens_per_s_spec / tokens_per_s_target holds, and
+    the spread of the per-pass speedups."""
+    speedups = [spec / alone for spec, alone in speeds]
+    median = sorted(range(len(speeds)), key=speedups.__getitem__)[(len(speeds) - 1) // 2]
+    return {"tokens_per_s_spec": speeds[median][0], "tokens_per_s_target": speeds[median][1],
+            "speedup": speedups[median], "repeats": len(speeds), "speedup_min": min(speedups),
+            "speedup_max": max(speedups), "speedup_repeats": speedups}
+
+
+def _evaluate(target, drafter, prompts, gamma, max_new_tokens, eos_id, sampler, tree, temperature, top_p,
+              repeats, watch) -> dict:
     import torch
 
     from treadle.speculative.acceptance import lookup_tau
@@ -210,36 +273,29 @@ def _evaluate(target, drafter, prompts, gamma, max_new_tokens, eos_id, sampler, 
     # selection) that would otherwise land on whichever side is timed first.
     target_generate(target, torch.tensor([prompts[0]]), _WARMUP_TOKENS, eos_id, sampler)
     decode(torch.tensor([prompts[0]]), _WARMUP_TOKENS)
-    forwards = _ForwardCounter(drafter)
-    results, target_tokens, target_seconds, mismatches, texts = [], 0, 0.0, [], []
-    for index, prompt in enumerate(prompts):
-        prompt_ids = torch.tensor([prompt])
-        reference, seconds = target_generate(target, prompt_ids, max_new_tokens, eos_id, sampler)
-        target_tokens += len(reference)
-        target_seconds += seconds
-        texts.append(list(prompt) + list(reference))
-        result = decode(prompt_ids, max_new_tokens)
-        results.append(result)
+    watching = watch()
+    references, results, speeds, forwards = _timed_passes(target, drafter, prompts, max_new_tokens, eos_id, sampler,
+                                                          decode, repeats)
+    verdict = watching.verdict()
+    texts = [list(prompt) + list(reference) for prompt, reference in zip(prompts, references)]
+    mismatches = []
+    for index, (reference, result) in enumerate(zip(references, results)):
         position = first_mismatch(reference, result.tokens) if sampler.greedy else None
         if position is not None:
             mismatches.append({"prompt": index, "position": position})
-    forwards.remove()
-    spec_tokens = sum(len(r.tokens) for r in results)
-    spec_seconds = sum(r.seconds for r in results)
     summary = summarize(results, gamma)
     summary.update(
         drafter=drafter.name,
         num_prompts=len(prompts),
         max_new_tokens=max_new_tokens,
-        tokens_per_s_spec=spec_tokens / spec_seconds,
-        tokens_per_s_target=target_tokens / target_seconds,
+        **speed_figures(speeds),
+        load={"loaded": verdict.loaded, "why": verdict.why},
         lossless=not mismatches if sampler.greedy else None,
         mismatches=mismatches,
         temperature=temperature,
         top_p=top_p,
         tree=None if tree is None else list(tree) if isinstance(tree, tuple) else str(tree),
     )
-    summary["speedup"] = summary["tokens_per_s_spec"] / summary["tokens_per_s_target"]
     # Prompt lookup's tau on the target's own continuations: near gamma + 1 they loop, and any drafter's tau with them
     # (speculative/acceptance.py, the draft run's warning). None when no continuation is longer than gamma.
     summary["prompt_lookup_tau"] = lookup_tau(texts, [len(p) for p in prompts], gamma)
@@ -369,6 +425,30 @@ def _degenerate_warning(result: dict) -> str | None:
     return warning(result.get("prompt_lookup_tau"), result["gamma"], "tau", result["tau"], sampled)
 
 
+def _speed_rows(result: dict) -> list[tuple[str, str]]:
+    """The table's speed rows: the median pass's tokens/s and speedup, with the spread over the passes (a result
+    written before --repeats has no spread)."""
+    repeats = result.get("repeats", 1)
+    passes = "" if repeats == 1 else f" (the median of {repeats} interleaved passes)"
+    spread = "" if repeats == 1 else (f" (median of {repeats} passes; {result['speedup_min']:.2f}x to "
+                                      f"{result['speedup_max']:.2f}x)")
+    return [("speculative", f"{result['tokens_per_s_spec']:,.1f} tokens/s{passes}"),
+            ("target alone", f"{result['tokens_per_s_target']:,.1f} tokens/s"),
+            ("speedup", f"{result['speedup']:.2f}x{spread}")]
+
+
+def load_warning(result: dict) -> str | None:
+    """One line when the machine was loaded while the speeds were timed (None when it was not)."""
+    load = result.get("load") or {}
+    if not load.get("loaded"):
+        return None
+    spread = (f"speedup {result['speedup_min']:.2f}x to {result['speedup_max']:.2f}x over {result['repeats']} passes"
+              if result.get("repeats", 1) > 1 else f"speedup {result['speedup']:.2f}x")
+    return (f"treadle: spec-eval: the machine was loaded while it timed the decoding ({load['why']}): the tokens/s and "
+            f"the {spread} may be far off a quiet machine's; tau, acceptance and the lossless check do not depend "
+            "on it")
+
+
 def _print_report(result: dict, target_dir: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -401,9 +481,8 @@ def _print_report(result: dict, target_dir: Path) -> None:
 
         table.add_row("tau by position", ", ".join(
             f"{b * POSITION_BUCKET}+: {tau:.2f}" for b, tau in enumerate(by_position)) + " (generated tokens)")
-    table.add_row("speculative", f"{result['tokens_per_s_spec']:,.1f} tokens/s")
-    table.add_row("target alone", f"{result['tokens_per_s_target']:,.1f} tokens/s")
-    table.add_row("speedup", f"{result['speedup']:.2f}x")
+    for row, line in _speed_rows(result):
+        table.add_row(row, line)
     if result["lossless"] is None:
         table.add_row("lossless", f"not compared (sampled at temperature {result['temperature']}, top-p "
                                   f"{result['top_p']}: the output keeps the target's distribution, not its tokens)")
@@ -426,7 +505,7 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
               prompt_len: int = 64, max_new_tokens: int = 64, json_path: Path | None = None, threads: int = 0,
               tree: str | tuple[int, ...] | DynamicTree | None = None, temperature: float = 0.0, top_p: float = 1.0,
               seed: int = 0, device: str = "auto", dtype: str = "fp32", confidence_threshold: float = 0.0,
-              confidence_rule: str = "sglang", adapter: Path | None = None) -> dict:
+              confidence_rule: str = "sglang", adapter: Path | None = None, repeats: int = REPEATS) -> dict:
     """Speculative decoding of ``target`` with ``draft``: the result record (``--json`` writes it, with
     ``written_by``). The keywords are the command's flags; its defaults are theirs (a test compares them)."""
     json_path = Path(json_path) if json_path is not None else None
@@ -439,6 +518,8 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
     gamma = 4 if gamma is None else gamma
     _check_args(gamma, num_prompts, prompt_len, max_new_tokens, threads, json_path)
     check_dtype(dtype)
+    if repeats < 1:
+        raise UserError(f"--repeats {repeats}: must be >= 1 (timed passes over the prompts)")
     check_draft_spec(str(draft))
     import torch
 
@@ -474,7 +555,8 @@ def spec_eval(target: Path, draft: str, *, gamma: int | None = None, prompts: Pa
     cast_weights(models, dtype)
 
     result = evaluate_drafter(target_model, drafter, prompt_ids, gamma, max_new_tokens, tokenizer.eos_token_id,
-                              temperature=temperature, top_p=top_p, seed=seed, tree=branching, device=where)
+                              temperature=temperature, top_p=top_p, seed=seed, tree=branching, device=where,
+                              repeats=repeats)
     record = {"written_by": WRITTEN_BY, **result, "target": str(target_dir), "device": str(where), "dtype": dtype}
     if adapter is not None:
         record["adapter"] = str(adapter)
@@ -490,11 +572,11 @@ def run(args: argparse.Namespace) -> int:
                        threads=args.threads, tree=args.tree, temperature=args.temperature, top_p=args.top_p,
                        seed=args.seed, device=args.device, dtype=args.dtype,
                        confidence_threshold=args.confidence_threshold, confidence_rule=args.confidence_rule,
-                       adapter=args.adapter)
+                       adapter=args.adapter, repeats=args.repeats)
     _print_report(result, Path(result["target"]))
-    warning = _degenerate_warning(result)
-    if warning is not None:
-        print(warning, file=sys.stderr)
+    for warning in (load_warning(result), _degenerate_warning(result)):
+        if warning is not None:
+            print(warning, file=sys.stderr)
     for m in result["mismatches"]:
         print(f"treadle: not lossless: prompt {m['prompt']} differs from the target's greedy output "
               f"at generated token {m['position']}", file=sys.stderr)
