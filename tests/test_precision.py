@@ -256,6 +256,7 @@ def test_the_load_verdict_reads_the_load_average_steal_and_a_reference_kernel(tm
     assert judge(Readings(load=3.9, cpus=2)).loaded and judge(Readings(load=3.9, cpus=2)).why == "load 3.9 on 2 CPUs"
     quiet_verdict = judge(Readings(load=2.4, cpus=2, steal=0.02, reference_s=1.2, quiet_s=1.0))
     assert not quiet_verdict.loaded  # this process' own thread and 1.4 others' on 2 CPUs
+    assert judge(Readings(load=7.5, cpus=8)).loaded and not judge(Readings(load=7.5, cpus=8, own=8)).loaded  # 8 ranks
     assert quiet_verdict.why == ("load 2.4 on 2 CPUs, 2% of CPU time stolen by the hypervisor, a reference kernel "
                                  "1.2x slower than on this machine when quiet")
     stolen = judge(Readings(load=0.1, cpus=16, steal=0.3))

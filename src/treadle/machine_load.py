@@ -5,15 +5,16 @@ passes that agree were steady, not quiet (issue 48: the auto probe measured 4,30
 455 ms on the quiet machine, and cached the first). So what treadle keeps or compares across runs is timed inside a
 ``Watch``, which marks the machine loaded on any of three readings:
 
-- the 1-minute load average against the CPUs this process may use (``sched_getaffinity``), less one for this
-  process' own thread. A process pinned to a few CPUs of a larger host reads the host's load average: it may be
-  judged loaded when its own CPUs are free, which costs a measurement next time, never a wrong figure kept;
+- the 1-minute load average against the CPUs this process may use (``sched_getaffinity``), less one for each of
+  this job's processes on the machine (``LOCAL_WORLD_SIZE`` under a launcher, else this one). A process pinned to
+  a few CPUs of a larger host reads the host's load average: it may be judged loaded when its own CPUs are free,
+  which costs a measurement next time, never a wrong figure kept;
 - CPU steal (a hypervisor running other guests on these CPUs) in /proc/stat over the watched interval, where the
   kernel reports it;
 - a fixed reference kernel (a float32 matmul on torch's threads) timed before and after the measurement, against
   its quiet figure: the fastest it ran here on a verdict of quiet, kept in treadle's cache per machine and thread
-  count. It catches what the other two miss (a container that reads its host's load average, a load that began
-  within the last minute).
+  count. It catches what the other two miss: a neighbour in another container, whose tasks this one's load
+  average may not count, and a load that began within the last minute, which the average shows only slowly.
 
 A caller starts a ``Watch`` (``watch()``) before timing and takes its ``verdict()`` after. ``Given`` judges readings
 handed to it instead of the machine's: tests (and callers that measured them) get a verdict that does not depend on
@@ -26,18 +27,21 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 LOAD_PER_CPU = 0.75  # other runnable tasks per usable CPU above which the machine counts as loaded
-OWN_LOAD = 1.0  # what this process adds to the load average while it runs (its main thread)
 STEAL_SHARE = 0.10  # share of CPU time stolen over the interval above which the machine counts as loaded
 STEAL_MIN_TICKS = 50  # fewer clock ticks than this between two /proc/stat readings say nothing about steal
 REFERENCE_SLOWER = 1.5  # the reference kernel this many times slower than its quiet figure: loaded
-REFERENCE_SIZE = 256  # the reference matmul's side: ~1-5 ms per product on a 2-core CPU
+# The reference kernel: a pass long enough that a scheduler's time slice cannot miss it (a 0.7 ms pass of 256-wide
+# products ran as fast under a load of 6.6 on 2 CPUs as ever; 512-wide passes ran 4-20x slower), judged by its median
+# pass (the fastest of a few passes can still slip between other jobs' slices).
+REFERENCE_SIZE = 512  # the matmul's side: ~1.5 ms per product on one of our 2-core machines
 REFERENCE_PRODUCTS = 4  # products per timed pass
-REFERENCE_PASSES = 5  # timed passes; the fastest counts, as the probe's fastest pass does
+REFERENCE_PASSES = 5  # timed passes
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,9 @@ class Readings:
 
     load: float | None = None  # 1-minute load average
     cpus: int = 1  # CPUs this process may use
+    own: int = 1  # this job's processes on this machine (each adds about one to the load average while it runs)
     steal: float | None = None  # share of CPU time stolen over the watched interval
-    reference_s: float | None = None  # the reference kernel's slowest fastest pass (before / after)
+    reference_s: float | None = None  # the reference kernel's median pass, the slower of before and after
     quiet_s: float | None = None  # its quiet figure from the cache
 
 
@@ -65,7 +70,7 @@ def judge(r: Readings) -> Verdict:
     if r.load is not None:
         text = f"load {r.load:.1f} on {r.cpus} CPU{'s' * (r.cpus != 1)}"
         said.append(text)
-        if (r.load - OWN_LOAD) / r.cpus > LOAD_PER_CPU:
+        if (r.load - r.own) / r.cpus > LOAD_PER_CPU:
             loaded.append(text)
     if r.steal is not None:
         text = f"{r.steal:.0%} of CPU time stolen by the hypervisor"
@@ -87,6 +92,14 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
+
+
+def own_processes() -> int:
+    """This job's processes on this machine: a launcher's local ranks (all loading models alongside this one)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def load_average() -> float | None:
@@ -133,7 +146,7 @@ def machine() -> dict:
 
 
 def reference_seconds() -> float:
-    """The reference kernel's fastest pass: ``REFERENCE_PRODUCTS`` float32 matmuls on torch's threads, on the CPU
+    """The reference kernel's median pass: ``REFERENCE_PRODUCTS`` float32 matmuls on torch's threads, on the CPU
     (where the load this module reads competes)."""
     import torch
 
@@ -141,13 +154,13 @@ def reference_seconds() -> float:
     a = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, generator=gen)
     b = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, generator=gen)
     a @ b  # first-call paths
-    best = float("inf")
+    passes = []
     for _ in range(REFERENCE_PASSES):
         t0 = time.perf_counter()
         for _ in range(REFERENCE_PRODUCTS):
             a @ b
-        best = min(best, time.perf_counter() - t0)
-    return best
+        passes.append(time.perf_counter() - t0)
+    return statistics.median(passes)
 
 
 def quiet_path() -> Path:
@@ -176,11 +189,12 @@ class Watch:
     def verdict(self) -> Verdict:
         self.reference.append(reference_seconds())
         quiet = _read_quiet(self.path)
-        readings = Readings(load_average(), usable_cpus(), steal_share(self.ticks, cpu_ticks()),
+        readings = Readings(load_average(), usable_cpus(), own_processes(), steal_share(self.ticks, cpu_ticks()),
                             max(self.reference), quiet)
         verdict = judge(readings)
         fastest = min(self.reference)
         if not verdict.loaded and (quiet is None or fastest < quiet):  # the quiet figure: the fastest seen quiet
+            # (a figure first recorded under a load nothing else showed comes down on the next quiet run)
             try:
                 from treadle.fsutil import write_atomic
 
