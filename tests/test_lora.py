@@ -298,6 +298,12 @@ def test_an_sft_run_trains_adapters_and_modules_to_save(shards, tmp_path, monkey
     assert main(["export", str(out), str(tmp_path / "m"), "--merge", "--base-name", "my-org/base"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--base-name" in err and "--merge" in err and len(err.splitlines()) == 1 and not (tmp_path / "m").exists()
+    from treadle.checkpoint.compat import _architecture
+
+    # a resume may rename the base (lora.base_name), as it may change the dropout; not the rank
+    lora = {"rank": 4, "alpha": 8.0}
+    assert _architecture({"lora": lora}) == _architecture({"lora": {**lora, "base_name": "my-org/base"}})
+    assert _architecture({"lora": lora}) != _architecture({"lora": {**lora, "rank": 8}})
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["modules_to_save"] == ["lm_head"]
     tensors = load_file(out / "adapter" / "adapter_model.safetensors")
