@@ -293,7 +293,8 @@ def test_an_sft_run_trains_adapters_and_modules_to_save(shards, tmp_path, monkey
                        load_file(base / "model.safetensors")["model.embed_tokens.weight"])
     monkeypatch.chdir(tmp_path)  # treadle export rebuilds the base from the run's model.path, relative to here
     assert main(["export", str(out), str(tmp_path / "hub"), "--base-name", "my-org/base"]) == 0
-    assert json.loads((tmp_path / "hub" / "adapter_config.json").read_text())["base_model_name_or_path"] == "my-org/base"
+    hub = json.loads((tmp_path / "hub" / "adapter_config.json").read_text())
+    assert hub["base_model_name_or_path"] == "my-org/base"
     capsys.readouterr()
     assert main(["export", str(out), str(tmp_path / "m"), "--merge", "--base-name", "my-org/base"]) == 2
     err = capsys.readouterr().err.strip()
