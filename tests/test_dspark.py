@@ -241,6 +241,95 @@ def test_the_export_is_what_vllm_and_sglang_load(tmp_path):
     assert all(torch.equal(again.state_dict()[k], v) for k, v in weights.items())
 
 
+# DeepSpec's Qwen3DSparkModel (deepseek-ai/DeepSpec @afdfa7c, deepspec/modeling/dspark/qwen3/modeling.py), the
+# class its evaluator loads a draft with (``from_pretrained``). DeepSpec is not on PyPI, so its constructor is stated
+# here as read there: the config fields it asserts, then its modules under their names and shapes. Its attention's
+# parameters are transformers' Qwen3Attention's (q/k/v/o_proj, q_norm, k_norm), and it builds Qwen3MLP, Qwen3RMSNorm
+# and Qwen3RotaryEmbedding itself; its Markov head is markov_head.markov_w1 (Embedding vocab x rank) and markov_w2
+# (Linear rank -> vocab, no bias, the vanilla type), its confidence head confidence_head.proj (Linear hidden + rank
+# -> 1 with bias, when it reads the Markov embedding).
+DEEPSPEC_REQUIRED = ("target_layer_ids", "mask_token_id", "num_anchors", "enable_confidence_head", "markov_rank")
+
+
+def _deepspec_model_class():
+    from torch import nn
+    from transformers.models.qwen3.modeling_qwen3 import (Qwen3Attention, Qwen3MLP, Qwen3PreTrainedModel,
+                                                          Qwen3RMSNorm, Qwen3RotaryEmbedding)
+
+    class Layer(nn.Module):
+        def __init__(self, config, index):
+            super().__init__()
+            self.self_attn = Qwen3Attention(config, index)
+            self.mlp = Qwen3MLP(config)
+            self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    class DeepSpecQwen3DSparkModel(Qwen3PreTrainedModel):
+        def __init__(self, config):
+            super().__init__(config)
+            for field in DEEPSPEC_REQUIRED:
+                assert hasattr(config, field), f"config.{field} must be provided."
+            if int(config.markov_rank) > 0:
+                assert hasattr(config, "markov_head_type"), "markov_head_type when markov_rank > 0"
+            if bool(config.enable_confidence_head):
+                assert hasattr(config, "confidence_head_with_markov"), "confidence_head_with_markov when enabled"
+            d, vocab, rank = config.hidden_size, config.vocab_size, int(config.markov_rank)
+            self.target_layer_ids = config.target_layer_ids
+            self.embed_tokens = nn.Embedding(vocab, d, padding_idx=getattr(config, "pad_token_id", None))
+            self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_hidden_layers))
+            self.norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+            self.rotary_emb = Qwen3RotaryEmbedding(config)
+            self.fc = nn.Linear(len(self.target_layer_ids) * d, d, bias=False)
+            self.hidden_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+            self.block_size, self.num_anchors = int(config.block_size), int(config.num_anchors)
+            assert str(config.markov_head_type).lower() == "vanilla"  # the gated and rnn heads have other tensors
+            self.markov_head = nn.Module()
+            self.markov_head.markov_w1 = nn.Embedding(vocab, rank)
+            self.markov_head.markov_w2 = nn.Linear(rank, vocab, bias=False)
+            with_markov = bool(config.confidence_head_with_markov)
+            self.confidence_head = nn.Module()
+            self.confidence_head.proj = nn.Linear(d + (rank if with_markov else 0), 1)
+            self.post_init()
+
+    return DeepSpecQwen3DSparkModel
+
+
+def test_deepspecs_own_model_class_loads_the_export(tmp_path):
+    """DeepSpec's Qwen3DSparkModel.from_pretrained on treadle's export: every field its constructor asserts is there
+    (num_anchors was not: "config.num_anchors must be provided"), every tensor lands on one of its parameters with
+    the same values and shape, and the only ones missing are the embedding and head it copies from the target;
+    its target_layer_ids index output_hidden_states at id + 1 (extract_context_feature), never the final layer."""
+    from treadle.drafts.dspark.kind import DSPARK
+
+    model = dspark()
+    draft = model.draft_model
+    weights = {k: v.detach() for k, v in draft.state_dict().items()}
+    training = {"training": {"draft": {"anchors": None}, "data": {"seq_len": 32}}}
+    tensors, config = DSPARK.export(draft, weights, model.target.config, torch.float32, "fp32", training)
+    assert config["num_anchors"] == 32 // 5  # the run's default: data.seq_len // block_size
+    save_dir = tmp_path / "exported"
+    save_dir.mkdir()
+    save_file(tensors, str(save_dir / "model.safetensors"))
+    cls = _deepspec_model_class()
+    (save_dir / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "num_anchors"}))
+    with pytest.raises(AssertionError, match="config.num_anchors must be provided"):
+        cls.from_pretrained(save_dir)
+    (save_dir / "config.json").write_text(json.dumps(config))
+    loaded, info = cls.from_pretrained(save_dir, output_loading_info=True)
+    assert sorted(info["missing_keys"]) == ["embed_tokens.weight", "lm_head.weight"]
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    state = loaded.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in tensors.items())
+    assert loaded.block_size == 5 and loaded.num_anchors == 6 and loaded.config.mask_token_id == 511
+    ids = list(loaded.target_layer_ids)
+    assert [i + 1 for i in ids] == list(draft.feature_layers) and model.target.config.num_hidden_layers - 1 not in ids
+    _, anchors = DSPARK.export(draft, weights, model.target.config, torch.float32, "fp32",
+                               {"training": {"draft": {"anchors": 3}, "data": {"seq_len": 32}}})
+    assert anchors["num_anchors"] == 3 and DSPARK.export(draft, weights, model.target.config, torch.float32, "fp32",
+                                                         {})[1]["num_anchors"] > 0
+
+
 def test_draft_init_imports_deepspec_and_speculators_drafts_and_refuses_the_others(tmp_path):
     """A DeepSpec checkpoint (top-level target_layer_ids, shipped copies of the target's embedding and head, no
     dflash_config) and a speculators-format one (fields nested in transformer_layer_config, layers named

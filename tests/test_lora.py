@@ -7,6 +7,7 @@ import json
 import math
 import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -107,6 +108,26 @@ def test_every_family_adapts_its_linears_starts_as_the_base_trains_only_adapters
     merged = merged_model(adapters)  # W + alpha/r B A, PEFT's layers gone
     assert not any("lora" in n for n, _ in merged.named_parameters())
     assert torch.allclose(_logits(merged, batch), adapted, rtol=1e-9, atol=1e-11)
+
+
+def test_all_linear_on_a_dspark_draft_leaves_its_heads_out():
+    """A DSpark draft's confidence head (1 output) and Markov head (markov_w2) get no adapters from all-linear; its
+    backbone's linears (fc, attention, MLP) do; named explicitly, a head is adapted."""
+    from transformers import LlamaConfig
+
+    from tests.helpers import TARGET
+    from treadle.drafts.dspark.model import DSparkDraft
+
+    draft = DSparkDraft(LlamaConfig(**TARGET), (1,), 1, 3, 3, 4)
+    names = decoder_linear_names(draft)
+    assert "confidence" not in names and "markov_w2" not in names
+    assert {"fc", "q_proj", "o_proj", "down_proj"} <= set(names)
+    adapters = apply_lora(draft, LoraConfig(rank=2), {"fingerprint": "x"})
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in adapters.model.named_parameters() if ".lora_" in n}
+    assert adapted == set(names)
+    other = DSparkDraft(LlamaConfig(**TARGET), (1,), 1, 3, 3, 4)
+    apply_lora(other, LoraConfig(rank=2, target_modules=["confidence"]), {"fingerprint": "x"})
+    assert hasattr(other.confidence, "lora_A")
 
 
 def test_unknown_target_modules_and_a_rank_of_zero_are_one_line_each():
@@ -248,14 +269,42 @@ def test_refusals_name_the_cause(shards, tmp_path, capsys, monkeypatch):
     assert "without LoRA adapters to merge" in capsys.readouterr().err
 
 
-def test_an_sft_run_trains_adapters_and_modules_to_save(shards, tmp_path):
+def test_an_sft_run_trains_adapters_and_modules_to_save(shards, tmp_path, monkeypatch, capsys):
+    """... and its adapter, trained on a base named by a relative path, records the base's absolute path: PEFT's
+    AutoPeftModelForCausalLM loads it from another directory; ``treadle export --base-name`` records a hub id."""
+    from peft import AutoPeftModelForCausalLM
+
     base = tmp_path / "base"
     build_family("llama", base, shards / "tok")
     pairs = write_pairs(tmp_path / "pairs.jsonl")
     out = tmp_path / "sft"
-    argv = [a for a in _run_args(shards, base, out, "--train.max_steps=2", "--lora.modules_to_save=[\"lm_head\"]",
+    argv = [a for a in _run_args(shards, "base", out, "--train.max_steps=2", "--lora.modules_to_save=[\"lm_head\"]",
                                  "--lora.target_modules=[\"q_proj\",\"v_proj\"]") if not a.startswith("--data.train=")]
+    monkeypatch.chdir(tmp_path)  # --model.path=base: relative to the run's directory
     assert main(argv + [f"--data.train={pairs}"]) == 0
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with warnings.catch_warnings():  # PEFT reads transformers' deprecated is_gradient_checkpointing (5.23+)
+        warnings.simplefilter("ignore", FutureWarning)
+        auto = AutoPeftModelForCausalLM.from_pretrained(out / "adapter")
+    assert torch.equal(auto.base_model.model.model.embed_tokens.weight,
+                       load_file(base / "model.safetensors")["model.embed_tokens.weight"])
+    monkeypatch.chdir(tmp_path)  # treadle export rebuilds the base from the run's model.path, relative to here
+    assert main(["export", str(out), str(tmp_path / "hub"), "--base-name", "my-org/base"]) == 0
+    hub = json.loads((tmp_path / "hub" / "adapter_config.json").read_text())
+    assert hub["base_model_name_or_path"] == "my-org/base"
+    capsys.readouterr()
+    assert main(["export", str(out), str(tmp_path / "m"), "--merge", "--base-name", "my-org/base"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--base-name" in err and "--merge" in err and len(err.splitlines()) == 1 and not (tmp_path / "m").exists()
+    from treadle.checkpoint.compat import _architecture
+
+    # a resume may rename the base (lora.base_name), as it may change the dropout; not the rank
+    lora = {"rank": 4, "alpha": 8.0}
+    assert _architecture({"lora": lora}) == _architecture({"lora": {**lora, "base_name": "my-org/base"}})
+    assert _architecture({"lora": lora}) != _architecture({"lora": {**lora, "rank": 8}})
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["modules_to_save"] == ["lm_head"]
     tensors = load_file(out / "adapter" / "adapter_model.safetensors")

@@ -57,7 +57,9 @@ def test_an_adapted_draft_starts_as_its_base_checkpoints_adapters_only_and_spec_
     adapter = run / "adapter"
     assert not (run / "draft").exists() and (adapter / "adapter_config.json").is_file()
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert "lm_head" not in config["target_modules"] and config["r"] == 4
+    # all-linear leaves the output heads out: the LM head, and DSpark's 1-output confidence head and Markov head
+    assert not {"lm_head", "confidence", "markov_w2"} & set(config["target_modules"]) and config["r"] == 4
+    assert {"q_proj", "down_proj"} <= set(config["target_modules"])
     assert json.loads((adapter / "treadle_adapter.json").read_text())["base"]["fingerprint"] == meta["base_fingerprint"]
     tensors = load_file(adapter / "adapter_model.safetensors")
     assert any("lora_B" in k and t.abs().sum() > 0 for k, t in tensors.items())  # trained: B moved off zero

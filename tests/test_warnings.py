@@ -75,3 +75,27 @@ def test_the_cache_goes_by_the_keyword_the_model_names():
     with no_warnings():
         model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **cache_kwargs(model, cache))
     assert cache.get_seq_length() == 3
+
+
+def test_a_lora_run_imports_no_bitsandbytes_and_its_stderr_is_clean(shards, tmp_path):
+    """A LoRA run without 4-bit weights, in a fresh interpreter (an import warns once per process): bitsandbytes is
+    never imported (PEFT imports it whenever installed; bitsandbytes 0.50 then warns on an AVX512-BF16 CPU that the
+    optional `kernels` package is missing), and stderr holds neither that line nor transformers' FutureWarning
+    about is_gradient_checkpointing (which PEFT reads)."""
+    import subprocess
+    import sys
+
+    from tests.families import build_family
+    from tests.helpers import args
+
+    base = tmp_path / "base"
+    build_family("llama", base, shards / "tok")
+    argv = args(shards, tmp_path / "run", f"--model.path={base}", "--lora.rank=4", "--train.max_steps=2",
+                "--model.activation_checkpointing=full")
+    code = ("import sys; from treadle.cli import main; rc = main(sys.argv[1:]); "
+            "print('bitsandbytes imported:', sys.modules.get('bitsandbytes') is not None); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bitsandbytes imported: False" in proc.stdout
+    for line in ("gemm_4bit_forward", "kernels", "is_gradient_checkpointing", "FutureWarning"):
+        assert line not in proc.stderr, proc.stderr[-3000:]

@@ -154,7 +154,8 @@ def _print_summary(s) -> None:
 def _export(args: argparse.Namespace) -> int:
     from treadle.checkpoint.export import export_checkpoint
 
-    out = export_checkpoint(Path(args.source), Path(args.out), dtype=args.dtype, to=args.to, merge=args.merge)
+    out = export_checkpoint(Path(args.source), Path(args.out), dtype=args.dtype, to=args.to, merge=args.merge,
+                            base_name=args.base_name)
     print(f"exported {args.source} -> {out}")
     return 0
 
@@ -261,6 +262,9 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
     export.add_argument("--merge", action="store_true",
                         help="a LoRA run: the base with the adapters merged in, as a Hugging Face model directory "
                              "(default: the PEFT adapter directory alone)")
+    export.add_argument("--base-name", metavar="NAME",
+                        help="a LoRA adapter: the base it records (adapter_config.json base_model_name_or_path), e.g. "
+                             "a hub id (default: the run's lora.base_name, else the base's absolute path)")
     export.set_defaults(func=_no_extra("export", _export))
 
     for name, help in _MODULE_COMMANDS.items():

@@ -31,8 +31,10 @@ def _architecture(config: dict) -> dict[str, Any]:
     model = {k: v for k, v in flatten(config.get("model", {}), "model.").items() if k not in _HARMLESS_MODEL_KEYS}
     draft = {k: v for k, v in flatten(config.get("draft", {}), "draft.").items() if k in _DRAFT_ARCH_KEYS}
     draft = _DRAFT_ARCH_DEFAULTS | draft
-    # [lora] (older checkpoints have none: no adapters); the adapters' dropout is a training choice
-    lora = {k: v for k, v in flatten(config.get("lora", {}), "lora.").items() if k != "lora.dropout"}
+    # [lora] (older checkpoints have none: no adapters); the adapters' dropout is a training choice, base_name how
+    # the export names the base
+    lora = {k: v for k, v in flatten(config.get("lora", {}), "lora.").items()
+            if k not in ("lora.dropout", "lora.base_name")}
     return model | draft | (lora if lora.get("lora.rank") is not None else {})
 
 

@@ -155,11 +155,14 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
 
 
 def export_adapter(adapters, state_dict: dict, out: Path, step: int | None = None, command: str = "train",
-                   dtype: str = "fp32") -> Path:
+                   dtype: str = "fp32", base_name: str | None = None) -> Path:
     """A LoRA run's adapters as a PEFT adapter directory: ``adapter_config.json`` (PEFT's LoraConfig, inference
     mode) and ``adapter_model.safetensors`` (PEFT's names), which ``PeftModel.from_pretrained`` and vLLM's
     ``--enable-lora`` load; ``treadle_adapter.json`` beside them names the base it was trained on.
-    ``state_dict``: the trained model's full weights, as an engine exports them (the adapters are picked out)."""
+    ``state_dict``: the trained model's full weights, as an engine exports them (the adapters are picked out).
+    ``base_name`` (lora.base_name, ``--base-name``): what ``base_model_name_or_path`` says, e.g. a hub id; unset, a
+    local base is named by its absolute path (PEFT records the path the base was loaded from, relative when the run's
+    was: AutoPeftModelForCausalLM would look for it under whatever directory it runs in)."""
     import copy
 
     from safetensors.torch import save_file
@@ -172,6 +175,7 @@ def export_adapter(adapters, state_dict: dict, out: Path, step: int | None = Non
         raise UserError(f"{out}: the model holds no LoRA tensors to export (no adapters were trained)")
     config = copy.deepcopy(adapters.peft_config)
     config.inference_mode = True  # as PEFT's own save_pretrained writes it
+    config.base_model_name_or_path = base_name or absolute_base(config.base_model_name_or_path)
     out = Path(out)
     with atomic_directory(out, command) as tmp:
         tmp.mkdir()
@@ -181,13 +185,23 @@ def export_adapter(adapters, state_dict: dict, out: Path, step: int | None = Non
     return out
 
 
-def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "auto", merge: bool = False) -> Path:
+def absolute_base(name: str | None) -> str | None:
+    """A base named by a local path, as an absolute path (resolved against the current directory, the one it was
+    loaded from); anything else (a hub id, None) unchanged."""
+    if name and Path(name).exists():
+        return str(Path(name).resolve())
+    return name
+
+
+def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "auto", merge: bool = False,
+                      base_name: str | None = None) -> Path:
     """``treadle export``: rebuild what a checkpoint was trained as, load its weights, export.
 
     ``to="hf"`` for a model run; ``to="draft"`` for a draft run (the draft alone, as at the end of the run);
     ``"auto"``: whichever the checkpoint's config says it is. A LoRA run (``[lora]``): its adapter directory, or
     with ``merge`` the base with the adapters merged in, as a Hugging Face model (a draft LoRA run: the base draft
-    of draft.init with them merged in, as a draft in its kind's layout, which engines serve today).
+    of draft.init with them merged in, as a draft in its kind's layout, which engines serve today). ``base_name``:
+    the adapter's recorded base (``--base-name``; else the run's lora.base_name, else the base's absolute path).
     """
     from treadle.checkpoint.discovery import checkpoint_at
     from treadle.checkpoint.validate import checkpoint_format, run_state
@@ -208,6 +222,10 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     if merge and cfg.lora.rank is None:
         raise UserError(f"treadle export --merge: checkpoint {ckpt} is a full run, without LoRA adapters to merge; "
                         "accepted: a checkpoint of a run with lora.rank set, or no --merge")
+    if base_name is not None and (merge or cfg.lora.rank is None):
+        what = "--merge writes the whole model" if merge else f"checkpoint {ckpt} is a full run, without adapters"
+        raise UserError(f"treadle export --base-name names the base an adapter export records, but {what}; "
+                        "accepted: --base-name on a LoRA run's checkpoint without --merge")
     train_state = run_state(ckpt)
     meta = train_state["meta"]
     adapters = None
@@ -256,7 +274,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()}, strict=all(p.requires_grad for p in params.values()))
     if adapters is not None and not merge:
         return export_adapter(adapters, model.state_dict(), out, step=train_state["train"]["step"], command="export",
-                              dtype=dtype)
+                              dtype=dtype, base_name=base_name or cfg.lora.base_name)
     if adapters is not None:
         from treadle.models.lora import merged_model
 

@@ -328,6 +328,9 @@ class LoraConfig(Section):
     quantize: Literal["none", "4bit"] = Field(
         "none", description="4bit = QLoRA: the frozen base held in NF4 by bitsandbytes (installed separately), the "
         "adapters in fp32; engine local")
+    base_name: str | None = Field(
+        None, description="the base's name the adapter export records (adapter_config.json base_model_name_or_path, "
+        "which AutoPeftModelForCausalLM loads), e.g. a hub id; unset = the base's absolute path")
 
     @field_validator("target_modules")
     @classmethod

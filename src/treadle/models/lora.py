@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +35,9 @@ IDENTITY_FILE = "treadle_adapter.json"  # beside adapter_config.json: the base a
 # Module classes PEFT's LoRA adapts or trains in full (what a name in target_modules / modules_to_save may be).
 _ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)
 
-# PEFT imports bitsandbytes when it is installed, and bitsandbytes 0.50 on an AVX512-BF16 CPU then looks for the
-# optional `kernels` package and warns on every start without it. treadle never runs that kernel (quantize_base turns
-# the AVX512-BF16 path off), so the line tells a user nothing to act on.
+# bitsandbytes 0.50 on an AVX512-BF16 CPU looks for the optional `kernels` package when it is imported and warns
+# without it. A run without 4-bit weights never imports it (quiet_peft); a QLoRA run does, and never runs that kernel
+# (quantize_base turns the AVX512-BF16 path off), so the line tells its user nothing to act on.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
@@ -124,12 +125,15 @@ def is_hf_model(model: nn.Module) -> bool:
 def decoder_linear_names(model: nn.Module) -> list[str]:
     """``all-linear``: the names of every nn.Linear inside the decoder layers (never the LM head, as PEFT's own
     all-linear leaves the output layer out). A draft's module (not a Hugging Face model): every nn.Linear but its
-    ``lm_head``, what vLLM RFC #52038 adapts (all drafter layers but lm_head and embed_tokens)."""
+    ``lm_head`` and the other output heads it lists in ``lora_heads`` (DSpark's 1-output confidence head and its
+    Markov head), what vLLM RFC #52038 adapts (all drafter layers but lm_head and embed_tokens); a head named in
+    lora.target_modules still gets adapters."""
     from treadle.models.hf import decoder_layers
 
     if not is_hf_model(model):
+        heads = {"lm_head", *getattr(model, "lora_heads", ())}
         return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                       if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"})
+                       if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] not in heads})
     return sorted({name.rsplit(".", 1)[-1] for name, m in decoder_layers(model).named_modules()
                    if isinstance(m, nn.Linear)})
 
@@ -216,14 +220,34 @@ def quantized_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 
 @contextlib.contextmanager
 def quiet_peft() -> Iterator[None]:
-    """Around PEFT's calls (main thread: catch_warnings swaps the process's filters), the warnings that are PEFT's
-    business, not the user's."""
-    with warnings.catch_warnings():  # PEFT asks transformers' deprecated is_gradient_checkpointing (5.23+)
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        # PEFT's own rewrite of an MoE's expert names (DeepSeek-V3) leaves patterns for a layout the model lacks
-        warnings.filterwarnings("ignore", message=".*_pattern keys did not match any targeted module.*",
-                                category=RuntimeWarning)
-        yield
+    """Around PEFT's imports and calls (main thread: catch_warnings swaps the process's filters).
+
+    bitsandbytes stays unimported unless something imported it before (QLoRA's quantize_base, or the user): PEFT
+    imports it whenever it is installed (peft/helpers.py, and LoRA's layer dispatchers on every injection), which
+    costs a run without 4-bit weights its import time and, on an AVX512-BF16 CPU, its warning about the optional
+    `kernels` package. A ``None`` in ``sys.modules`` is Python's "not installed": ``import`` raises ImportError and
+    ``find_spec`` (PEFT's is_bnb_available) answers None. PEFT caches is_bnb_4bit_available: cleared on the way out, so
+    a later QLoRA run in the same process sees bitsandbytes again.
+
+    The warnings filtered are PEFT's business, not the user's: PEFT 0.21 itself reads transformers' deprecated
+    ``is_gradient_checkpointing`` (5.23+; peft_model.py, PeftModel.__init__), which treadle never calls (it enables
+    checkpointing through ``activation_checkpointing_enable``, models/checkpointing.py)."""
+    hide = "bitsandbytes" not in sys.modules
+    if hide:
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            # PEFT's own rewrite of an MoE's expert names (DeepSeek-V3) leaves patterns for a layout the model lacks
+            warnings.filterwarnings("ignore", message=".*_pattern keys did not match any targeted module.*",
+                                    category=RuntimeWarning)
+            yield
+    finally:
+        if hide and "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
+            del sys.modules["bitsandbytes"]
+            cached = getattr(sys.modules.get("peft.import_utils"), "is_bnb_4bit_available", None)
+            if cached is not None and hasattr(cached, "cache_clear"):
+                cached.cache_clear()
 
 
 def apply_lora(model: nn.Module, lora, identity: dict, prefix: str = "") -> Adapters:
@@ -231,16 +255,16 @@ def apply_lora(model: nn.Module, lora, identity: dict, prefix: str = "") -> Adap
     every base parameter frozen. PEFT's default init: A Kaiming-uniform, B zero, so the adapted model starts as the
     base. ``model``: a Hugging Face model, or a draft's module (``prefix`` "draft_model.": where it sits in the run's
     model), which PEFT adapts as a custom model (no task type)."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
     if lora.rank is None or lora.rank < 1:
         raise UserError(f"lora.rank = {lora.rank!r}; accepted: an integer >= 1")
     targets, to_save = resolve_targets(model, lora)
-    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                            modules_to_save=to_save or None, bias="none",
-                            task_type="CAUSAL_LM" if is_hf_model(model) else None)
     with quiet_peft():
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                target_modules=targets, modules_to_save=to_save or None, bias="none",
+                                task_type="CAUSAL_LM" if is_hf_model(model) else None)
         peft = get_peft_model(model, config, adapter_name=ADAPTER)
     return Adapters(peft, identity, prefix)
 
@@ -249,12 +273,13 @@ def adapter_state(adapters: Adapters, state_dict: dict[str, torch.Tensor]) -> di
     """The adapter's tensors under the names an adapter file uses (PEFT's: ``base_model.model.<module>.lora_A.weight``,
     no adapter name), picked from ``state_dict``: the trained model's full weights as an engine exports them (the
     Hugging Face model's own names; a draft run's: its DraftRunModel's, the draft's under ``adapters.prefix``)."""
-    from peft import get_peft_model_state_dict
-
     p = adapters.prefix
     named = {PEFT_PREFIX + k[len(p):]: v for k, v in state_dict.items() if k.startswith(p)}
-    return get_peft_model_state_dict(adapters.peft, state_dict=named, adapter_name=ADAPTER,
-                                     save_embedding_layers=False)
+    with quiet_peft():
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(adapters.peft, state_dict=named, adapter_name=ADAPTER,
+                                         save_embedding_layers=False)
 
 
 def merged_model(adapters: Adapters) -> nn.Module:
@@ -292,8 +317,6 @@ def check_same_base(recorded: dict | None, identity: dict, what: str) -> None:
 def load_adapter(base: nn.Module, adapter_dir: Path, identity: dict | None = None):
     """A ``PeftModel``: ``base`` with the adapter of ``adapter_dir`` (a treadle export or any PEFT LoRA directory)
     loaded; with ``identity`` (the base's, ``base_identity``), an adapter trained on another base is refused."""
-    from peft import PeftModel
-
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter_config.json").is_file():
         raise UserError(f"adapter {adapter_dir} has no adapter_config.json; accepted: a PEFT adapter directory "
@@ -301,4 +324,6 @@ def load_adapter(base: nn.Module, adapter_dir: Path, identity: dict | None = Non
     if identity is not None:
         check_same_base(read_identity(adapter_dir), identity, f"adapter {adapter_dir}")
     with quiet_peft():
+        from peft import PeftModel
+
         return PeftModel.from_pretrained(base, adapter_dir)

@@ -261,13 +261,14 @@ class AdapterExportCallback(ExportCallback):
     """At the end of a LoRA run, a PEFT adapter directory (``PeftModel.from_pretrained`` and vLLM's LoRA loader read
     it); ``treadle export --merge`` writes the merged model instead."""
 
-    def __init__(self, out_dir, adapters):
+    def __init__(self, out_dir, adapters, base_name: str | None = None):
         super().__init__(out_dir, None)
         self.adapters = adapters
+        self.base_name = base_name  # lora.base_name
 
     def on_train_end(self, trainer: Trainer) -> None:
         from treadle.checkpoint.export import export_adapter
 
         state = trainer.engine.export_state_dict()  # a collective on sharded engines: every rank calls it
         if trainer.engine.rank == 0:
-            export_adapter(self.adapters, state, self.out_dir, step=trainer.state.step)
+            export_adapter(self.adapters, state, self.out_dir, step=trainer.state.step, base_name=self.base_name)

@@ -231,7 +231,7 @@ def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     if adapters is None:
         export = ExportCallback(Path(cfg.train.output_dir) / "hf", data.tokenizer_dir, meta.get("chat_template"))
     else:
-        export = AdapterExportCallback(Path(cfg.train.output_dir) / "adapter", adapters)
+        export = AdapterExportCallback(Path(cfg.train.output_dir) / "adapter", adapters, cfg.lora.base_name)
     objective = router_objective(model, cfg.model)
     notes = Notes(always=[vocabulary, describe_adapters(adapters)], fresh=[from_scratch_line(cfg.model)])
     if objective is None:
@@ -264,7 +264,7 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     check_token_ids(prompts, model.target.config.vocab_size, lambda: f"the draft's eval prompts ({(val_ds or train_ds).where})")
     out = Path(cfg.train.output_dir) / "draft"
     export = (DraftExportCallback(out, target_dir, identity, cfg.draft) if adapters is None
-              else AdapterExportCallback(Path(cfg.train.output_dir) / "adapter", adapters))
+              else AdapterExportCallback(Path(cfg.train.output_dir) / "adapter", adapters, cfg.lora.base_name))
     # tau_sim needs the target's greedy texts and its reads on them: the live target's, or a treadle store's.
     acceptance = [AcceptanceCallback(cfg.draft, prompts, cfg.train.eval_every, cfg.train.eval_at_start)]
     return ModelSetup(model, model.target.config.vocab_size, objective, objective.evaluate,

@@ -9,8 +9,11 @@ Consumers, read for this file (their loaders are what the contract tests in test
 - SGLang ``python/sglang/srt/models/dspark.py`` and ``speculative/dspark_components/dspark_config.py`` @01f47623
   (``dflash_config`` for layer ids and block size, ``markov_rank`` > 0, ``markov_head_type``,
   ``confidence_head_with_markov``, ``mask_token_id``; ``speculators_model_type = "dspark"`` refused);
-- DeepSpec ``deepspec/modeling/dspark/qwen3/{config,modeling}.py`` @afdfa7c (top-level ``target_layer_ids``,
-  ``mask_token_id``, ``block_size``, ``markov_rank``, ``enable_confidence_head``).
+- DeepSpec ``deepspec/modeling/dspark/qwen3/{config,modeling}.py`` @afdfa7c (``Qwen3DSparkModel.__init__`` asserts
+  top-level ``target_layer_ids``, ``mask_token_id``, ``num_anchors``, ``enable_confidence_head``, ``markov_rank``, then
+  ``markov_head_type`` (rank > 0) and ``confidence_head_with_markov`` (head on); it reads ``block_size`` too). Its
+  class also holds ``embed_tokens`` / ``lm_head`` and its evaluator uses the draft's own: a treadle export loads there
+  with those two missing (the target's, copied in by its ``initialize_embeddings_and_head``).
 
 What treadle writes: the DFlash backbone's config and names (dflash/layout.py: a Qwen3 config, ``dflash_config``,
 z-lab layer ids = treadle's output_hidden_states index - 1) under ``architectures = ["Qwen3DSparkModel"]``, the
@@ -44,6 +47,20 @@ HEAD_NAMES = {
     "confidence.bias": "confidence_head.proj.bias",
 }
 SHARED = ("embed_tokens.weight", "lm_head.weight")  # the target's, when a draft ships copies (DeepSpec does)
+# DeepSpec's num_anchors (blocks sampled per training row) when no run's record says what treadle trained with: its
+# released recipes' value (config/dspark/dspark_qwen3_*.py @afdfa7c). Only its training reads it.
+DEEPSPEC_ANCHORS = 512
+
+
+def trained_anchors(extra: dict, block_size: int) -> int:
+    """The blocks per row a run trained with (draft.anchors, else its default data.seq_len // block_size, as
+    dflash/objective.py resolves it), from the run's record in ``extra``; DeepSpec's recipe value without one."""
+    training = extra.get("training") or {}
+    anchors = (training.get("draft") or {}).get("anchors")
+    seq_len = (training.get("data") or {}).get("seq_len")
+    if anchors:
+        return int(anchors)
+    return max(1, int(seq_len) // block_size) if seq_len else DEEPSPEC_ANCHORS
 
 
 def names(num_layers: int) -> dict[str, str]:
@@ -79,6 +96,7 @@ def export(draft, weights: dict, target_config, dtype: torch.dtype, extra: dict)
         "architectures": [ARCHITECTURE],
         "target_layer_ids": ids,  # DeepSpec's place; both engines also read dflash_config's
         "mask_token_id": draft.mask_token_id,
+        "num_anchors": trained_anchors(extra, draft.block_size),  # DeepSpec's constructor requires it
         "draft_vocab_size": draft.target_vocab_size,  # = vocab_size: neither reduced (d2t) nor padded
         "markov_rank": draft.markov_rank,
         "markov_head_type": "vanilla",

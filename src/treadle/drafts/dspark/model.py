@@ -45,6 +45,10 @@ class DSparkDraft(DFlashDraft):
     """The DFlash backbone plus the Markov head (``markov_w1`` V x r, ``markov_w2`` r x V) and the confidence head
     (``confidence``: [h ; W1[prev]] -> 1, with bias)."""
 
+    # lora.target_modules = "all-linear" leaves the output heads out (models/lora.py decoder_linear_names): a rank-r
+    # update of a 1-output layer or of the rank-r Markov projection adds parameters, not capacity where it helps
+    lora_heads = ("markov_w2", "confidence")
+
     def __init__(self, target_config, feature_layers: tuple[int, ...], num_layers: int = settings.NUM_LAYERS,
                  block_size: int = settings.BLOCK_SIZE, mask_token_id: int | None = None,
                  markov_rank: int = settings.MARKOV_RANK):
