@@ -28,7 +28,7 @@ from treadle.errors import UserError
 from treadle.fsutil import claim_output
 
 SOFTWARE = "treadle report"  # written into the PNG's metadata: an earlier report is recognized and may be replaced
-# A draft objective's further terms are logged as <name>_ce / _bce / _penalty sums per label token (drafts/*/objective.py)
+# A draft objective's further terms: logged as <name>_ce / _bce / _penalty, per label token (drafts/*/objective.py)
 TERM_ENDINGS = ("_ce", "_bce", "_penalty")
 
 
