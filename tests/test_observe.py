@@ -393,19 +393,21 @@ def test_report_panels_and_titles_do_not_overlap(tmp_path):
     assert not [(a, b) for a, _, title in boxes for b, box, _ in boxes if a != b and title.overlaps(box)]
 
 
-def test_report_html_links_the_png_from_its_own_directory(tmp_path):
+def test_report_html_links_the_png_from_its_own_directory(tmp_path, capsys):
     """Issue 48: --out a/r.png --html b/r.html wrote <img src='r.png'>, which resolves to b/r.png."""
     import urllib.parse
 
     from treadle.metrics.report import write_report
 
     plain, dspark = _plain_and_dspark(tmp_path)
-    out, page = tmp_path / "a" / "r.png", tmp_path / "b c" / "r.html"
-    out.parent.mkdir()
-    page.parent.mkdir()
+    out, page = tmp_path / "a" / "r.png", tmp_path / "b c" / "r.html"  # directories not there yet: made
     write_report([plain, dspark], out, page)
     src = page.read_text().split("<img src='", 1)[1].split("'", 1)[0]
     assert (page.parent / urllib.parse.unquote(src)).resolve() == out.resolve() and out.is_file()
+    (tmp_path / "file").write_text("x")  # a directory that cannot be made: one line, nothing written
+    assert main(["report", str(plain), "--out", str(tmp_path / "file" / "r.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its directory cannot be made" in err and (tmp_path / "file").read_text() == "x"
 
 
 def test_draft_flops_formula_within_10_percent_of_flop_counter():

@@ -268,6 +268,13 @@ def write_report(paths: list[Path], out: Path, html_out: Path | None = None) -> 
         raise UserError("treadle report draws with matplotlib, which is not installed; accepted: "
                         "pip install 'treadle[report]'") from None
     fig = build_figure(runs)
+    for flag, path in (("--out", out), ("--html", html_out)):  # a directory named for the files is made, as train's
+        if path is not None:
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UserError(f"{flag} {path}: its directory cannot be made ({e.strerror}); accepted: a path whose "
+                                "directory exists or can be created") from None
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     fig.savefig(tmp, format="png", dpi=100, metadata={"Software": SOFTWARE})
     os.replace(tmp, out)
