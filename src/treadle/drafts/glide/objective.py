@@ -89,7 +89,7 @@ class GlideObjective:
         else:
             ce = row_cross_entropy(out.logits, labels)
             target_ce = row_cross_entropy(out.target_logits, labels).sum()
-            hit = (out.logits.detach().argmax(-1) == out.target_logits.argmax(-1)) & scored
+            hit = None if train else (out.logits.argmax(-1) == out.target_logits.argmax(-1)) & scored
             if train:  # evaluation reports the CE alone
                 kl = (F.kl_div(F.log_softmax(at_least_fp32(out.logits), -1), F.log_softmax(at_least_fp32(out.target_logits), -1),
                                log_target=True, reduction="none").sum(-1) * scored).sum(-1)
