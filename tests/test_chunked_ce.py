@@ -306,6 +306,10 @@ def glide_mismatches(objective: str) -> list[str]:
     bad += ["eval loss"] if rel(ev_got, ev_want) > RTOL64 else []
     bad += ["eval target_loss"] if ev_got_side["target_loss"].item() != pytest.approx(
         ev_side["target_loss"].item(), rel=RTOL64) else []
+    # Issue 48: the draft's top-1 agreement with the target (eval_acc_1's counts), the same whole or chunked.
+    assert ev_side["ttt_rows_1"] == (b["labels"] != -100).sum() and ev_side["ttt_hits_1"] > 0
+    bad += ["eval agreement"] if [ev_got_side[k].item() for k in ("ttt_hits_1", "ttt_rows_1")] != [
+        ev_side[k].item() for k in ("ttt_hits_1", "ttt_rows_1")] else []
     return bad
 
 

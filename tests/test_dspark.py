@@ -382,9 +382,13 @@ def test_dspark_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_ta
     assert main(draft_args(shards, target_dir, a, "--train.max_steps=6", "--checkpoint.every=3", *common)) == 0
     loss = records(a)
     assert loss[6] < loss[1]
-    for key in ("acc_1", "acc_5", "eal", "draft_kl", "confidence_bce", "target_loss", "eval_loss", "tau_sim"):
+    for key in ("acc_1", "acc_5", "eal", "draft_kl", "confidence_bce", "target_loss", "eval_loss", "tau_sim",
+                "eval_acc_1", "eval_acc_5", "eval_eal", "acceptance_rounds"):
         assert records(a, key), key
     assert not records(a, "acc_6") and 0.0 <= records(a, "eal")[6] <= 5.0
+    # Issue 48: every slot's top-1 agreement in the evals, and no perplexity of a loss that is no model's CE.
+    assert not records(a, "eval_acc_6") and not records(a, "eval_ppl") and not records(a, "eval_ttt_rows_1")
+    assert 0.0 <= records(a, "eval_eal")[6] <= 5.0 and all(0.0 <= records(a, "eval_acc_5")[s] <= 1.0 for s in (0, 6))
     assert main(draft_args(shards, target_dir, b, "--train.max_steps=6", *common,
                            f"--checkpoint.resume={a / 'checkpoints' / 'step_3'}")) == 0
     lb = records(b)

@@ -270,9 +270,9 @@ def test_eagle3_run_trains_exports_and_decodes(shards, eagle3_target_dir, tmp_pa
     run = tmp_path / "run"
     assert main(draft_args(shards, target_dir, run, "--train.max_steps=3", *EAGLE)) == 0
     # Per-step accuracy of the unroll, the target's reference loss and tau_sim are logged.
-    for key in ("acc_1", "acc_2", "acc_3", "draft_kl", "target_loss", "eval_loss"):
+    for key in ("acc_1", "acc_2", "acc_3", "draft_kl", "target_loss", "eval_loss", "eval_acc_1", "eval_acc_3"):
         assert records(run, key), key
-    assert not records(run, "acc_4") and not records(run, "ttt_rows_1")
+    assert not records(run, "acc_4") and not records(run, "ttt_rows_1") and not records(run, "eval_acc_4")
     assert all(0.0 <= a <= 1.0 for a in records(run, "acc_1").values())
     assert set(records(run, "tau_sim")) == {0, 3}
     # Checkpoints hold the draft with its vocabulary map, never a target tensor.

@@ -120,9 +120,10 @@ def test_mtp_run_trains_resumes_exports_and_runs_in_transformers_generate(shards
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(draft_args(shards, ds_target, a, "--train.max_steps=4", "--checkpoint.every=2", *RUN)) == 0
     loss = records(a)
-    for key in ("acc_1", "acc_2", "eal", "draft_kl", "draft_ce", "target_loss", "eval_loss", "tau_sim"):
+    for key in ("acc_1", "acc_2", "eal", "draft_kl", "draft_ce", "target_loss", "eval_loss", "tau_sim",
+                "eval_acc_1", "eval_acc_2", "eval_eal"):  # issue 48: the eval's agreement at every unroll step
         assert records(a, key), key
-    assert 0.0 <= records(a, "eal")[4] <= 2.0 and not records(a, "acc_3")
+    assert 0.0 <= records(a, "eal")[4] <= 2.0 and not records(a, "acc_3") and not records(a, "eval_acc_3")
     # Exact resume from step 2.
     assert main(draft_args(shards, ds_target, b, "--train.max_steps=4", *RUN,
                            f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 0

@@ -127,6 +127,7 @@ def test_a_plain_log_shows_the_total_the_time_left_each_eval_starting_and_what_e
     assert re.search(r"train loss\W+\S+ \(first step\) -> \S+ \(last step\): cross-entropy per label token ", out), out
     assert re.search(r"val loss\W+\S+ at step 0 -> \S+ at step 3: cross-entropy per label token ", out), out
     assert "target val loss" not in out
+    assert re.search(r"val perplexity\W+\d", out) and records(tmp_path / "run", "eval_ppl")
 
     # A draft run's train loss is its objective (KL by default), its val loss the draft's cross-entropy.
     assert main(draft_args(shards, target_dir, tmp_path / "draft", "--train.max_steps=2")) == 0
@@ -140,6 +141,20 @@ def test_a_plain_log_shows_the_total_the_time_left_each_eval_starting_and_what_e
     # Issue 39: the target's own figure beside the draft's, saying what it is averaged over.
     assert re.search(r"target val loss\W+\S+ at step 2: the frozen target's cross-entropy on the data per label "
                      r"token ", out), out
+    # Issue 48: a draft's summary leads with what its users read (tau_sim, acceptance per position with the rounds
+    # behind it, top-1 agreement per slot) and shows no perplexity: exp of a draft's eval loss is none.
+    rows = [line.split()[1] for line in out.splitlines() if line.startswith("│")]
+    assert rows.index("tau_sim") < rows.index("acceptance") < rows.index("top-1") < rows.index("train"), rows
+    gamma = 4  # GLIDE's default draft.gamma
+    assert re.search(r"acceptance\W+(\d\.\d\d ){%d}at positions 1\.\.%d, step 2 \(P\(position k accepted \| "
+                     r"1\.\.k-1 were\), over \d+, (\d+, ){%d}\d+ rounds\)" % (gamma, gamma, gamma - 2), out), out
+    assert re.search(r"top-1 agreement\W+\d\.\d\d at slot 1, step 2 \(the draft's argmax is the target's", out)
+    assert "perplexity" not in out and not records(tmp_path / "draft", "eval_ppl")
+    agreement = records(tmp_path / "draft", "eval_acc_1")
+    assert set(agreement) == {0, 2} and all(0.0 <= a <= 1.0 for a in agreement.values())
+    assert not records(tmp_path / "draft", "eval_ttt_rows_1")  # the counts became the rate
+    rounds = records(tmp_path / "draft", "acceptance_rounds")
+    assert set(rounds) == {0, 2} and all(isinstance(n, int) and n > 0 for n in rounds.values())
 
 
 def test_loss_labels_name_each_objective():
@@ -266,17 +281,19 @@ def test_report_has_the_panels_and_lines_and_replaces_only_its_own_png(tmp_path,
         {"step": 2, "tau_sim": 2.5, "accept_1": 0.8, "accept_2": 0.6}])
     fig = build_figure([read_run(plain, "plain"), read_run(draft, "draft")])
     axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
-    assert list(axes) == ["loss vs step", "loss vs tokens", "learning rate", "grad norm (before clipping)", "tokens/s",
-                          "loss per source", "tau_sim (simulated tokens per verification)", "acceptance per position",
-                          "TFLOP/s per device (mfu: right axis)"]
-    labels = [line.get_label() for line in axes["loss vs step"].get_lines()]
-    assert labels == ["plain train", "plain eval", "draft train", "draft eval", "draft skipped step",
-                      "_child5"] or labels[:5] == ["plain train", "plain eval", "draft train", "draft eval",
-                                                   "draft skipped step"]
+    assert list(axes) == ["tau_sim (simulated tokens per verification)",
+                          "acceptance per position (n: rounds reaching it)", "loss vs step", "loss vs tokens",
+                          "draft objective (train loss)", "learning rate", "grad norm (before clipping)", "tokens/s",
+                          "loss per source", "TFLOP/s per device (mfu: right axis)"]
+    assert [line.get_label() for line in axes["loss vs step"].get_lines()] == ["plain train", "plain eval"]
+    assert [line.get_label() for line in axes["draft objective (train loss)"].get_lines()][:2] == [
+        "draft train", "draft skipped step"]
     assert list(axes["loss vs step"].get_lines()[0].get_xdata()) == [1, 2, 3]
     assert list(axes["loss vs tokens"].get_lines()[1].get_xdata()) == [0, 192]  # evals placed by their tokens
     assert [line.get_label() for line in axes["loss per source"].get_lines()] == ["draft a"]
-    assert list(axes["acceptance per position"].get_lines()[0].get_ydata()) == [0.8, 0.6]
+    accept = axes["acceptance per position (n: rounds reaching it)"]
+    assert list(accept.get_lines()[0].get_ydata()) == [0.8, 0.6]
+    assert not accept.texts  # a record without acceptance_rounds (written before issue 48): no counts to show
 
     out = tmp_path / "report.png"
     assert main(["report", str(plain), str(draft), "--out", str(out)]) == 0
@@ -307,16 +324,90 @@ def test_report_axes_follow_the_data_mfu_positions_and_a_drafts_kl_apart_from_it
     axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
     assert "TFLOP/s per device" in axes and not any("mfu" in t for t in axes)  # CPU: no mfu, none promised
     assert len(fig.axes) == len(axes)  # and no right axis drawn for it
-    accept = axes["acceptance per position"]
+    accept = axes["acceptance per position (n: rounds reaching it)"]
     assert list(accept.get_xticks()) == [1, 2, 3, 4, 5, 6, 7] and accept.get_xlim()[1] > 7
-    # The loss panel holds each run's objective alone; the cross-entropies and the KL have panels of their own.
-    assert [line.get_label() for line in axes["loss vs step"].get_lines()] == ["dflash train", "glide train"]
+    # The objective panel holds each run's objective alone; the cross-entropies and the KL have panels of their own,
+    # and no model's loss panel is drawn for drafts alone.
+    assert "loss vs step" not in axes and "loss vs tokens" not in axes
+    assert [line.get_label() for line in axes["draft objective (train loss)"].get_lines()] == ["dflash train",
+                                                                                               "glide train"]
     ce = axes["cross-entropy (draft: solid / dashed eval; target: dotted)"]
     assert [line.get_label() for line in ce.get_lines()][:4] == [
         "dflash draft train", "dflash draft eval", "dflash target train", "dflash target eval"]
     assert list(ce.get_lines()[2].get_ydata()) == [5.5, 5.5]
     kl = axes["KL(target || draft), train"]
     assert [list(line.get_ydata()) for line in kl.get_lines()] == [[0.9, 0.45], [0.4, 0.2]]
+
+
+def _plain_and_dspark(tmp_path: Path) -> tuple[Path, Path]:
+    """A model's run and a DSpark draft's, as metrics.jsonl records (the draft's with issue 48's keys)."""
+    plain = _metrics(tmp_path / "plain", [{"step": s, "loss": 6.0 - s, "lr": 1e-3, "grad_norm": 1.0, "tokens": 64 * s,
+                                           "tokens_per_s": 100.0} for s in (1, 2)] + [{"step": 2, "eval_loss": 5.0}])
+    steps = [{"step": s, "loss": 0.9 / s, "lr": 1e-3, "grad_norm": 1.0, "tokens": 64 * s, "tokens_per_s": 90.0,
+              "target_loss": 5.5, "draft_ce": 7.0 - s, "draft_kl": 0.5 / s, "confidence_bce": 0.3 / s,
+              "acc_1": 0.4, "acc_2": 0.2, "acc_3": 0.1, "eal": 0.6} for s in (1, 2)]
+    evals = [{"step": 2, "eval_loss": 5.1, "eval_target_loss": 5.5, "eval_acc_1": 0.5, "eval_acc_2": 0.25,
+              "eval_acc_3": 0.125, "eval_eal": 0.7}]
+    accept = [{"step": 2, "tau_sim": 1.9, "accept_1": 0.5, "accept_2": 0.5, "accept_3": 0.25,
+               "acceptance_rounds": 12}]
+    return plain, _metrics(tmp_path / "dspark", steps + evals + accept)
+
+
+def test_report_headlines_a_drafts_acceptance_and_agreement_and_keeps_its_objective_apart(tmp_path):
+    """Issue 48: a draft's objective was drawn on the axis of a model's cross-entropy, its acceptance without the
+    rounds behind each point, and its top-1 agreement per slot nowhere."""
+    from treadle.metrics.report import build_figure, read_run
+
+    plain, dspark = _plain_and_dspark(tmp_path)
+    fig = build_figure([read_run(plain, "plain"), read_run(dspark, "dspark")])
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    titles = list(axes)
+    # The headline first: tau_sim, acceptance per position, top-1 agreement per slot.
+    assert titles[:3] == ["tau_sim (simulated tokens per verification)",
+                          "acceptance per position (n: rounds reaching it)",
+                          "top-1 agreement per slot (eval: solid; train: dashed)"]
+    accept_ax = axes[titles[1]]
+    assert [t.get_text() for t in accept_ax.texts] == ["n=12", "n=6", "n=3"]
+    assert [tuple(t.xy) for t in accept_ax.texts] == [(1, 0.5), (2, 0.5), (3, 0.25)]
+    agreement = axes[titles[2]]
+    assert [line.get_label() for line in agreement.get_lines()] == ["dspark eval at step 2", "dspark train at step 2"]
+    assert [list(line.get_ydata()) for line in agreement.get_lines()] == [[0.5, 0.25, 0.125], [0.4, 0.2, 0.1]]
+    # A model's loss and a draft's objective never share an axis; each term of the objective has its own.
+    assert [line.get_label() for line in axes["loss vs step"].get_lines()] == ["plain train", "plain eval"]
+    assert [line.get_label() for line in axes["draft objective (train loss)"].get_lines()] == ["dspark train"]
+    assert list(axes["confidence_bce (objective term, train)"].get_lines()[0].get_ydata()) == [0.3, 0.15]
+    assert "perplexity" not in " ".join(titles)
+
+
+def test_report_panels_and_titles_do_not_overlap(tmp_path):
+    """Issue 48: the figure's title overlapped a panel's title (tight_layout, four rows of panels)."""
+    from treadle.metrics.report import build_figure, read_run
+
+    fig = build_figure([read_run(p, p.name) for p in _plain_and_dspark(tmp_path)])
+    assert len(fig.axes) > 9  # four rows of panels: where tight_layout put the title over a panel
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    suptitle = fig.get_suptitle() and fig._suptitle.get_window_extent(renderer)
+    boxes = [(ax.get_title(), ax.get_tightbbox(renderer), ax.title.get_window_extent(renderer)) for ax in fig.axes]
+    assert suptitle and not [name for name, box, _ in boxes if box.overlaps(suptitle)]
+    assert not [(a, b) for a, _, title in boxes for b, box, _ in boxes if a != b and title.overlaps(box)]
+
+
+def test_report_html_links_the_png_from_its_own_directory(tmp_path, capsys):
+    """Issue 48: --out a/r.png --html b/r.html wrote <img src='r.png'>, which resolves to b/r.png."""
+    import urllib.parse
+
+    from treadle.metrics.report import write_report
+
+    plain, dspark = _plain_and_dspark(tmp_path)
+    out, page = tmp_path / "a" / "r.png", tmp_path / "b c" / "r.html"  # directories not there yet: made
+    write_report([plain, dspark], out, page)
+    src = page.read_text().split("<img src='", 1)[1].split("'", 1)[0]
+    assert (page.parent / urllib.parse.unquote(src)).resolve() == out.resolve() and out.is_file()
+    (tmp_path / "file").write_text("x")  # a directory that cannot be made: one line, nothing written
+    assert main(["report", str(plain), "--out", str(tmp_path / "file" / "r.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its directory cannot be made" in err and (tmp_path / "file").read_text() == "x"
 
 
 def test_draft_flops_formula_within_10_percent_of_flop_counter():

@@ -318,7 +318,7 @@ def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, 
                       "dflash2": ("acc_1", "acc_5", "eal", "selector_ce"),
                       "dspark": ("acc_1", "acc_5", "eal", "confidence_bce"),
                       "lilicorr": ("acc_1", "acc_5", "eal", "lattice_ce", "lattice_penalty")}.get(kind, ())
-        for key in ("loss", "draft_kl", "eval_loss", "tau_sim", "grad_norm") + accuracies:
+        for key in ("loss", "draft_kl", "eval_loss", "eval_acc_1", "tau_sim", "grad_norm") + accuracies:
             a, b = records(ref, key), records(run, key)
             atol = KL_ATOL if key in ("loss", "draft_kl") else 0.0  # draft.loss = "kl": the loss is a KL too
             assert a.keys() == b.keys() and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL, abs_tol=atol) for s in a), (

@@ -678,3 +678,13 @@ def test_tau_by_position_and_expected_accepted_by_hand():
     s = summarize([r, other], 4)
     assert s["expected_accepted"] == pytest.approx(s["tau"] - 1)
     assert s["tau_by_position"] == [pytest.approx(s["tau"])]  # 64-token buckets: everything in the first
+
+
+def test_spec_eval_acceptance_title_is_one_line(run_dir, capsys, monkeypatch):
+    """Issue 48: rich wrapped the acceptance table's title to the table's width, mid-phrase ("(n =" / "drafts
+    accepted in a call)"), whatever the terminal's width."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert spec_eval("--target", str(run_dir), "--draft", "prompt-lookup", "--num-prompts", "1", "--prompt-len", "16",
+                     "--max-new-tokens", "4") == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    assert "acceptance per draft position k (n = drafts accepted in a call)" in lines, lines

@@ -117,6 +117,33 @@ def _progress(first: dict | None, last: dict, key: str, digits: int) -> str:
     return f"{first[key]:.{digits}f} at step {first['step']} -> {end}" if first and first["step"] != last["step"] else end
 
 
+def _rates(values: list[float], unit: str) -> str:
+    """'0.62 0.41 at positions 1..2' (a draft's rates per position or slot)."""
+    where = f"{unit} 1" if len(values) == 1 else f"{unit}s 1..{len(values)}"
+    return " ".join(f"{v:.2f}" for v in values) + f" at {where}"
+
+
+def _draft_headline(table, s) -> None:
+    """A draft run's rows before its losses: tau_sim, the chain's acceptance per position (the last acceptance eval)
+    and the draft's top-1 agreement with the target per slot (the last validation eval)."""
+    from treadle.drafts.agreement import per_slot, reached
+
+    first, last = s.acceptance
+    if last is not None:
+        table.add_row("tau_sim", _progress(first, last, "tau_sim", 3) + " (simulated tokens per verification call)")
+        accept, counts = per_slot(last, "accept"), reached(last)
+        if accept:
+            n = f", over {', '.join(map(str, counts))} rounds" if counts else ""
+            table.add_row("acceptance", f"{_rates(accept, 'position')}, step {last['step']} "
+                          f"(P(position k accepted | 1..k-1 were){n})")
+    agreement = per_slot(s.last_eval or {}, "eval_acc")
+    if agreement:
+        eal = s.last_eval.get("eval_eal")
+        table.add_row("top-1 agreement", f"{_rates(agreement, 'slot')}, step "
+                      f"{s.last_eval['step']} (the draft's argmax is the target's, on the val batches"
+                      + (f"; {eal:.2f} drafts accepted per block)" if eal is not None else ")"))
+
+
 def _print_summary(s) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -124,16 +151,18 @@ def _print_summary(s) -> None:
     table = Table(title=f"treadle run: {s.steps} steps, {s.parameters / 1e6:.2f}M trainable parameters", show_header=False)
     table.add_column(style="bold")
     table.add_column()
+    draft = s.acceptance is not None
+    if draft:  # first, what a draft's user reads: how many tokens a verification takes, and where the chain breaks
+        _draft_headline(table, s)
     if s.first_loss is not None:
         table.add_row("train loss", f"{s.first_loss:.4f} (first step) -> {s.last_loss:.4f} (last step): {s.loss_label}")
     if s.last_eval is not None:
         table.add_row("val loss", _progress(s.first_eval, s.last_eval, "eval_loss", 4) + f": {s.eval_loss_label}")
-        table.add_row("val perplexity", f"{math.exp(s.last_eval['eval_loss']):.2f}")
+        if not draft:  # a draft's eval loss is no model's per-token CE: its exp is no perplexity
+            table.add_row("val perplexity", f"{math.exp(s.last_eval['eval_loss']):.2f}")
         if "eval_target_loss" in s.last_eval:  # a draft run: the frozen target's own figure, beside the draft's
             table.add_row("target val loss", f"{s.last_eval['eval_target_loss']:.4f} at step {s.last_eval['step']}: "
                           "the frozen target's cross-entropy on the data per label token")
-    if s.acceptance is not None and s.acceptance[1] is not None:
-        table.add_row("tau_sim", _progress(*s.acceptance, "tau_sim", 3) + " (simulated tokens per verification call)")
     table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s ({s.tokens:,} tokens in {s.elapsed_s:.1f} s of training)")
     table.add_row("run directory", str(s.output_dir))
     table.add_row("metrics", str(s.output_dir / "metrics.jsonl"))

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.data.packed import IGNORE_INDEX
+from treadle.drafts.agreement import counts
 from treadle.drafts.glide.model import anchored_positions
 from treadle.drafts.glide.objective import GlideObjective
 from treadle.drafts.run_model import batch_reads
@@ -96,7 +97,9 @@ class RecurrentObjective(GlideObjective):
 
     def losses(self, model, batch: Batch, lag: int, offset: int, train: bool):
         positions, labels = batch["position_ids"], batch["labels"]
-        steps = ttt_steps(self.cfg) if train else 1  # evaluation: step 1's CE, comparable across runs
+        # Evaluation runs the whole unroll too: its loss is step 1's CE (comparable across runs), its eval_acc_k and
+        # eval_eal the agreement of every step.
+        steps = ttt_steps(self.cfg)
         out = model(input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions,
                     offset), steps=steps, doc_position_ids=positions, reads=batch_reads(batch), labels=labels)
         if out.scores is not None:  # a chunked loss (model.loss_chunk_tokens): per-row scores, logits never whole
@@ -110,9 +113,10 @@ class RecurrentObjective(GlideObjective):
         if out.aux_logits:
             aux = aux_loss(self.cfg, out, positions, labels)
             loss, side["aux_ce"] = loss + aux.to(loss.dtype), aux.detach().sum()
+        side.update(chain_prefix(scores, positions, labels))
         if not train:
-            return side["draft_ce"], {"target_loss": target_ce}
-        return loss, {"target_loss": target_ce, **side, **chain_prefix(scores, positions, labels)}
+            return side["draft_ce"], {"target_loss": target_ce, **counts(side)}
+        return loss, {"target_loss": target_ce, **side}
 
 
 def recurrent_setup(cfg, model) -> RecurrentObjective:

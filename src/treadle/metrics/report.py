@@ -1,12 +1,16 @@
 """``treadle report RUN [RUN ...] --out report.png``: a run's curves from its metrics.jsonl, several runs overlaid.
 
-Panels (each only where some run has the data): train and eval loss against steps and against tokens, lr, grad
-norm, tokens/s, per-source losses (``loss/<name>``), a draft's tau_sim and per-position acceptance (as many
-positions as the run with most has), and tflops_per_s (with mfu on a right axis where a run has it: a CPU has no
-peak figure). A draft run's loss is its objective (a KL, a CE or a mix) and its eval loss the draft's CE: its
-cross-entropies (the draft's, train and eval, and the target's, the floor) get a panel of their own, its KL another,
-so that no axis holds a KL beside a CE. Skipped (non-finite) steps are marked with an x on the loss panels, rollbacks with a dotted
-vertical line. matplotlib is an optional extra (``pip install treadle[report]``), imported only here.
+Panels (each only where some run has the data): a draft's headline first, what its users read: tau_sim, the
+chain's acceptance per position (each point annotated with the rounds behind it; as many positions as the run with
+most has) and the draft's top-1 agreement with the target per slot (``eval_acc_k`` of the last eval, ``acc_k`` of
+the last step). Then train and eval loss against steps and against tokens (models, not drafts), lr, grad norm,
+tokens/s, per-source losses (``loss/<name>``) and tflops_per_s (with mfu on a right axis where a run has it: a CPU has
+no peak figure). A draft run's loss is its objective (a KL, a CE or a mix, plus a kind's own terms) and its eval
+loss the draft's CE: the objective gets a panel of its own, its cross-entropies (the draft's, train and eval, and the
+target's, the floor) another, its KL another, and each further term of the objective (``confidence_bce``,
+``selector_ce``, ``lattice_penalty`` ...) its own, so that no axis holds a KL beside a CE, or a draft's objective
+beside a model's cross-entropy. Skipped (non-finite) steps are marked with an x on the loss panels, rollbacks with a
+dotted vertical line. matplotlib is an optional extra (``pip install treadle[report]``), imported only here.
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ import argparse
 import html
 import json
 import os
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from treadle.drafts.agreement import per_slot, reached
 from treadle.errors import UserError
 from treadle.fsutil import claim_output
 
 SOFTWARE = "treadle report"  # written into the PNG's metadata: an earlier report is recognized and may be replaced
+# A draft objective's further terms: logged as <name>_ce / _bce / _penalty, per label token (drafts/*/objective.py)
+TERM_ENDINGS = ("_ce", "_bce", "_penalty")
 
 
 @dataclass
@@ -35,13 +43,27 @@ class Run:
 
     @property
     def is_draft(self) -> bool:
-        """A draft run (its steps report the frozen target's own CE beside the draft's objective)."""
-        return any("target_loss" in rec for rec in self.steps.values())
+        """A draft run (its steps report the frozen target's own CE beside the draft's objective, its evals
+        tau_sim)."""
+        return bool(self.acceptance) or any("target_loss" in rec for rec in self.steps.values())
+
+    def last(self, records: str) -> dict:
+        rows = getattr(self, records)
+        return rows[max(rows)] if rows else {}
 
     def positions(self) -> int:
         """Draft positions of the last acceptance record (accept_1 .. accept_K)."""
-        last = self.acceptance[max(self.acceptance)] if self.acceptance else {}
-        return sum(1 for k in last if k.startswith("accept_"))
+        return len(per_slot(self.last("acceptance"), "accept"))
+
+    def slots(self) -> int:
+        """Slots with a top-1 agreement (eval_acc_k of the last eval, acc_k of the last step)."""
+        return max(len(per_slot(self.last("evals"), "eval_acc")), len(per_slot(self.last("steps"), "acc")))
+
+    def terms(self) -> list[str]:
+        """A draft objective's own terms beside its CE and KL (DSpark's confidence_bce, DFlash2's selector_ce ...)."""
+        if not self.is_draft:
+            return []
+        return sorted({k for rec in self.steps.values() for k in rec if k.endswith(TERM_ENDINGS) and k != "draft_ce"})
 
     def series(self, key: str, records: str = "steps") -> tuple[list[int], list[float]]:
         rows = getattr(self, records)
@@ -94,22 +116,32 @@ def build_figure(runs: list[Run]):
     matplotlib.use("Agg")  # files only: no display needed, none opened
     import matplotlib.pyplot as plt
 
-    panels = [("loss", "loss vs step"), ("loss_tokens", "loss vs tokens"), ("lr", "learning rate"),
-              ("grad_norm", "grad norm (before clipping)"), ("tokens_per_s", "tokens/s")]
+    panels = []
+    if any(r.acceptance for r in runs):  # a draft's headline: what its users read
+        panels += [("tau_sim", "tau_sim (simulated tokens per verification)"),
+                   ("accept", "acceptance per position (n: rounds reaching it)")]
+    if any(r.slots() for r in runs):
+        panels.append(("agreement", "top-1 agreement per slot (eval: solid; train: dashed)"))
+    if any(not r.is_draft for r in runs):
+        panels += [("loss", "loss vs step"), ("loss_tokens", "loss vs tokens")]
+    if any(r.is_draft for r in runs):  # a draft's objective is no model's loss: on an axis of its own
+        panels.append(("objective", "draft objective (train loss)"))
+    panels += [("lr", "learning rate"), ("grad_norm", "grad norm (before clipping)"), ("tokens_per_s", "tokens/s")]
     sources = sorted({k for r in runs for rec in r.steps.values() for k in rec if k.startswith("loss/")})
     if sources:
         panels.append(("sources", "loss per source"))
-    if any(r.is_draft for r in runs):
-        panels += [("ce", "cross-entropy (draft: solid / dashed eval; target: dotted)"),
-                   ("kl", "KL(target || draft), train")]
-    if any(r.acceptance for r in runs):
-        panels += [("tau_sim", "tau_sim (simulated tokens per verification)"), ("accept", "acceptance per position")]
+    if any(r.is_draft and r.series(key)[0] for r in runs for key in ("draft_ce", "target_loss")):
+        panels.append(("ce", "cross-entropy (draft: solid / dashed eval; target: dotted)"))
+    if any(r.is_draft and r.series("draft_kl")[0] for r in runs):
+        panels.append(("kl", "KL(target || draft), train"))
+    panels += [(f"term:{t}", f"{t} (objective term, train)") for t in sorted({t for r in runs for t in r.terms()})]
     if any("tflops_per_s" in rec for r in runs for rec in r.steps.values()):
         mfu = any("mfu" in rec for r in runs for rec in r.steps.values())  # only where a peak figure is known
         panels.append(("tflops_per_s", "TFLOP/s per device" + (" (mfu: right axis)" if mfu else "")))
     cols = 3
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False)
+    # constrained layout places the figure's title above the panels' (tight_layout let it overlap a panel's title)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False, layout="constrained")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (name, title) in zip(axes.flat, panels):
         ax.set_title(title)
@@ -117,8 +149,8 @@ def build_figure(runs: list[Run]):
         ax.grid(alpha=0.3)
         for i, run in enumerate(runs):
             _plot(ax, name, run, colors[i % len(colors)], sources)
-        if name == "accept":  # the axis of the run with most positions (DFlash: block_size - 1), whatever the order
-            positions = max(r.positions() for r in runs)
+        if name in ("accept", "agreement"):  # the axis of the run with most positions (DFlash: block_size - 1)
+            positions = max((r.positions() if name == "accept" else r.slots()) for r in runs)
             ax.set_xticks(range(1, positions + 1))
             ax.set_xlim(0.5, positions + 0.5)
         if ax.get_legend_handles_labels()[0]:
@@ -126,13 +158,14 @@ def build_figure(runs: list[Run]):
     for ax in list(axes.flat)[len(panels):]:
         ax.remove()
     fig.suptitle(" vs ".join(r.label for r in runs))
-    fig.tight_layout()
     return fig
 
 
 def _plot(ax, name: str, run: Run, color: str, sources: list[str]) -> None:
     label = run.label
-    if name in ("loss", "loss_tokens"):
+    if name in ("loss", "loss_tokens", "objective"):
+        if (name == "objective") != run.is_draft:  # a model's loss and a draft's objective never share an axis
+            return
         xs, ys = run.series("loss")
         ex, ey = run.series("eval_loss", "evals")
         if name == "loss_tokens":
@@ -140,7 +173,7 @@ def _plot(ax, name: str, run: Run, color: str, sources: list[str]) -> None:
         ax.plot(xs, ys, color=color, lw=1, label=f"{label} train")
         if not run.is_draft:  # a draft's eval loss is its CE, not its objective: on the cross-entropy panel
             ax.plot(ex, ey, color=color, ls="--", marker="o", ms=3, label=f"{label} eval")
-        if name == "loss":
+        if name != "loss_tokens":
             marks = [s for s in run.skipped if s in run.steps]
             if marks:
                 ax.plot(marks, [run.steps[s]["loss"] for s in marks], "x", color="red", ms=8, label=f"{label} skipped step")
@@ -169,13 +202,30 @@ def _plot(ax, name: str, run: Run, color: str, sources: list[str]) -> None:
         if xs:
             ax.plot(xs, ys, color=color, marker="o", ms=3, label=label)
     elif name == "accept":
-        last = run.acceptance[max(run.acceptance)] if run.acceptance else {}
-        keys = sorted((k for k in last if k.startswith("accept_")), key=lambda k: int(k.split("_")[1]))
-        if keys:
+        last = run.last("acceptance")
+        rates = per_slot(last, "accept")
+        if rates:
             ax.set_xlabel("draft position")
-            ax.set_ylim(0, 1.02)
-            ax.plot([int(k.split("_")[1]) for k in keys], [last[k] for k in keys], color=color, marker="o", ms=3,
-                    label=f"{label} at step {max(run.acceptance)}")
+            ax.set_ylim(0, 1.12)  # room above 1 for the counts
+            positions = range(1, len(rates) + 1)
+            ax.plot(positions, rates, color=color, marker="o", ms=3, label=f"{label} at step {last['step']}")
+            for k, rate, n in zip(positions, rates, reached(last)):
+                ax.annotate(f"n={n}", (k, rate), textcoords="offset points", xytext=(0, 4), ha="center",
+                            fontsize=7, color=color)
+    elif name == "agreement":
+        ax.set_xlabel("draft slot")
+        ax.set_ylim(0, 1.02)
+        for key, records, style, what in (("eval_acc", "evals", {"marker": "o"}, "eval"),
+                                          ("acc", "steps", {"ls": "--", "marker": "x"}, "train")):
+            last = run.last(records)
+            rates = per_slot(last, key)
+            if rates:
+                ax.plot(range(1, len(rates) + 1), rates, color=color, ms=3, label=f"{label} {what} at step "
+                        f"{last['step']}", **style)
+    elif name.startswith("term:"):
+        xs, ys = run.series(name[5:])
+        if xs:
+            ax.plot(xs, ys, color=color, lw=1, label=label)
     elif name == "tflops_per_s":
         xs, ys = run.series("tflops_per_s")
         if xs:
@@ -218,14 +268,28 @@ def write_report(paths: list[Path], out: Path, html_out: Path | None = None) -> 
         raise UserError("treadle report draws with matplotlib, which is not installed; accepted: "
                         "pip install 'treadle[report]'") from None
     fig = build_figure(runs)
+    for flag, path in (("--out", out), ("--html", html_out)):  # a directory named for the files is made, as train's
+        if path is not None:
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UserError(f"{flag} {path}: its directory cannot be made ({e.strerror}); accepted: a path whose "
+                                "directory exists or can be created") from None
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     fig.savefig(tmp, format="png", dpi=100, metadata={"Software": SOFTWARE})
     os.replace(tmp, out)
     if html_out is not None:
-        Path(html_out).write_text(_html(runs, out))
+        Path(html_out).write_text(_html(runs, _image_src(out, Path(html_out))))
 
 
-def _html(runs: list[Run], png: Path) -> str:
+def _image_src(png: Path, page: Path) -> str:
+    """The PNG as the page's <img src>: a URL relative to the page's directory (--out and --html may name different
+    directories; a bare file name pointed beside the page)."""
+    relative = os.path.relpath(png.resolve(), page.resolve().parent)
+    return urllib.parse.quote(Path(relative).as_posix())
+
+
+def _html(runs: list[Run], src: str) -> str:
     """A page with the PNG and each run's last step and eval record."""
     rows = []
     for run in runs:
@@ -235,15 +299,15 @@ def _html(runs: list[Run], png: Path) -> str:
                 cells = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items())
                 rows.append(f"<tr><td>{html.escape(run.label)}</td><td>{kind}</td><td>{html.escape(cells)}</td></tr>")
     return (f"<!doctype html><html><head><meta charset='utf-8'><meta name='generator' content='{SOFTWARE}'>"
-            f"<title>{SOFTWARE}</title></head><body><img src='{html.escape(png.name)}' style='max-width:100%'>"
+            f"<title>{SOFTWARE}</title></head><body><img src='{html.escape(src)}' style='max-width:100%'>"
             f"<table border='1'><tr><th>run</th><th>last</th><th>values</th></tr>{''.join(rows)}</table></body></html>\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files), overlaid")
     parser.add_argument("--out", default="report.png", help="PNG to write (default: report.png)")
-    parser.add_argument("--html", default=None, help="also an HTML page showing the PNG and each run's last values "
-                        "(put it beside the PNG)")
+    parser.add_argument("--html", default=None, help="also an HTML page showing the PNG (linked by its path "
+                        "relative to the page) and each run's last values")
 
 
 def run(args: argparse.Namespace) -> int:

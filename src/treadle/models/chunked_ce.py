@@ -335,9 +335,10 @@ def _forward_returns_head_output(model: nn.Module) -> bool:
 
 def _chunk_scores(hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                   ignore_index: int, softcap: float | None = None, scale: float | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's per-token CE, KL(teacher || student) and the teacher's CE; softmaxes in fp32; both models' logits
-    transformed (``softcap`` / ``scale``) inside the chunk as the model's forward transforms its head's output."""
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's per-token CE, KL(teacher || student), the teacher's CE and top-1 agreement (the student's argmax
+    is the teacher's, on labelled rows); softmaxes in fp32; both models' logits transformed (``softcap`` /
+    ``scale``) inside the chunk as the model's forward transforms its head's output."""
     logp = F.log_softmax(at_least_fp32(_capped_logits(hidden, weight, None, softcap, scale)), -1)
     with torch.no_grad():  # the teacher is fixed: recomputed in backward, never differentiated
         teacher_logp = F.log_softmax(at_least_fp32(_capped_logits(teacher_hidden, weight, None, softcap, scale)), -1)
@@ -345,13 +346,15 @@ def _chunk_scores(hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: to
     ce = F.nll_loss(logp, labels, ignore_index=ignore_index, reduction="none")
     kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="none").sum(-1) * valid
     teacher_ce = F.nll_loss(teacher_logp, labels, ignore_index=ignore_index, reduction="none")
-    return ce, kl, teacher_ce
+    hit = (logp.detach().argmax(-1) == teacher_logp.argmax(-1)) & valid
+    return ce, kl, teacher_ce, hit
 
 
 def chunked_distillation_scores(hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: torch.Tensor,
                                 labels: torch.Tensor, chunk_tokens: int, ignore_index: int = -100, config=None
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token ([B, L]) CE of the student, KL(teacher || student) and CE of the teacher, through one shared head
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token ([B, L]) CE of the student, KL(teacher || student), CE of the teacher and top-1 agreement (bool:
+    the student's argmax is the teacher's, on labelled rows), through one shared head
     ``weight``, ``chunk_tokens`` rows at a time (``chunked_rows``), so neither model's [tokens, vocab] logits exist
     whole. ``config``: the head's model's, whose logit transform (soft-cap, scale: ``_logit_transform``) each chunk
     applies.

@@ -489,7 +489,8 @@ def _print_report(result: dict, target_dir: Path) -> None:
     else:
         table.add_row("lossless", "yes" if result["lossless"] else "NO: output differs from the target's greedy output")
 
-    acceptance = Table(title="acceptance per draft position k (n = drafts accepted in a call)")
+    title = "acceptance per draft position k (n = drafts accepted in a call)"
+    acceptance = Table(title=title, min_width=len(title))  # never narrower than its title: rich wraps it mid-phrase
     acceptance.add_column("k", justify="right")
     acceptance.add_column("P(n >= k | n >= k-1)", justify="right")
     acceptance.add_column("P(n >= k)", justify="right")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from treadle import distributed
+from treadle.drafts.agreement import rates
 from treadle.metrics.flops import memory_window
 from treadle.train.step import StepResult, label_tokens, split_loss
 
@@ -146,20 +147,25 @@ def evaluate(trainer: Trainer) -> tuple[float, int, dict[str, float]]:
 class EvalCallback(Callback):
     """Validation loss and perplexity at the start (``at_start``), every ``eval_every`` steps and at the end.
 
+    ``perplexity``: False for a draft run, whose eval loss is no model's per-token CE (a DFlash draft's sums the
+    scored slots of a block), so exp of it is no perplexity. The eval loss's agreement counts (a draft's objective
+    returns them) are logged as rates: ``eval_acc_k``, ``eval_eal`` (drafts/agreement.py, as the steps' ``acc_k``).
     Other evaluations on the same cadence (a draft's acceptance) override ``measure``.
     """
 
-    def __init__(self, eval_every: int, at_start: bool = True):
+    def __init__(self, eval_every: int, at_start: bool = True, perplexity: bool = True):
         self.eval_every = eval_every
         self.at_start = at_start
+        self.perplexity = perplexity
         self.first: dict | None = None
         self.last: dict | None = None
 
     def measure(self, trainer: Trainer) -> dict:
         t0 = time.perf_counter()
         loss, tokens, side = evaluate(trainer)
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), **side,
-                "eval_tokens": tokens, "eval_s": round(time.perf_counter() - t0, 3)}
+        ppl = {"eval_ppl": math.exp(min(loss, 50.0))} if self.perplexity else {}
+        return {"eval_loss": loss, **ppl, **rates(side, "eval_"), "eval_tokens": tokens,
+                "eval_s": round(time.perf_counter() - t0, 3)}
 
     def describe(self, trainer: Trainer) -> str:
         """What ``measure`` is about to do, for the line a plain log shows as it starts."""

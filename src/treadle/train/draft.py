@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from treadle.config import DraftConfig
+from treadle.drafts.agreement import rates
 from treadle.errors import UserError
 from treadle.speculative.acceptance import chain_acceptance, degenerate_target_warning, lookup_tau
 from treadle.train.callbacks import Callback, EvalCallback
@@ -75,8 +76,10 @@ class AcceptanceCallback(EvalCallback):
         with trainer.autocast():
             got = chain_acceptance(model, self.texts, self.prompts.shape[1], self.cfg.gamma)
         model.train()
+        # acceptance_rounds: the rounds behind accept_1; accept_k's own count is acceptance_rounds times the product of
+        # accept_1 .. accept_{k-1} (the rounds that reached position k: metrics/report.py annotates them)
         return {"tau_sim": got["tau_sim"], **{f"accept_{k + 1}": a for k, a in enumerate(got["acceptance_conditional"])},
-                "acceptance_s": round(time.perf_counter() - t0, 3)}
+                "acceptance_rounds": got["rounds"], "acceptance_s": round(time.perf_counter() - t0, 3)}
 
 
 class DraftExportCallback(Callback):
@@ -103,18 +106,4 @@ class TTTAccuracyCallback(Callback):
     """
 
     def on_step_end(self, trainer, result: StepResult) -> None:
-        m = result.metrics
-        k = 1
-        while f"ttt_rows_{k}" in m:
-            hits, rows = m.pop(f"ttt_hits_{k}"), m.pop(f"ttt_rows_{k}")
-            if rows > 0:
-                m[f"acc_{k}"] = hits / rows
-            k += 1
-        # A block draft's (dflash) whole-block prefixes: eal = sum_k P(slots 1..k all the target's greedy tokens).
-        k, eal = 1, 0.0
-        while f"block_rows_{k}" in m:
-            hits, rows = m.pop(f"block_hits_{k}"), m.pop(f"block_rows_{k}")
-            eal += hits / rows if rows > 0 else 0.0
-            k += 1
-        if k > 1:
-            m["eal"] = eal
+        rates(result.metrics)  # the evaluation's eval_acc_k come from the same helper (train/callbacks.py)

@@ -486,7 +486,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         callbacks.insert(0, ProfilerCallback(p.start_step, p.steps, Path(p.dir) if p.dir else out / "profile",
                                              p.record_shapes, p.memory, p.with_stack))
     if val_ds is not None:
-        callbacks.append(EvalCallback(t.eval_every, t.eval_at_start))
+        callbacks.append(EvalCallback(t.eval_every, t.eval_at_start, perplexity=not cfg.draft.kind))
     callbacks += setup.eval_callbacks
     callbacks += user_callbacks
     callbacks.append(CheckpointCallback(cfg.checkpoint.every, cfg.checkpoint.every_minutes * 60))

@@ -180,8 +180,9 @@ class DFlashObjective:
             kl = (target_log.exp() * (target_log - draft_log)).sum(-1) * scored
             hit = out.hit if out.hit is not None else (
                 (out.logits.detach().argmax(-1) == out.target_logits.argmax(-1)) & scored)
-        if not train:
-            return ce.sum((1, 2)), {"target_loss": out.target_ce}
+        agreement = self.agreement(hit, scored)
+        if not train:  # the CE and the draft's agreement per slot (eval_acc_k, eval_eal: drafts/agreement.py)
+            return ce.sum((1, 2)), {"target_loss": out.target_ce, **agreement}
         if self.dpace:
             w = dpace_weights(ce, scored)
         else:
@@ -191,7 +192,13 @@ class DFlashObjective:
         else:
             token = ce if self.cfg.loss == "ce" else kl
         loss, more = self.row_loss(out, token, w)
-        side = {"target_loss": out.target_ce, "draft_ce": ce.detach().sum(), "draft_kl": kl.detach().sum(), **more}
+        return loss, {"target_loss": out.target_ce, "draft_ce": ce.detach().sum(), "draft_kl": kl.detach().sum(),
+                      **more, **agreement}
+
+    def agreement(self, hit: torch.Tensor, scored: torch.Tensor) -> dict:
+        """Per slot ``ttt_hits_k`` / ``ttt_rows_k`` and per prefix ``block_hits_k`` / ``block_rows_k`` of the blocks'
+        [B, N, slots] hits and scored slots."""
+        side = {}
         prefix = hit.long().cumprod(-1).bool()
         for k in range(self.slots):
             side[f"ttt_hits_{k + 1}"] = hit[..., k].sum().double()
@@ -199,7 +206,7 @@ class DFlashObjective:
         for k in range(self.slots):
             side[f"block_hits_{k + 1}"] = prefix[..., k].sum().double()
             side[f"block_rows_{k + 1}"] = scored[..., k].sum().double()
-        return loss, side
+        return side
 
 
 def dflash_setup(cfg, model, objective_class=None) -> DFlashObjective:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.data.packed import IGNORE_INDEX
+from treadle.drafts.agreement import counts
 from treadle.drafts.glide.model import anchored_positions
 from treadle.drafts.glide.objective import GlideObjective
 from treadle.drafts.run_model import batch_reads
@@ -32,7 +33,9 @@ class Eagle3Objective(GlideObjective):
     def losses(self, model, batch: Batch, lag: int, offset: int, train: bool):
         positions = batch["position_ids"]
         labels = batch["labels"]
-        steps = ttt_steps(self.cfg) if train else 1  # evaluation: step 0's CE, comparable across runs
+        # Evaluation runs the whole unroll too: its loss is step 0's CE (comparable across runs), its eval_acc_k the
+        # agreement of every step.
+        steps = ttt_steps(self.cfg)
         out = model(input_ids=batch["input_ids"], position_ids=anchored_positions(positions, self.cfg.anchor_positions,
                     offset), steps=steps, doc_position_ids=positions, labels=labels, reads=batch_reads(batch))
         draft = model.draft_model
@@ -47,7 +50,7 @@ class Eagle3Objective(GlideObjective):
                                    reduction="sum")
             loss, side = unrolled_losses(self.cfg, out.logits[:steps], out.target_logits, positions, labels, vocab)
         if not train:
-            return side["draft_ce"], {"target_loss": target_ce}
+            return side["draft_ce"], {"target_loss": target_ce, **counts(side)}
         return loss, {"target_loss": target_ce, **side}
 
 

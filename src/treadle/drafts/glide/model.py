@@ -390,6 +390,7 @@ class GlideOutput:
     token_ce: torch.Tensor | None = None  # the draft's CE on the labels
     token_kl: torch.Tensor | None = None  # KL(target || draft), 0 where the label is ignored
     target_token_ce: torch.Tensor | None = None  # the target's CE on the labels
+    token_hit: torch.Tensor | None = None  # bool: the draft's argmax is the target's, on labelled rows
     # Training-time test (forward with steps > 1): logits of unroll steps 1..steps-1, each [B, T, V]; row t of step
     # k guesses token t + k + 1 (``logits`` is step 0's).
     chain_logits: list[torch.Tensor] | None = None
@@ -530,10 +531,10 @@ class GlideModel(DraftRunModel):
             target_hidden, target_kv = self._target_forward(input_ids, position_ids, hidden=True, seq=self.sequences,
                                                             reads=reads)
             hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids, self.sequences)
-            ce, kl, target_ce = chunked_distillation_scores(
+            ce, kl, target_ce, hit = chunked_distillation_scores(
                 hidden, target_hidden, self.target.get_output_embeddings().weight, labels, self.loss_chunk_tokens,
                 config=self.target.config)  # the target's logit transform (soft-cap, scale) inside each chunk
-            return GlideOutput(None, None, token_ce=ce, token_kl=kl, target_token_ce=target_ce)
+            return GlideOutput(None, None, token_ce=ce, token_kl=kl, target_token_ce=target_ce, token_hit=hit)
         target_logits, target_kv = self._target_forward(input_ids, position_ids, seq=self.sequences, reads=reads)
         hidden = self._draft_hidden(input_ids, position_ids, target_kv, lag, doc_position_ids, self.sequences)
         return GlideOutput(model_logits(self.target.config, self.target.get_output_embeddings()(hidden)), target_logits)

@@ -82,16 +82,19 @@ class GlideObjective:
             return loss, {"target_loss": row_cross_entropy(out.target_logits, labels).sum(), **side}
         out = model(input_ids=batch["input_ids"], position_ids=shifted, lag=lag, doc_position_ids=positions,
                     labels=labels, reads=batch_reads(batch))
+        scored = labels != IGNORE_INDEX
         if out.logits is None:  # a chunked loss (model.loss_chunk_tokens): per-token scores, logits never whole
             ce, kl, target_ce = out.token_ce.sum(-1), out.token_kl.sum(-1), out.target_token_ce.sum()
+            hit = out.token_hit
         else:
             ce = row_cross_entropy(out.logits, labels)
             target_ce = row_cross_entropy(out.target_logits, labels).sum()
+            hit = None if train else (out.logits.argmax(-1) == out.target_logits.argmax(-1)) & scored
             if train:  # evaluation reports the CE alone
                 kl = (F.kl_div(F.log_softmax(at_least_fp32(out.logits), -1), F.log_softmax(at_least_fp32(out.target_logits), -1),
-                               log_target=True, reduction="none").sum(-1) * (labels != IGNORE_INDEX)).sum(-1)
-        if not train:
-            return ce, {"target_loss": target_ce}
+                               log_target=True, reduction="none").sum(-1) * scored).sum(-1)
+        if not train:  # the CE and the draft's top-1 agreement with the target (eval_acc_1: drafts/agreement.py)
+            return ce, {"target_loss": target_ce, "ttt_hits_1": hit.sum().double(), "ttt_rows_1": scored.sum().double()}
         if self.cfg.loss == "mix":
             loss = (1.0 - self.cfg.kl_weight) * ce + self.cfg.kl_weight * kl
         else:
