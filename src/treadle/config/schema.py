@@ -271,7 +271,7 @@ class DataConfig(Section):
         config says so (and a saved config, which has the key, is not changed by it again)."""
         if not isinstance(data, dict) or "val" in data or "val_fraction" in data:
             return data
-        if data.get("sources"):
+        if isinstance(data.get("sources"), list) and data["sources"]:
             entries = [s.path if isinstance(s, SourceConfig) else s.get("path") if isinstance(s, dict) else None
                        for s in data["sources"]]
         else:
