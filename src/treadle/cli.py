@@ -83,7 +83,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from treadle.train.run import run_training  # torch and the rest, once the config and its paths are good
 
     summary = run_training(cfg)
-    if summary.rank != 0:  # under a launcher every rank returns the same summary: rank 0 reports it
+    if summary.rank != 0 or summary.finished_before:  # rank 0 reports; a finished run said "nothing to do"
         return EXIT_STOPPED_RESUMABLE if summary.stop_reason is not None else 0
     if summary.stop_reason is not None:
         print(f"treadle: stopped at step {summary.steps} ({summary.stop_reason}); a checkpoint is written and "
