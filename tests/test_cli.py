@@ -43,7 +43,7 @@ def test_help_version_config_and_config_errors_import_no_heavy_library(tmp_path)
     cases = {
         ("--help",): 0, ("--version",): 0, ("train", "--help"): 0, ("config", "--help"): 0,
         ("prepare", "--help"): 0, ("samples", "--help"): 0, ("export", "--help"): 0, ("spec-eval", "--help"): 0,
-        ("generate", "--help"): 0,
+        ("generate", "--help"): 0, ("features", "--help"): 0,
         ("config",): 0, ("config", "--explain"): 0, ("config", str(CONFIGS[0]), "--train.max_steps=50"): 0,
         ("train", "--trian.x=1"): 2,  # unknown key
         ("train", "--train.max_steps=abc"): 2,  # bad value
@@ -69,6 +69,8 @@ def test_help_version_config_and_config_errors_import_no_heavy_library(tmp_path)
         ("train", f"--model.path={missing}"): "model.path ",
         ("train", *draft, f"--draft.init={missing}"): "draft.init ",
         ("train", *draft, f"--draft.features={missing}"): "draft.features ",
+        # treadle features likewise (it imported torch with its arguments, before the paths were checked)
+        ("features", *draft, f"--data.train={missing}", "--out", str(tmp_path / "store")): "data.train = ",
     }
     script = _LIGHT.format(argvs=[list(a) for a in [*cases, *paths]], heavy=HEAVY)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -211,8 +211,8 @@ def _command_module(name: str):
         from treadle.speculative import evaluate as module
     elif name == "report":
         from treadle.metrics import report as module
-    elif name == "features":
-        from treadle.train import features as module
+    elif name == "features":  # its arguments alone: train/features.py (torch) loads once the paths are checked
+        from treadle.drafts.features import cli_args as module
     else:
         from treadle.data import generate as module
     return module
