@@ -157,6 +157,19 @@ def test_a_finished_run_run_again_says_nothing_to_do_in_one_line_and_writes_noth
     watched.assert_unchanged()
 
 
+def test_model_overrides_a_model_with_weights_would_ignore_are_refused(world, refused):
+    """model.overrides beside a model.path with weights was silently ignored (the weights keep their config.json):
+    an override that disagrees with it is refused in one line; one that agrees stands (tests/test_own_data.py runs
+    the recipe's shape keys against the run's own export)."""
+    hf = world.run / "hf"
+    line = refused(world.args(world.root / "new", f"--model.path={hf}", "--model.overrides={hidden_size=64}"),
+                   f"model.overrides.hidden_size = 64 with model.path {hf}, whose weights' config.json has "
+                   "hidden_size = 32")
+    assert "accepted: model.overrides unset" in line
+    refused(world.args(world.root / "new", f"--model.path={hf}", "--model.overrides={rope_theta=1e6}"),
+            "model.overrides.rope_theta = 1000000.0 with model.path")
+
+
 # ---------------------------------------------------------------------------- config and flags
 
 

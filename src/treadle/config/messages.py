@@ -235,7 +235,8 @@ def _forms(field: FieldInfo, key: str) -> str:
         example = choices[:2] if choices else ["a", "b"] if item is str else [1, 2]
     name = key.rsplit(".", 1)[-1]
     words = ",".join(str(x) for x in example)
-    return f" (in a file: {name} = {toml_value(example)}; on the command line: --{key}={words} or '--{key}={toml_value(example)}')"
+    array = toml_value(example)
+    return f" (in a file: {name} = {array}; on the command line: --{key}={words} or '--{key}={array}')"
 
 
 def config_error(root: type[BaseModel], err: ValidationError, source: str, tree: dict | None = None,
@@ -268,10 +269,11 @@ def config_error(root: type[BaseModel], err: ValidationError, source: str, tree:
         reason = f"{at} is missing" if e["type"] == "missing" else f"{at} = {e['input']!r}" + (
             f" is {reason}" if reason == "out of range" else f": {reason}" if reason else " is not accepted")
     if "accepted:" not in reason:
-        reason = f"{reason}; accepted: {what}{_forms(field, key)}" if reason else f"accepted: {what}{_forms(field, key)}"
+        accepted = f"accepted: {what}{_forms(field, key)}"
+        reason = f"{reason}; {accepted}" if reason else accepted
     msg = reason
     spelt = FOREIGN_VALUES.get(e["input"]) if e["type"] == "literal_error" and isinstance(e["input"], str) else None
-    if spelt is not None and (repr(spelt) in msg or toml_value(spelt) in msg):  # model.dtype = "bfloat16": treadle spells it "bf16"
+    if spelt is not None and toml_value(spelt) in msg:  # model.dtype = "bfloat16": treadle spells it "bf16"
         msg = f"{msg}; treadle spells {e['input']!r} as {spelt!r}"
     elif isinstance(e["input"], str):  # draft.kind = "eagel3", as a key typo gets one
         near = nearest_value(field.annotation, e["input"])
