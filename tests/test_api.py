@@ -80,10 +80,10 @@ def test_a_bad_assignment_is_the_same_line_as_a_bad_file_key():
 
     cfg = Config()
     for section, key, value, expect in [
-        ("train", "max_steps", 0, "config error: train.max_steps = 0 is invalid: Input should be greater than or equal to 1"),
+        ("train", "max_steps", 0, "config error: train.max_steps = 0 is invalid: out of range; accepted: an integer >= 1"),
         ("train", "max_stps", 3, "config error: unknown key train.max_stps; did you mean train.max_steps?"),
-        ("schedule", "decay", "cosin", "config error: schedule.decay = 'cosin' is invalid: Input should be 'cosine', "
-                                       "'linear', 'constant' or 'wsd'; did you mean 'cosine'?"),
+        ("schedule", "decay", "cosin", "config error: schedule.decay = 'cosin' is invalid: accepted: one of \"cosine\", "
+                                       "\"linear\", \"constant\", \"wsd\"; did you mean 'cosine'?"),
     ]:
         with pytest.raises(UserError) as err:
             setattr(getattr(cfg, section), key, value)

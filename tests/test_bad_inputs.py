@@ -144,6 +144,32 @@ def test_harness_sees_a_change_and_a_second_line(world, capsys):
         _check_one_line(0, "treadle: error: a\n", None)
 
 
+def test_a_finished_run_run_again_says_nothing_to_do_in_one_line_and_writes_nothing(world, capsys):
+    """docs/checkpoints.md: `treadle train runs/x/config.toml` on a finished run has nothing to do, and says so in
+    one line (not "resumed from ..." and the whole summary again), with no eval, export or record written."""
+    watched = Watched(*world.watched)
+    capsys.readouterr()
+    assert main(["train", str(world.run / "config.toml"), f"--train.output_dir={world.run}"]) == 0  # the copy
+    out, err = capsys.readouterr()
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0] == f"treadle: {world.run} finished at step 2 (train.max_steps = 2): nothing "\
+                                          "to do", out + err
+    watched.assert_unchanged()
+
+
+def test_model_overrides_a_model_with_weights_would_ignore_are_refused(world, refused):
+    """model.overrides beside a model.path with weights was silently ignored (the weights keep their config.json):
+    an override that disagrees with it is refused in one line; one that agrees stands (tests/test_own_data.py runs
+    the recipe's shape keys against the run's own export)."""
+    hf = world.run / "hf"
+    line = refused(world.args(world.root / "new", f"--model.path={hf}", "--model.overrides={hidden_size=64}"),
+                   f"model.overrides.hidden_size = 64 with model.path {hf}, whose weights' config.json has "
+                   "hidden_size = 32")
+    assert "accepted: model.overrides unset" in line
+    refused(world.args(world.root / "new", f"--model.path={hf}", "--model.overrides={rope_theta=1e6}"),
+            "model.overrides.rope_theta = 1000000.0 with model.path")
+
+
 # ---------------------------------------------------------------------------- config and flags
 
 

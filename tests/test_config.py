@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -40,10 +41,10 @@ def test_file_then_overrides(tmp_path):
         ("--optim.learning_rate=1", "unknown key optim.learning_rate"),
         ("--lr=1", "did you mean optim.lr?"),
         ("--train.max_steps=abc", "train.max_steps = 'abc' is invalid"),
-        ("--model.dtype=fp16", "model.dtype = 'fp16' is invalid: Input should be 'auto', 'fp32', 'bf16', 'bf16-weights' or 'fp8'"),
+        ("--model.dtype=fp16", 'model.dtype = \'fp16\' is invalid: accepted: one of "auto", "fp32", "bf16", "bf16-weights", "fp8"'),
         ("--model.compile=maybe", "model.compile = 'maybe' is invalid: accepted: 'auto', true or false"),
-        ("--schedule.decay=step", "'cosine', 'linear', 'constant' or 'wsd'"),
-        ("--train.grad_clip=-1", "greater than or equal to 0"),
+        ("--schedule.decay=step", '"cosine", "linear", "constant", "wsd"'),
+        ("--train.grad_clip=-1", "train.grad_clip = -1 is invalid: out of range; accepted: a number >= 0"),
         ("--schedule.warmup_steps=500", "schedule.warmup_steps=500 is not shorter than train.max_steps=200"),
         ("--schedule.warmup_steps=200", "(e.g. --schedule.warmup_steps=20), or schedule.warmup_proportion"),
         ("--data.val_fraction=1", "data.val_fraction = 1 is invalid"),
@@ -302,3 +303,72 @@ def test_data_train_beside_a_files_sources_says_how_to_drop_them(tmp_path):
     with pytest.raises(UserError, match=r"--data.sources=\[\] drops a file's sources, and --data.phases=\[\] its phases"):
         load_config(f, ["--data.train=x.jsonl"])
     assert load_config(f, ["--data.train=x.jsonl", "--data.sources=[]", "--data.phases=[]"]).data.train == ["x.jsonl"]
+
+
+def _list_keys() -> list[str]:
+    from treadle.config.doc import list_item
+    from treadle.config.messages import all_keys, field_at
+    from treadle.config.schema import Config
+
+    return [k for k in all_keys(Config) if list_item(field_at(Config, k.split(".")).annotation) is not None]
+
+
+def _outcome(overrides: list[str]):
+    """The resolved config's dump, or the error's line with the value as it was typed taken out."""
+    try:
+        return load_config(None, overrides).model_dump()
+    except UserError as exc:
+        return str(exc).split(" is invalid")[-1]
+
+
+@pytest.mark.parametrize("key", _list_keys())
+def test_every_list_key_takes_a_comma_list_as_its_toml_array(key):
+    """--key=a,b is the TOML array --key=[a, b] (numbers read as numbers, words as strings), for every key that
+    takes a list: the same config, or the same refusal."""
+    from treadle.config.doc import list_item
+    from treadle.config.messages import field_at, literal_values
+    from treadle.config.schema import Config
+
+    item = list_item(field_at(Config, key.split(".")).annotation)
+    words = (literal_values(item) or ["a", "b"])[:2] if literal_values(item) or item is str else ["1", "2"]
+    array = "[" + ", ".join(f'"{w}"' if literal_values(item) or item is str else w for w in words) + "]"
+    assert _outcome([f"--{key}={','.join(words)}"]) == _outcome([f"--{key}={array}"])
+    assert _outcome([f"--{key}={words[0]}"]) == _outcome([f"--{key}={array.split(',')[0].rstrip(']')}]"])
+
+
+def test_comma_lists_as_peft_users_type_them():
+    cfg = load_config(None, ["--lora.target_modules=q_proj,v_proj", "--optim.betas=0.85, 0.9",
+                             "--metrics.sinks=console,jsonl", "--lora.modules_to_save=lm_head"])
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"] and cfg.optim.betas == (0.85, 0.9)
+    assert cfg.metrics.sinks == ["console", "jsonl"] and cfg.lora.modules_to_save == ["lm_head"]
+    assert load_config(None, ["--lora.target_modules=all-linear"]).lora.target_modules == "all-linear"
+    assert load_config(None, ['--data.train="a,b.jsonl"']).data.train == ["a,b.jsonl"]  # quoted: one item
+    with pytest.raises(UserError) as err:  # the TOML form of a string list wants its strings quoted
+        load_config(None, ["--lora.target_modules=[q_proj]"])
+    assert "--lora.target_modules=a,b" in str(err.value) and "literal" not in str(err.value)
+
+
+# What pydantic says in its own words, naming Python's types: never in a config error.
+_PYDANTIC_WORDS = re.compile(r"Input should|literal\[|list\[|tuple\[|dict\[|valid (list|tuple|integer|number|string|"
+                             r"dictionary|boolean)|Value error|pydantic|unable to (parse|interpret)|instance of|type=|"
+                             r"NoneType|\b(int|float|str|bool)\b")
+_BAD_VALUES = ["zzz-bad", "{ x = 1 }", "[{ x = 1 }]", "-5", "1.5", '[1, "a"]', "a,b", "true", "[]"]
+
+
+def test_no_config_error_speaks_pydantic():
+    """Every key of the schema fed values of every wrong kind: each refusal is one line in the user's words
+    (the accepted forms), never pydantic's type names, and never a crash."""
+    from treadle.config.messages import all_keys
+    from treadle.config.schema import Config
+
+    refused = 0
+    for key in all_keys(Config):
+        for value in _BAD_VALUES:
+            try:
+                load_config(None, [f"--{key}={value}"])
+            except UserError as exc:
+                refused += 1
+                line = str(exc)
+                assert "\n" not in line and "accepted" in line or "did you mean" in line or "both set" in line, line
+                assert not _PYDANTIC_WORDS.search(line), (key, value, line)
+    assert refused > 5 * len(all_keys(Config))

@@ -83,7 +83,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from treadle.train.run import run_training  # torch and the rest, once the config and its paths are good
 
     summary = run_training(cfg)
-    if summary.rank != 0:  # under a launcher every rank returns the same summary: rank 0 reports it
+    if summary.rank != 0 or summary.finished_before:  # rank 0 reports; a finished run said "nothing to do"
         return EXIT_STOPPED_RESUMABLE if summary.stop_reason is not None else 0
     if summary.stop_reason is not None:
         print(f"treadle: stopped at step {summary.steps} ({summary.stop_reason}); a checkpoint is written and "
@@ -241,8 +241,8 @@ def _command_module(name: str):
         from treadle.speculative import evaluate as module
     elif name == "report":
         from treadle.metrics import report as module
-    elif name == "features":
-        from treadle.train import features as module
+    elif name == "features":  # its arguments alone: train/features.py (torch) loads once the paths are checked
+        from treadle.drafts.features import cli_args as module
     else:
         from treadle.data import generate as module
     return module

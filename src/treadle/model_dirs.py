@@ -57,11 +57,47 @@ def model_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def has_weights(model_dir: Path) -> bool:
+    return any(next(model_dir.glob(pattern), None) is not None for pattern in _WEIGHT_FILES)
+
+
+_UNSET = object()
+
+
+def check_overrides_apply(model_cfg, model_dir: Path) -> None:
+    """``model.overrides`` beside a ``model.path`` with weights: the weights were trained with their config.json,
+    which a model loaded from them keeps, so an override that says otherwise would be silently ignored (or, were
+    it applied, break the load or change what the weights compute: another hidden_size, rope_theta, head count).
+    Refused in one line; an override that agrees with the config.json is what it says already (a recipe's shape
+    keys run against the model they describe), so it stands."""
+    import json
+
+    if not model_cfg.overrides or not has_weights(model_dir):
+        return
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # resolve_model_dir and the load say what is wrong with it
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for key, value in model_cfg.overrides.items():
+        have = config.get(key, text.get(key, _UNSET))
+        if have != value:
+            states = f"sets no {key}" if have is _UNSET else f"has {key} = {have!r}"
+            raise UserError(f"model.overrides.{key} = {value!r} with model.path {model_dir}, whose weights' "
+                            f"config.json {states}: a model with weights keeps its config.json, so the "
+                            "override would be ignored; accepted: model.overrides unset (or agreeing with the "
+                            "config.json), or a model.path holding only a config.json (a new model built from it)")
+
+
 def check_model_paths(cfg) -> None:
     """The config's model directories exist (``model.path``, ``draft.target``), and what ``draft.init`` and
-    ``draft.features`` name; one line naming the key if not (what they hold is the draft kind's to judge)."""
+    ``draft.features`` name; one line naming the key if not (what they hold is the draft kind's to judge). Also
+    ``model.overrides`` that a model.path with weights would ignore (``check_overrides_apply``)."""
     if cfg.model.path is not None:
-        resolve_model_dir(Path(cfg.model.path), "model.path")
+        check_overrides_apply(cfg.model, resolve_model_dir(Path(cfg.model.path), "model.path"))
     if cfg.draft.target is not None:
         resolve_model_dir(Path(cfg.draft.target), "draft.target")
     if cfg.draft.init is not None and not Path(cfg.draft.init).exists():

@@ -83,6 +83,8 @@ def _unannotated(annotation: Any) -> tuple[Any, list]:
 def _items(annotation: Any, count: str) -> str:
     """'two numbers, each in [0, 1)', 'a list of integers, each >= 0'."""
     base, metadata = _unannotated(annotation)
+    if get_origin(base) is Literal:
+        return f"{count} values, each one of " + ", ".join(toml_value(a) for a in get_args(base))
     plural = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}.get(base, "values")
     bounds = _bounds(metadata)
     return f"{count} {plural}" + (f", each{bounds}" if bounds else "")
@@ -127,6 +129,20 @@ def accepted(annotation: Any, metadata: list = ()) -> str:
 
 def field_accepted(field: FieldInfo) -> str:
     return accepted(field.annotation, field.metadata)
+
+
+def list_item(annotation: Any) -> Any | None:
+    """The item annotation of a list or tuple of plain values anywhere in ``annotation`` (``list[str]``,
+    ``Literal["all-linear"] | list[str]``, ``list[int] | None``, ``tuple[float, float]``), else None: an array of
+    tables (``data.sources``) or a key that takes no list. What a comma list on the command line is read into."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return list_item(args[0])
+    if origin in (Union, types.UnionType):
+        return next((item for item in map(list_item, args) if item is not None), None)
+    if origin in (list, tuple) and args and not item_model(annotation) and not model_of(args[0]):
+        return args[0]
+    return None
 
 
 def default_value(field: FieldInfo) -> str:

@@ -6,6 +6,7 @@ Bad input of any kind (a missing or broken file, an unknown key, a bad value, a 
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import tomllib
@@ -15,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from treadle.config import messages
+from treadle.config.doc import list_item
 from treadle.config.render import show_value
 from treadle.config.schema import Config
 from treadle.errors import UserError
@@ -45,14 +47,48 @@ def parse_override(arg: str) -> tuple[list[str], Any]:
     if "=" not in body or not body.split("=", 1)[0]:
         raise UserError(f"bad override {arg!r}; accepted form: --section.key=value (e.g. --train.max_steps=50)")
     key, raw = body.split("=", 1)
+    bare = False
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        value = raw
+        value, bare = raw, True
     path = key.split(".")
     if isinstance(value, str) and value.strip().lower() in UNSET_WORDS and _may_be_unset(path):
-        value = None
-    return path, value
+        return path, None
+    return path, _as_list(path, value, bare)
+
+
+def _as_list(path: list[str], value: Any, bare: bool) -> Any:
+    """A list key's value as PEFT, Axolotl and shells spell it: ``--lora.target_modules=q_proj,v_proj`` (a bare
+    word, commas between the items) or one item alone (``--draft.feature_layers=3``) is that list. Items of a list
+    of numbers are read as TOML literals, items of a list of strings stay strings. The TOML form (``=[...]``) and a
+    quoted string (``='"a,b"'``: one item holding a comma) are taken as written; so is a choice the key takes
+    instead of a list (``--lora.target_modules=all-linear``), and a word close to it."""
+    field = messages.field_at(Config, path)
+    item = list_item(field.annotation) if field is not None else None
+    if item is None or isinstance(value, (list, dict)):
+        return value
+    instead = [c for c in messages.literal_values(field.annotation) if c not in messages.literal_values(item)]
+    if value in instead:
+        return value
+    near = difflib.get_close_matches(value, instead, n=1, cutoff=0.6) if isinstance(value, str) else None
+    if near and "," not in value:
+        return value  # all-linearr: a typo of the choice the key takes instead of a list is refused as one
+    if not bare:  # a TOML scalar (3, 0.9, true, "a,b"): one item
+        return [value]
+    if value.lstrip().startswith(("[", "{")):  # a TOML array or table that did not parse: refused as typed
+        return value
+    words = [w.strip() for w in value.split(",") if w.strip()]
+    if messages.literal_values(item) or item is str:
+        return words
+    return [_literal(w) for w in words]
+
+
+def _literal(word: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {word}")["v"]
+    except tomllib.TOMLDecodeError:
+        return word
 
 
 def _may_be_unset(path: list[str]) -> bool:

@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from treadle.config.doc import field_accepted, item_model, model_of
+from treadle.config.doc import field_accepted, item_model, list_item, model_of, toml_value
 from treadle.errors import UserError
 
 # Names from Hugging Face transformers' TrainingArguments / model configs and torchtitan's job config, with the
@@ -198,8 +198,45 @@ def _lookup(tree: Any, loc: tuple, fallback: Any) -> Any:
     return tree
 
 
-# pydantic messages that already name the bound or the choices ("Input should be 'fp32' or 'bf16'")
-_SAYS_WHAT_IS_ACCEPTED = {"literal_error", "greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+# pydantic's own checks, in words: what was wrong with a value (its bound; else the "accepted: ..." says it all).
+# pydantic's message itself is never shown: it speaks of Python types ("Input should be a valid list",
+# "literal['all-linear']"), which a config's author did not write. A validator's ValueError is treadle's words.
+_BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+_OURS = {"value_error", "assertion_error"}
+
+
+def _user_parts(value: Any, inner: tuple) -> tuple:
+    """The parts of an error's location inside a value that the user wrote (an item's index, a table's key),
+    without the tags pydantic adds for a union's members and validators (``literal['all-linear']``, ``list[str]``,
+    ``function-after[...]``)."""
+    kept = []
+    for part in inner:
+        if isinstance(value, (list, tuple)) and isinstance(part, int):
+            kept.append(part)
+            if part >= len(value):  # an item missing past the end (a tuple's)
+                break
+            value = value[part]
+        elif isinstance(value, dict) and part in value:
+            kept.append(part)
+            value = value[part]
+    return tuple(kept)
+
+
+def _forms(field: FieldInfo, key: str) -> str:
+    """How a key that takes a list of plain values is written, in a file and on the command line (its default as
+    the example when it has items); '' for any other key."""
+    item = list_item(field.annotation)
+    if item is None:
+        return ""
+    default = field.get_default(call_default_factory=True)
+    example = list(default) if isinstance(default, (list, tuple)) and default else None
+    if example is None:
+        choices = literal_values(item)
+        example = choices[:2] if choices else ["a", "b"] if item is str else [1, 2]
+    name = key.rsplit(".", 1)[-1]
+    words = ",".join(str(x) for x in example)
+    array = toml_value(example)
+    return f" (in a file: {name} = {array}; on the command line: --{key}={words} or '--{key}={array}')"
 
 
 def config_error(root: type[BaseModel], err: ValidationError, source: str, tree: dict | None = None,
@@ -224,14 +261,19 @@ def config_error(root: type[BaseModel], err: ValidationError, source: str, tree:
     if e["type"] == "missing" and used == len(loc):
         return UserError(f"config error{where}: {key} is missing; accepted: {what}")
     value = _lookup(tree, loc[:used], e["input"]) if tree is not None else e["input"]
-    inner = loc[used:]
+    ours = e["type"] in _OURS
+    reason = msg if ours else "out of range" if e["type"] in _BOUND_ERRORS else ""
+    inner = _user_parts(value, loc[used:])
     if inner:  # inside the value (a tuple's, list's or table's item): the key is what the user typed
         at = ", ".join(f"item {p + 1}" if isinstance(p, int) else repr(p) for p in inner)
-        msg = f"{at} is missing" if e["type"] == "missing" else f"{at} = {e['input']!r}: {msg}"
-    if "accepted:" not in msg and (inner or e["type"] not in _SAYS_WHAT_IS_ACCEPTED):
-        msg = f"{msg}; accepted: {what}"
+        reason = f"{at} is missing" if e["type"] == "missing" else f"{at} = {e['input']!r}" + (
+            f" is {reason}" if reason == "out of range" else f": {reason}" if reason else " is not accepted")
+    if "accepted:" not in reason:
+        accepted = f"accepted: {what}{_forms(field, key)}"
+        reason = f"{reason}; {accepted}" if reason else accepted
+    msg = reason
     spelt = FOREIGN_VALUES.get(e["input"]) if e["type"] == "literal_error" and isinstance(e["input"], str) else None
-    if spelt is not None and repr(spelt) in msg:  # model.dtype = "bfloat16": treadle spells it "bf16"
+    if spelt is not None and toml_value(spelt) in msg:  # model.dtype = "bfloat16": treadle spells it "bf16"
         msg = f"{msg}; treadle spells {e['input']!r} as {spelt!r}"
     elif isinstance(e["input"], str):  # draft.kind = "eagel3", as a key typo gets one
         near = nearest_value(field.annotation, e["input"])

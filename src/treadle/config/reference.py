@@ -39,6 +39,10 @@ the command line. Each key takes its built-in default, unless the file sets it, 
   its resolved config to `<train.output_dir>/config.toml`.
 - An override's value is read as a TOML literal (`--optim.betas=[0.9,0.95]`, `--data.train='["my.jsonl"]'`,
   `--train.eval_at_start=false`); a bare word is a string (`--model.dtype=bf16`).
+- A key that takes a list takes it on the command line in either form: comma-separated words
+  (`--lora.target_modules=q_proj,v_proj`, `--optim.betas=0.9,0.95`, `--data.train=a.jsonl,b.jsonl`; one word is
+  a list of one) or the TOML array (`'--lora.target_modules=["q_proj", "v_proj"]'`). In a file, lists are TOML
+  arrays. An item that holds a comma is written in the TOML form, or as a quoted string (`--data.train='"a,b.jsonl"'`).
 - An unknown key is an error that names the key it most likely meant. Names from Hugging Face transformers
   and torchtitan are not accepted, one name per setting, but the error names treadle's key (table below).
 - A key whose default is *unset* is unset again from the command line with {unset},

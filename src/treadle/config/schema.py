@@ -159,7 +159,9 @@ class ModelConfig(Section):
     activation_checkpointing_save_ops: list[str] = Field(
         default_factory=list, description="selective: aten op names whose outputs are kept (e.g. 'mm', "
                                           "'_scaled_dot_product_flash_attention_for_cpu'); [] = matmuls and attention")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="HF config fields set on top of the preset, or of a model.path config.json without weights")
+    overrides: dict[str, Any] = Field(default_factory=dict, description=(
+        "HF config fields set on top of the preset, or of a model.path config.json without weights; beside a "
+        "model.path with weights (which keeps its config.json) only values that agree with it, others are refused"))
     router_aux_loss_coef: float | None = Field(
         None, ge=0.0, description="MoE models: weight of the router load-balancing loss added to the loss; unset = the "
         "HF config's own router_aux_loss_coef (0.001 Mixtral/Qwen-MoE, 0.01 OLMoE); a model without experts refuses > 0")
@@ -271,7 +273,7 @@ class DataConfig(Section):
         config says so (and a saved config, which has the key, is not changed by it again)."""
         if not isinstance(data, dict) or "val" in data or "val_fraction" in data:
             return data
-        if data.get("sources"):
+        if isinstance(data.get("sources"), list) and data["sources"]:
             entries = [s.path if isinstance(s, SourceConfig) else s.get("path") if isinstance(s, dict) else None
                        for s in data["sources"]]
         else:

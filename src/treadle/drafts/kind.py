@@ -36,6 +36,8 @@ def init_dir(path) -> Path:
 
 class DraftKind:
     settings: ModuleType  # the kind's settings.py: NAME, KEYS, TTT_STEPS, LAYOUTS, check, check_context_parallel
+    # Its drafter cuts a proposal at a confidence threshold (spec-eval's --confidence-threshold; DSpark's head).
+    confidence_head = False
 
     @property
     def name(self) -> str:
@@ -58,6 +60,12 @@ class DraftKind:
     def drafter(self, model):
         """The model as a ``speculative.decode.Drafter`` for spec-eval."""
         raise NotImplementedError
+
+    def max_gamma(self, config: dict) -> int | None:
+        """The most drafts one proposal of an export with this ``config.json`` holds (what its drafter refuses
+        beyond, at decode time), read off the config alone: spec-eval checks --gamma and a tree's depth against
+        it before any weights load. None: no bound (a drafter that runs once per draft)."""
+        return None
 
     def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
         """(weights, config.json) of the export in its consumers' layout, from the draft's weights in treadle's

@@ -24,7 +24,7 @@ from treadle.config import ModelConfig
 from treadle.corpus import cache_dir
 from treadle.errors import UserError, first_line
 from treadle.models.finite import check_module
-from treadle.model_dirs import resolve_model_dir
+from treadle.model_dirs import check_overrides_apply, has_weights, resolve_model_dir
 from treadle.tokenizer import ID_KEYS, RunTokenizer, stated_ids
 
 
@@ -53,6 +53,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, empty: bool = False,
     tokenizer = tokenizer or RunTokenizer(vocab_size)
     scratch = config_only_dir(cfg)
     if cfg.path is not None and scratch is None:
+        check_overrides_apply(cfg, resolve_model_dir(Path(cfg.path), "model.path"))  # the CLI checked; fit() not
         model = load_causal_lm(Path(cfg.path), "model.path", empty)
         vocabulary_fit(model.config.vocab_size, tokenizer, cfg)
     else:
@@ -162,14 +163,6 @@ def check_overrides(hf_config, overrides: dict) -> None:
                             f"kept and ignored); did you mean {close[0]}? accepted: the fields of {cls.__name__}")
         print(f"treadle: model.overrides.{key} is not a field {cls.__name__} declares: kept as a config attribute, "
               "which only model code that looks for it reads", file=sys.stderr)
-
-
-# What a Hugging Face directory keeps its weights in (one file, or shards and their index).
-_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
-
-
-def has_weights(model_dir: Path) -> bool:
-    return any(next(model_dir.glob(pattern), None) is not None for pattern in _WEIGHT_FILES)
 
 
 def config_only_dir(cfg: ModelConfig) -> Path | None:

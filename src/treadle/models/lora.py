@@ -306,12 +306,41 @@ def read_identity(adapter_dir: Path) -> dict | None:
                         "export wrote, or none") from None
 
 
+def _base_kind(identity: dict) -> str:
+    return f"the {identity['draft_kind']} draft" if "draft_kind" in identity else "a model"
+
+
+def refuse_model_adapter(recorded: dict, what: str, expected: str) -> None:
+    """One line when an adapter of a model (a [model] LoRA run's) is given where an adapter of a draft is expected
+    (spec-eval's --adapter): what it adapts and what was expected, before any fingerprint is compared."""
+    if "draft_kind" not in recorded:
+        raise UserError(f"{what} is an adapter of a model ({describe_base(recorded)}), not of a draft; accepted: an "
+                        f"adapter of {expected} (the adapter/ of a draft LoRA run whose draft.init it is)")
+
+
+def base_differences(recorded: dict, identity: dict) -> str:
+    """The fields that differ between two base identities, each with both values ('weights_fingerprint 1a2b then,
+    3c4d now'): only those, the fields both sides share left out."""
+    keys = [k for k in [*recorded, *(k for k in identity if k not in recorded)] if k != "fingerprint"]
+    differ = [k for k in keys if recorded.get(k) != identity.get(k)]
+    return "; ".join(f"{k} {recorded.get(k, 'unset')} then, {identity.get(k, 'unset')} now" for k in differ)
+
+
 def check_same_base(recorded: dict | None, identity: dict, what: str) -> None:
-    """One line when an adapter (or a checkpoint's adapters) was trained on another base than ``identity``."""
+    """One line when an adapter (or a checkpoint's adapters) was trained on another base than ``identity``: an
+    adapter of a model where a draft's is wanted (or the reverse) says so; else the fields that differ."""
     if recorded is None or recorded.get("fingerprint") == identity.get("fingerprint"):
         return
-    raise UserError(f"{what} was trained on another base model ({describe_base(recorded)}) than this one "
-                    f"({describe_base(identity)}); accepted: the base it was trained on")
+    if ("draft_kind" in recorded) != ("draft_kind" in identity):
+        raise UserError(f"{what} is an adapter of {_base_kind(recorded)} ({describe_base(recorded)}), not of "
+                        f"{_base_kind(identity)}; accepted: an adapter trained on {_base_kind(identity)} "
+                        f"({describe_base(identity)})")
+    differ = base_differences(recorded, identity) or f"fingerprint {recorded.get('fingerprint')} then, " \
+                                                      f"{identity.get('fingerprint')} now"
+    base = recorded.get("model_type", "a model")
+    base = f"the {recorded['draft_kind']} draft for {base}" if "draft_kind" in recorded else base
+    raise UserError(f"{what} was trained on another base model ({base}: {differ}); accepted: the base it was "
+                    "trained on")
 
 
 def load_adapter(base: nn.Module, adapter_dir: Path, identity: dict | None = None):

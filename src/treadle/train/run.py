@@ -85,6 +85,7 @@ class RunSummary:
     loss_label: str = "cross-entropy per label token"  # the train loss (a draft's objective: KL, CE or a mix)
     eval_loss_label: str = "cross-entropy per label token"  # the eval loss
     rank: int = 0  # the process that returns it (every rank of a launch gets one)
+    finished_before: bool = False  # the run had finished already: nothing ran (the CLI prints no summary)
 
 
 def seed_everything(seed: int) -> None:
@@ -513,6 +514,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     )
     if resume_from is not None:
         trainer.resume(resume_from)
+    if trainer.finished:  # its one line said so: no start line, nothing written
+        return trainer
     # Records after the checkpoint (or all, on a fresh start) came from a run that died: they are logged again.
     trainer.metrics.truncate_after(trainer.state.step if resume_from is not None else -1)
     if main:  # TensorBoard's event files likewise; W&B continues its run
@@ -592,6 +595,7 @@ def run_training(cfg: Config, live: bool | None = None, callbacks: Sequence[Call
         acceptance=next(((cb.first, cb.last) for cb in trainer.callbacks if isinstance(cb, AcceptanceCallback)),
                         (None, None) if trainer.cfg.draft.kind else None),  # a draft run without tau_sim: (None, None)
         rank=trainer.engine.rank,
+        finished_before=trainer.finished,
         loss_label=getattr(trainer.loss_fn, "label", RunSummary.loss_label),
         eval_loss_label=getattr(getattr(trainer.eval_loss_fn, "__self__", trainer.eval_loss_fn), "eval_label",
                                 RunSummary.eval_loss_label),

@@ -93,6 +93,8 @@ class Trainer:
 
     def fit(self) -> TrainState:
         """Train to max_steps, or until a signal / the time limit asks to stop (``stop_reason``)."""
+        if self.finished:  # no callback runs: the run's end (final eval, export) happened when it finished
+            return self.state
         self.console.start(self.state.step)
         self.shutdown.install()
         try:
@@ -203,7 +205,16 @@ class Trainer:
         for group, values in zip(self.engine.optimizer.param_groups, configured):
             group.update(values)
         self.resumed_from = path
-        self.console.print(f"resumed from {path} at step {self.state.step}")
+        if self.finished:  # a finished run run again (docs/checkpoints.md): this line is all it prints
+            self.console.print(f"treadle: {self.cfg.train.output_dir} finished at step {self.state.step} "
+                               f"(train.max_steps = {self.max_steps}): nothing to do")
+        else:
+            self.console.print(f"resumed from {path} at step {self.state.step}")
+
+    @property
+    def finished(self) -> bool:
+        """Resumed at or past train.max_steps: nothing to train, evaluate or export again."""
+        return self.resumed_from is not None and self.state.step >= self.max_steps
 
     def rollback(self, lr_scale: float) -> Path:
         """Back to the newest checkpoint with a smaller lr, skipping the data that went bad."""

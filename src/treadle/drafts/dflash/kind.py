@@ -34,6 +34,9 @@ class DFlash(DraftKind):
     def drafter(self, model):
         return self.drafter_class(model)
 
+    def max_gamma(self, config: dict) -> int | None:
+        return dflash_layout.drafts_per_block(config)
+
     def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
         """Always the layout vLLM and SGLang load; DFlash's is z-lab's DFlashDraftModel one (dflash/layout.py:
         config.json a Qwen3 config with dflash_config, ``model.safetensors`` under z-lab's names, no embedding or

@@ -148,6 +148,12 @@ def block_size(config: dict) -> int:
     return int((config.get("dflash_config") or {}).get("block_size", config.get("block_size") or 16))
 
 
+def drafts_per_block(config: dict) -> int:
+    """What one forward of a draft in this layout proposes: the block but its anchor (the kinds on DFlash's
+    backbone that draft from slot 1: DFlash, DFlash2, LiLiCorr; ``DraftKind.max_gamma``)."""
+    return block_size(config) - 1
+
+
 def mask_token_id(config: dict, where) -> int:
     mask = (config.get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
     if not isinstance(mask, int) or isinstance(mask, bool) or mask < 0:

@@ -24,6 +24,11 @@ class DFlash2(DraftKind):
     def drafter(self, model):
         return DFlash2Drafter(model)
 
+    def max_gamma(self, config: dict) -> int | None:
+        from treadle.drafts.dflash.layout import drafts_per_block
+
+        return drafts_per_block(config)
+
     def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
         """Always z-lab's DFlash2DraftModel layout vLLM loads (dflash2/layout.py)."""
         return layout.export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})

@@ -25,6 +25,7 @@ class DSpark(DFlash):
     # Always the Qwen3DSparkModel layout vLLM and SGLang load (dspark/layout.py): no embedding, head or d2t; stages
     # a target shipped (dspark/v4.py) are exported under the checkpoint's own names instead
     layout = dspark_layout
+    confidence_head = True  # --confidence-threshold: the engines' early stop (drafter.py)
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_dspark(cfg, data_vocab, data_tokenizer_fingerprint, empty)
@@ -47,6 +48,9 @@ class DSpark(DFlash):
 
             return StagesDrafter(model)
         return super().drafter(model)
+
+    def max_gamma(self, config: dict) -> int | None:
+        return dspark_layout.block_size(config)
 
     def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
         """Stages a target shipped: the stage tensors under the checkpoint's own names and dtypes, with the target's

@@ -120,6 +120,15 @@ def flattened(config: dict) -> dict:
     return out
 
 
+def block_size(config: dict) -> int:
+    """The block of a DSpark config: every slot drafts, so also the most drafts one forward proposes (stages a
+    DeepSeek-V4 checkpoint carries: its ``dspark_block_size``)."""
+    if config.get("dspark_block_size") is not None:
+        return int(config["dspark_block_size"])
+    c = flattened(config)
+    return int((c.get("dflash_config") or {}).get("block_size", c.get("block_size") or 7))
+
+
 def read_spec(config: dict, target_config, where) -> dict:
     """What a DSpark config says treadle must build (feature layers, layers, block size, mask token, Markov rank),
     after checking it is a draft treadle can run against this target."""
@@ -144,7 +153,7 @@ def read_spec(config: dict, target_config, where) -> dict:
                             "accepted: a DSpark draft over the target's whole vocabulary (no reduced or padded one)")
     ids = c.get("target_layer_ids", (c.get("dflash_config") or {}).get("target_layer_ids"))
     dflash_layout.check_fits({k: v for k, v in c.items() if k != "vocab_size"}, target_config, where)
-    block = int((c.get("dflash_config") or {}).get("block_size", c.get("block_size") or 7))
+    block = block_size(config)
     return {"feature_layers": dflash_layout.feature_layers({**c, "dflash_config": {"target_layer_ids": ids}},
                                                            target_config.num_hidden_layers, where),
             "num_layers": c["num_hidden_layers"], "block_size": block,

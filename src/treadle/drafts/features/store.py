@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
+from treadle.drafts.features.cli_args import DTYPES  # how reads are stored, named where the CLI reads them
 from treadle.drafts.run_model import READS_PREFIX
 from treadle.errors import UserError
 
 FORMAT = "treadle-features"
 VERSION = 1
 MANIFEST = "manifest.json"
-DTYPES = ("fp32", "bf16", "fp8")
 TOKEN_KEYS = ("input_ids", "labels", "position_ids")
 IDS = (*TOKEN_KEYS, "texts")  # integer tensors of a shard (the rest are reads)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn

@@ -50,6 +50,11 @@ class LiLiCorr(DraftKind):
     def drafter(self, model):
         return LiLiCorrDrafter(model)
 
+    def max_gamma(self, config: dict) -> int | None:
+        from treadle.drafts.dflash.layout import drafts_per_block
+
+        return drafts_per_block(config)
+
     def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
         """Always the LiLiCorrDraftModel layout vLLM loads (lilicorr/layout.py)."""
         return layout.export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
