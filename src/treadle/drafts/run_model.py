@@ -11,11 +11,14 @@ evaluations' texts too (``StoredEval``), and refuses to run the target rather th
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
+from treadle.drafts.targets import capture_features
 from treadle.models.chunked_ce import model_logits
 from treadle.models.hf import greedy_continuations
 
@@ -109,6 +112,20 @@ class FusedFeatureReads:
 
     def reads_signature(self) -> dict:
         return {"feature_layers": list(self.draft_model.feature_layers)}
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Callable[[], dict[str, torch.Tensor]]]:
+        """Inside the block, every forward of the target (its own training forward, when the draft trains beside
+        it) records what ``target_reads`` returns, with the same taps: the fused features where the layers make
+        them, the final hidden state where the head reads it. Yields ``take()``: the latest forward's reads."""
+        got: dict[str, torch.Tensor] = {}
+        head = self.target.get_output_embeddings()
+        handle = head.register_forward_pre_hook(lambda _module, args: got.__setitem__("hidden", args[0]))
+        try:
+            with capture_features(self.target, self.draft_model.feature_layers) as tap:
+                yield lambda: {"hidden": got["hidden"], "features": tap.take()}
+        finally:
+            handle.remove()
 
     def from_reads(self, reads: dict, hidden: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``_target_forward``'s result from a store's reads: the final hidden state (or the teacher's logits from

@@ -15,6 +15,8 @@ LORA_NOTE = "an MTP head is served from inside the target's own checkpoint, wher
 LAYOUT_NOTE = "its layout is the target checkpoint's own (model.layers.{N}.* or mtp.*)"
 WINDOW_NOTE = "its decoder block is the target's, full causal attention"
 
+# Why draft.target = 'self' is refused (drafts/settings.py check_beside words it).
+BESIDE_NOTE = "an MTP layer beside its target (trained with it from step 0) is not built yet"
 
 def check(draft) -> None:
     """Nothing of its own beyond the layout and window refusals every single-layout kind gets."""
