@@ -111,9 +111,64 @@ def test_a_draft_beside_its_target_resumes_bit_for_bit(shards, tmp_path):
     ((*BESIDE, "--lora.rank=4"), "lora.rank"),
     ((*BESIDE, "--draft.weight=0.5"), "draft.weight"),
     (("--draft.joint=true",), "draft.joint"),
+    (("--draft.kind=mtp", "--draft.target=self", "--draft.joint=true"), "draft.loss = 'kl'"),
 ])
 def test_what_a_draft_beside_its_target_cannot_run_with_is_one_line(shards, tmp_path, capsys, bad, key):
     assert main(run_args(shards, tmp_path / "run", *bad)) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and key in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_shifted_labels_never_cross_a_packed_document():
+    """MTP's step k at row t is scored against token t + k + 2: only where that token is in t's document and
+    labelled (a packed row's documents restart their positions; the data marks each document's last label -100)."""
+    from treadle.data.packed import IGNORE_INDEX
+    from treadle.drafts.ttt import scored_rows
+
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    doc = torch.cumsum((positions == 0).long(), -1)
+    T = positions.shape[1]
+    labels = torch.arange(T)[None].clone()  # labels[t] = token t + 1
+    labels[:, :-1][doc[:, 1:] != doc[:, :-1]] = IGNORE_INDEX  # a document's last token predicts nothing
+    labels[:, -1] = IGNORE_INDEX
+    for k in range(3):
+        want = [[bool(doc[0, t] == doc[0, t + 1 + k] and labels[0, t + 1 + k] != IGNORE_INDEX)
+                 for t in range(T - 1 - k)]]
+        assert scored_rows(positions, labels, k).tolist() == want, k
+    assert not scored_rows(positions, labels, 0)[0, 2]  # row 2 (doc 1) would guess token 4, doc 2's first
+
+
+DEEPSEEK = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=61,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+                num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=61, q_lora_rank=32,
+                kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=512,
+                num_nextn_predict_layers=1, use_cache=False)  # 61 layers: where transformers reads the MTP layer
+
+
+def test_mtp_pretraining_trains_the_mtp_layer_with_the_model_and_transformers_generates_with_it(shards, tmp_path):
+    """A DeepSeek-V3 config with num_nextn_predict_layers, built from scratch, trains its MTP layer from step 0 with
+    the MTP loss in the trunk's (x 0.3); the stitched export is the model with its trained layer, which
+    transformers' generate(use_mtp=True) runs losslessly."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers.modeling_layers import MtpModel
+
+    from treadle.drafts.mtp.model import load_mtp
+
+    DeepseekV3Config(**DEEPSEEK).save_pretrained(tmp_path / "config")
+    run = tmp_path / "run"
+    assert main(args(shards, run, f"--model.path={tmp_path / 'config'}", "--model.overrides={}",
+                     "--train.max_steps=2", "--train.micro_batch_size=2", "--train.grad_accum_steps=1",
+                     "--train.eval_at_start=false", "--train.eval_batches=1", "--draft.kind=mtp", "--draft.target=self",
+                     "--draft.joint=true", "--draft.loss=ce", "--draft.ttt_steps=1", "--draft.gamma=1",
+                     "--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12")) == 0
+    loss, target, draft = records(run), records(run, "target_loss"), records(run, "draft_loss")
+    assert all(loss[s] == pytest.approx(target[s] + 0.3 * draft[s], rel=1e-6) for s in (1, 2))
+    stitched = run / "draft" / "stitched"
+    model = AutoModelForCausalLM.from_pretrained(stitched).eval()
+    mine = load_mtp(run / "draft", model).draft_model.state_dict()
+    theirs = MtpModel.from_pretrained(model).layers[0].state_dict()
+    assert theirs.keys() == mine.keys() and all(torch.equal(theirs[k], mine[k]) for k in mine)
+    prompt = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=12, do_sample=False, use_cache=True, attention_mask=torch.ones(1, 8, dtype=torch.long))
+    assert torch.equal(model.generate(prompt, use_mtp=True, **kw), model.generate(prompt, **kw))

@@ -68,6 +68,8 @@ def check_beside(draft) -> None:
         live = " or ".join(repr(n) for n in sorted(KINDS) if getattr(KINDS[n], "BESIDE_NOTE", None) is None)
         raise ValueError(f"draft.target = 'self' with draft.kind = {own.NAME!r}: {note}; accepted: draft.kind = "
                          f"{live}, or draft.target = a frozen target's directory")
+    if hasattr(own, "check_beside"):
+        own.check_beside(draft)
 
 
 def check_lora(draft) -> None:

@@ -68,9 +68,6 @@ class DraftBeside:
         with beside(target):  # the kind builds its draft around the run's model, which keeps training
             self.model, _, self.identity = found.build(d, data_vocab, None)
             self.objective = found.setup(cfg, self.model, datasets)
-        if not hasattr(self.model, "reading"):  # drafts/settings.py refuses such kinds first
-            raise UserError(f"draft.target = 'self' with draft.kind = {d.kind!r}: its reads cannot be tapped from the "
-                            "target's training forward; accepted: draft.kind = 'eagle3' or a DFlash kind")
         self.target = target
         for child in self.model.children():  # the draft and its own buffers (rotary); the target moves with the run
             if child is not target:
@@ -89,7 +86,7 @@ class DraftBeside:
 
     def loss(self, batch: dict, reads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The draft's summed loss of a micro-batch from the target's ``reads`` of it, and its side sums."""
-        kept = {"features"} if self.joint else set()  # the teacher's final hidden state is always an input
+        kept = set(self.model.trunk_reads) if self.joint else set()  # what reaches the trunk (the kind says)
         reads = {k: v if k in kept else v.detach() for k, v in reads.items()}
         with frozen(self.target):  # its embedding and head feed the draft; never trained by the draft's loss
             summed, side = split_loss(self.objective(self.model, {**batch, **{READS_PREFIX + k: v
