@@ -172,3 +172,28 @@ def test_mtp_pretraining_trains_the_mtp_layer_with_the_model_and_transformers_ge
     prompt = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(5))
     kw = dict(max_new_tokens=12, do_sample=False, use_cache=True, attention_mask=torch.ones(1, 8, dtype=torch.long))
     assert torch.equal(model.generate(prompt, use_mtp=True, **kw), model.generate(prompt, **kw))
+
+
+def _ddp_beside(rank, world_size, shards, out):
+    from treadle.config import load_config
+    from treadle.train.run import run_training
+
+    run_training(load_config(None, run_args(shards, out, "--train.max_steps=3", "--train.grad_accum_steps=1",
+                                            "--train.threads=1", "--distributed.engine=ddp", *BESIDE)[1:]))
+    return rank
+
+
+def test_a_draft_beside_its_target_on_ddp_matches_one_process(shards, tmp_path, monkeypatch):
+    """2 DDP ranks x GA 1 == one process x GA 2: the target's and the draft's losses, and the draft's weights (its
+    gradients summed over the ranks by the draft itself, outside DDP)."""
+    from tests.distributed import run_distributed
+
+    monkeypatch.setenv("TREADLE_CACHE", str(tmp_path / "cache"))
+    run_distributed(_ddp_beside, world_size=2, timeout=240, shards=shards, out=tmp_path / "two")
+    assert main(run_args(shards, tmp_path / "one", "--train.max_steps=3", *BESIDE)) == 0
+    for key in ("loss", "draft_loss", "eval_loss", "tau_sim"):
+        one, two = records(tmp_path / "one", key), records(tmp_path / "two", key)
+        assert one.keys() == two.keys() and one == pytest.approx(two, rel=1e-5, abs=1e-7), key
+    wa, wb = load_file(tmp_path / "one" / "draft" / "model.safetensors"), load_file(tmp_path / "two" / "draft" /
+                                                                                     "model.safetensors")
+    assert all(torch.allclose(wa[k].double(), wb[k].double(), rtol=1e-4, atol=1e-6) for k in wa)
