@@ -1,6 +1,7 @@
 """A draft trained beside its target in the same step (draft.target = 'self', train/cotrain.py)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,3 +198,47 @@ def test_a_draft_beside_its_target_on_ddp_matches_one_process(shards, tmp_path, 
     wa, wb = load_file(tmp_path / "one" / "draft" / "model.safetensors"), load_file(tmp_path / "two" / "draft" /
                                                                                      "model.safetensors")
     assert all(torch.allclose(wa[k].double(), wb[k].double(), rtol=1e-4, atol=1e-6) for k in wa)
+
+
+def test_draft_trainer_steps_a_draft_beside_a_loop_it_does_not_own_and_publishes_it(tmp_path):
+    """The Python entry point: the loop's forward is tapped (no second target forward), the target is untouched by
+    the draft, the published layout loads against the target, and a directory treadle did not write is refused."""
+    import runpy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from treadle import DraftTrainer, UserError
+    from treadle.drafts.eagle3.model import load_eagle3
+
+    example = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "draft_beside_rl.py"))
+    example["main"](tmp_path / "rl", updates=2, publish_every=2)
+    assert json.loads((tmp_path / "rl" / "draft" / "config.json").read_text())["architectures"] == [
+        "LlamaForCausalLMEagle3"]
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    drafter = DraftTrainer(target, "eagle3", lr=1e-2, ttt_steps=2)
+    forwards = []
+    target.register_forward_hook(lambda *_: forwards.append(1))
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    rows = torch.randint(0, 256, (2, 16))
+    with drafter.reading():
+        target(input_ids=rows).logits.sum().backward()  # the loop's own forward and backward
+    got = drafter.step(rows)
+    assert len(forwards) == 1 and got["draft_loss"] > 0 and "acc_1" in got and got["draft_lr"] == 1e-2
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    grads = {n: p.grad.clone() for n, p in target.named_parameters()}  # the loop's, untouched by the draft's backward
+    drafter.step(rows)  # no reading this time: the target runs once more, without grad
+    assert len(forwards) == 2 and all(torch.equal(grads[n], p.grad) for n, p in target.named_parameters())
+
+    published = drafter.publish(tmp_path / "served")
+    loaded = load_eagle3(published, target)
+    mine = drafter.model.state_dict()
+    assert all(torch.equal(loaded.draft_model.state_dict()[k], mine[k]) for k in mine)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="treadle replaces only its own"):
+        drafter.publish(foreign)
+    assert (foreign / "notes.txt").read_text() == "mine" and len(list(foreign.iterdir())) == 1

@@ -36,14 +36,18 @@ if TYPE_CHECKING:
     from treadle.train.callbacks import Callback
     from treadle.train.run import RunSummary
 
-__all__ = ["Callback", "Config", "RunSummary", "UserError", "export", "fit", "generate", "load_config", "spec_eval"]
+__all__ = ["Callback", "Config", "DraftTrainer", "RunSummary", "UserError", "export", "fit", "generate", "load_config", "spec_eval"]
 
 
-def __getattr__(name: str):  # the two names whose modules import torch: loaded when asked for
+def __getattr__(name: str):  # the names whose modules import torch: loaded when asked for
     if name == "Callback":
         from treadle.train.callbacks import Callback
 
         return Callback
+    if name == "DraftTrainer":  # a draft kept fresh beside a target another loop trains (treadle/draft_trainer.py)
+        from treadle.draft_trainer import DraftTrainer
+
+        return DraftTrainer
     if name == "RunSummary":
         from treadle.train.run import RunSummary
 

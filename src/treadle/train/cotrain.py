@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
@@ -94,15 +94,16 @@ class DraftBeside:
         side.pop("target_loss", None)  # the target's own CE: the step's loss already
         return summed.sum(), side
 
-    def step(self, engine, label_tokens: int, scaled: bool) -> dict[str, float]:
-        """The draft's update after the target's: gradients summed over data-parallel ranks (the draft is whole on
-        each), divided by the step's label tokens unless the step's loss already was (``scaled``: joint), clipped;
-        skipped where not finite (all ranks agree)."""
+    def step(self, reduce: Callable[[torch.Tensor], torch.Tensor], agree: Callable[[bool], bool], label_tokens: int,
+             scaled: bool) -> dict[str, float]:
+        """The draft's update after the target's: gradients summed over data-parallel ranks (``reduce``: the draft
+        is whole on each), divided by the step's label tokens unless the step's loss already was (``scaled``:
+        joint), clipped; skipped where not finite (``agree``: all ranks)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.flatten() for g in grads])
         if not scaled:
             flat = flat / max(label_tokens, 1)
-        flat = engine.all_reduce_sum(flat)
+        flat = reduce(flat)
         offset = 0
         for p, g in zip(self.params, grads):
             p.grad = flat[offset:offset + g.numel()].view_as(p).to(p.dtype)
@@ -110,7 +111,7 @@ class DraftBeside:
         clip = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
         lr = self.optimizer.param_groups[0]["lr"]
-        applied = engine.all_agree(math.isfinite(norm))
+        applied = agree(math.isfinite(norm))
         if applied:
             self.optimizer.step()
             self.schedule.step()
@@ -131,15 +132,23 @@ class DraftBeside:
         set_state_dict(self.draft, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_LOAD)
 
-    def export(self, out_dir: Path, target_dir: Path, cfg, step: int | None = None) -> Path:
-        """The draft in its kind's serving layout, naming ``target_dir``'s model (the target as exported) as its
-        target."""
+    def export(self, out_dir: Path, target_dir: Path | None, cfg, step: int | None = None,
+               command: str = "train") -> Path:
+        """The draft in its kind's serving layout, written atomically (``out_dir`` replaced only when treadle wrote
+        it), naming ``target_dir``'s model (the target as exported) as its target; without one, the target by its
+        config alone (a target that lives in someone else's loop)."""
         from treadle.checkpoint.export import export_draft
         from treadle.drafts.targets import target_identity
 
         weights = {f"draft_model.{k}": v for k, v in self.draft.state_dict().items()}
+        if target_dir is None:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as empty:  # no tokenizer to copy, no checkpoint to stitch into
+                return export_draft(self.model, weights, out_dir, Path(empty), self.identity, cfg, step=step,
+                                    command=command)
         identity = target_identity(Path(target_dir), self.target)
-        return export_draft(self.model, weights, out_dir, target_dir, identity, cfg, step=step)
+        return export_draft(self.model, weights, out_dir, target_dir, identity, cfg, step=step, command=command)
 
 
 class BesideLoss:
@@ -172,7 +181,9 @@ class DraftStepCallback(Callback):
         self.draft = draft
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        result.metrics.update(self.draft.step(trainer.engine, result.label_tokens, scaled=self.draft.joint))
+        engine = trainer.engine
+        result.metrics.update(self.draft.step(engine.all_reduce_sum, engine.all_agree, result.label_tokens,
+                                              scaled=self.draft.joint))
 
     def state_dict(self) -> dict:
         return {"schedule": self.draft.schedule.state_dict()}
