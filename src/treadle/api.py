@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from treadle.train.callbacks import Callback
     from treadle.train.run import RunSummary
 
-__all__ = ["Callback", "Config", "DraftTrainer", "RunSummary", "UserError", "export", "fit", "generate", "load_config", "spec_eval"]
+__all__ = ["Callback", "Config", "DraftTrainer", "RunSummary", "UserError", "export", "fit", "generate", "load_config",
+           "spec_eval"]
 
 
 def __getattr__(name: str):  # the names whose modules import torch: loaded when asked for

@@ -145,7 +145,8 @@ def _open_data(cfg: Config) -> RunData:
     paths = [resolve(s.path, "train", key(i)) for i, s in enumerate(specs)]  # (shard dirs, data files) each
     # Data files are tokenized with data.tokenizer, else the target's / model's, else the shards', else the built-in.
     recorded = next((_recorded_tokenizer(p) for dirs, _ in paths for p in dirs), None)
-    tokenizer = file_tokenizer(d.tokenizer, [cfg.draft.target if cfg.draft.frozen_target else None, cfg.model.path, recorded])
+    frozen_target = cfg.draft.target if cfg.draft.frozen_target else None  # 'self' names no directory
+    tokenizer = file_tokenizer(d.tokenizer, [frozen_target, cfg.model.path, recorded])
     opened = [open_source(s.name, s.path, "train", s.format, s.text_field, d.seq_len, d, tokenizer, key(i), paths[i],
                           d.val_fraction) for i, s in enumerate(specs)]
     if d.val_fraction:  # the sources' held-out documents replace data.val
@@ -283,7 +284,7 @@ def choose_attention(cfg: Config, model: torch.nn.Module, device: torch.device, 
         return []
     choice, why = attention.resolve(cfg.model.attention, reader.config, device, cfg.data.seq_len, cp)
     attention.use(reader, choice)
-    if cfg.draft.frozen_target:  # the draft's own masks as FlexAttention BlockMasks where flex can train (drafts/masks.py)
+    if cfg.draft.frozen_target:  # the draft's own masks as FlexAttention BlockMasks where flex trains (drafts/masks.py)
         model.flex_masks = choice in attention.NAMES and device.type == "cuda"
     return [f"treadle: model.attention = auto -> {choice}: {why}"] if cfg.model.attention == "auto" else []
 
