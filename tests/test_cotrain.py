@@ -102,6 +102,11 @@ def test_a_draft_beside_its_target_resumes_bit_for_bit(shards, tmp_path):
     assert records(a, "draft_lr")[1] == 1e-2
     wa, wb = load_file(a / "draft" / "model.safetensors"), load_file(b / "draft" / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # treadle export of such a checkpoint is the model's (the draft: the run's draft/); --to draft says so.
+    assert main(["export", str(a), str(tmp_path / "again")]) == 0
+    hf, again = load_file(a / "hf" / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert hf.keys() == again.keys() and all(torch.equal(hf[k], again[k]) for k in hf)
+    assert main(["export", str(a), str(tmp_path / "draft"), "--to", "draft"]) == 2
 
 
 @pytest.mark.parametrize("bad, key", [
