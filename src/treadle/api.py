@@ -129,8 +129,9 @@ def _point_at_objects(tree: dict, model, tokenizer, dataset, val_dataset) -> Non
     if not isinstance(data, dict):
         raise UserError("config error: data is a value, not a section")
     if model is not None:
-        draft = isinstance(tree.get("draft"), dict) and tree["draft"].get("kind") is not None
-        key = "draft.target" if draft else "model.path"
+        section = tree.get("draft")
+        draft = isinstance(section, dict) and section.get("kind") is not None and section.get("target") != "self"
+        key = "draft.target" if draft else "model.path"  # a draft beside its model: the object is that model
         _set_path(tree, key.split("."), str(_model_dir(model, key)))
     if tokenizer is not None:
         data["tokenizer"] = str(_tokenizer_dir(tokenizer))
