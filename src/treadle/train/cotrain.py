@@ -244,9 +244,6 @@ def beside_setup(cfg: Config, setup, data, device: torch.device, checkpoints, en
         raise UserError(f"draft.target = 'self' with distributed.engine = {engine_name!r} (what auto chose for this "
                         "launch): the draft reads the target's embedding and head between forwards, which it shards; "
                         "accepted: distributed.engine = 'ddp' (or 'local' in one process)")
-    if getattr(setup.model, "loss_chunk_tokens", 0):  # never set on a plain model; a guard for what reads logits
-        raise UserError("draft.target = 'self' with a chunked target loss is not built; accepted: "
-                        "model.loss_chunk_tokens = 0")
     out = Path(cfg.train.output_dir)
     draft = DraftBeside(cfg, setup.model, [o.dataset for o in data.sources], data.train.vocab_size, device)
     checkpoints.companions["draft"] = draft
