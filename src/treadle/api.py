@@ -45,8 +45,8 @@ def __getattr__(name: str):  # the names whose modules import torch: loaded when
         from treadle.train.callbacks import Callback
 
         return Callback
-    if name == "DraftTrainer":  # a draft kept fresh beside a target another loop trains (treadle/draft_trainer.py)
-        from treadle.draft_trainer import DraftTrainer
+    if name == "DraftTrainer":  # a draft kept fresh beside a target another loop trains (train/draft_trainer.py)
+        from treadle.train.draft_trainer import DraftTrainer
 
         return DraftTrainer
     if name == "RunSummary":
