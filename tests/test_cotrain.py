@@ -1,6 +1,7 @@
 """A draft trained beside its target in the same step (draft.target = 'self', train/cotrain.py)."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,18 @@ def test_draft_trainer_steps_a_draft_beside_a_loop_it_does_not_own_and_publishes
     with pytest.raises(UserError, match="treadle replaces only its own"):
         drafter.publish(foreign)
     assert (foreign / "notes.txt").read_text() == "mine" and len(list(foreign.iterdir())) == 1
+
+
+def test_a_rollback_takes_the_draft_back_with_the_run(shards, tmp_path):
+    """Two bad steps (3, 4) roll the run back to step 2: the draft's schedule (and weights, optimizer) come back
+    with it, so the step trained again as 3 has the draft lr of step 3, not of the step the bad stretch reached."""
+    run = tmp_path / "run"
+    assert main(run_args(shards, run, "--train.max_steps=5", "--checkpoint.every=2", "--checkpoint.keep_last=10",
+                         "--resilience.nan_policy=rollback", "--resilience.max_consecutive_bad=2",
+                         "--resilience.inject_nan_steps=[3,4]", "--train.eval_every=0", "--schedule.decay=linear",
+                         *BESIDE)) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    draft_lrs = [(r["step"], r["draft_lr"]) for r in lines if "draft_lr" in r]
+    assert [s for s, _ in draft_lrs] == [1, 2, 3, 4, 3, 4, 5]
+    assert draft_lrs[4][1] == draft_lrs[2][1] and draft_lrs[5][1] == draft_lrs[3][1]  # the schedule came back too
+    assert all(math.isfinite(r["draft_loss"]) for r in lines if r.get("step", 0) >= 3 and "draft_loss" in r)
