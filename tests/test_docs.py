@@ -23,8 +23,8 @@ directory. To fit in a few minutes on 2 cores, commands are shortened by appendi
 
 - ``treadle train`` (also under torchrun): ``TRAIN_SHORT`` below (2 steps of 2 sequences, one eval batch, fp32, no
   compile, one thread; ``seq_len`` stays the page's, so SFT examples still fit); and ``TINY_MODEL`` (hidden 32,
-  4 layers: the shallowest target with three distinct EAGLE-3 features an engine serves) when the run builds its model from a preset (no ``model.path``, not a draft run), or ``DRAFT_SHORT``
-  (2 acceptance prompts of 8 tokens, 12 new) in a draft run.
+  4 layers: the shallowest target with three distinct EAGLE-3 features an engine serves) when the run builds its model from a preset (no ``model.path``, not a draft run), and ``DRAFT_SHORT``
+  (2 acceptance prompts of 8 tokens, 12 new) in a draft run or a run with a draft beside its model.
 - ``treadle spec-eval``: ``--num-prompts 2 --prompt-len 16 --max-new-tokens 8 --threads 1``.
 - ``treadle generate``: ``--max-new-tokens 8``.
 - ``treadle features``: ``DRAFT_SHORT`` (a store holds the acceptance texts of the draft run it serves).
@@ -343,7 +343,9 @@ def _shortened(argv: list[str], cwd: Path) -> list[str]:
 
         config = [a for a in argv[1:] if not a.startswith("--")]
         cfg = load_config(cwd / config[0] if config else None, [a for a in argv[1:] if a.startswith("--")])
-        extra = DRAFT_SHORT if cfg.draft.kind else [] if cfg.model.path else TINY_MODEL
+        # a draft beside its target (draft.target = "self") trains the model too: both shortenings
+        extra = ((DRAFT_SHORT if cfg.draft.kind else [])
+                 + ([] if cfg.model.path or cfg.draft.frozen_target else TINY_MODEL))
         return [*argv, *TRAIN_SHORT, *extra]
     if argv[0] == "features":  # the store of the shortened draft run that follows it: its acceptance settings
         return [*argv, *DRAFT_SHORT]

@@ -9,7 +9,8 @@ import importlib as _importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["Callback", "Config", "RunSummary", "UserError", "export", "fit", "generate", "load_config", "spec_eval"]
+__all__ = ["Callback", "Config", "DraftTrainer", "RunSummary", "UserError", "export", "fit", "generate", "load_config",
+           "spec_eval"]
 
 
 def __getattr__(name: str):

@@ -36,14 +36,19 @@ if TYPE_CHECKING:
     from treadle.train.callbacks import Callback
     from treadle.train.run import RunSummary
 
-__all__ = ["Callback", "Config", "RunSummary", "UserError", "export", "fit", "generate", "load_config", "spec_eval"]
+__all__ = ["Callback", "Config", "DraftTrainer", "RunSummary", "UserError", "export", "fit", "generate", "load_config",
+           "spec_eval"]
 
 
-def __getattr__(name: str):  # the two names whose modules import torch: loaded when asked for
+def __getattr__(name: str):  # the names whose modules import torch: loaded when asked for
     if name == "Callback":
         from treadle.train.callbacks import Callback
 
         return Callback
+    if name == "DraftTrainer":  # a draft kept fresh beside a target another loop trains (train/draft_trainer.py)
+        from treadle.train.draft_trainer import DraftTrainer
+
+        return DraftTrainer
     if name == "RunSummary":
         from treadle.train.run import RunSummary
 
@@ -124,8 +129,9 @@ def _point_at_objects(tree: dict, model, tokenizer, dataset, val_dataset) -> Non
     if not isinstance(data, dict):
         raise UserError("config error: data is a value, not a section")
     if model is not None:
-        draft = isinstance(tree.get("draft"), dict) and tree["draft"].get("kind") is not None
-        key = "draft.target" if draft else "model.path"
+        section = tree.get("draft")
+        draft = isinstance(section, dict) and section.get("kind") is not None and section.get("target") != "self"
+        key = "draft.target" if draft else "model.path"  # a draft beside its model: the object is that model
         _set_path(tree, key.split("."), str(_model_dir(model, key)))
     if tokenizer is not None:
         data["tokenizer"] = str(_tokenizer_dir(tokenizer))

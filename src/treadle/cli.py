@@ -167,7 +167,11 @@ def _print_summary(s) -> None:
     table.add_row("run directory", str(s.output_dir))
     table.add_row("metrics", str(s.output_dir / "metrics.jsonl"))
     table.add_row("checkpoints", ", ".join(p.name for p in s.checkpoints) + f" in {s.output_dir / 'checkpoints'}")
-    if s.export_dir is not None and s.acceptance is not None and s.export_dir.name == "adapter":  # a draft's adapter
+    if s.draft_dir is not None:  # a draft trained beside its target: the target, then its draft
+        table.add_row("exported model", f"{s.export_dir} (AutoModelForCausalLM.from_pretrained)")
+        table.add_row("exported draft",
+                      f"{s.draft_dir} (treadle spec-eval --target {s.export_dir} --draft {s.draft_dir})")
+    elif s.export_dir is not None and s.acceptance is not None and s.export_dir.name == "adapter":  # a draft's adapter
         table.add_row("exported adapter", f"{s.export_dir} (of the base draft draft.init names: treadle spec-eval "
                       f"--draft BASE --adapter {s.export_dir}; treadle export --merge for one merged draft)")
     elif s.export_dir is not None and s.acceptance is not None:

@@ -98,7 +98,7 @@ def check_model_paths(cfg) -> None:
     ``model.overrides`` that a model.path with weights would ignore (``check_overrides_apply``)."""
     if cfg.model.path is not None:
         check_overrides_apply(cfg.model, resolve_model_dir(Path(cfg.model.path), "model.path"))
-    if cfg.draft.target is not None:
+    if cfg.draft.target is not None and cfg.draft.target != "self":  # 'self': the run's own model
         resolve_model_dir(Path(cfg.draft.target), "draft.target")
     if cfg.draft.init is not None and not Path(cfg.draft.init).exists():
         raise UserError(f"draft.init {cfg.draft.init}: no such file or directory; accepted: a draft directory (a "

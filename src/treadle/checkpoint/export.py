@@ -216,9 +216,14 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     # vets every pickle of a DeepSpeed checkpoint before checkpoint_weights hands the directory to DeepSpeed.
     ckpt = checkpoint_at(Path(source), f"treadle export SOURCE {str(source)!r}")
     cfg = load_config(ckpt / "config.toml")
-    if to != "auto" and (cfg.draft.kind is not None) != (to == "draft"):
-        kind = "a draft run" if cfg.draft.kind else "a model run"
-        raise UserError(f"checkpoint {ckpt} is {kind}; accepted: --to {'draft' if cfg.draft.kind else 'hf'} or --to auto (the default)")
+    if to == "draft" and cfg.draft.beside:
+        raise UserError(f"checkpoint {ckpt} is a model run with a draft beside it (draft.target = 'self'): its export "
+                        "is the model's; the run writes the draft at its end (draft/, naming hf/); accepted: --to hf "
+                        "or --to auto (the default)")
+    if to != "auto" and cfg.draft.frozen_target != (to == "draft"):
+        kind = "a draft run" if cfg.draft.frozen_target else "a model run"
+        raise UserError(f"checkpoint {ckpt} is {kind}; accepted: --to {'draft' if cfg.draft.frozen_target else 'hf'} "
+                        "or --to auto (the default)")
     if merge and cfg.lora.rank is None:
         raise UserError(f"treadle export --merge: checkpoint {ckpt} is a full run, without LoRA adapters to merge; "
                         "accepted: a checkpoint of a run with lora.rank set, or no --merge")
@@ -229,7 +234,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     train_state = run_state(ckpt)
     meta = train_state["meta"]
     adapters = None
-    if cfg.draft.kind:
+    if cfg.draft.frozen_target:  # a draft beside its model (draft.target = 'self') exports the model
         from treadle.drafts.registry import build_draft
 
         model, target_dir, identity = build_draft(cfg.draft, meta["vocab_size"], meta["tokenizer_fingerprint"])
@@ -279,8 +284,8 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
         from treadle.models.lora import merged_model
 
         merged = merged_model(adapters)  # in place: a draft run's draft_model is the merged draft now
-        model = model if cfg.draft.kind else merged
-    if cfg.draft.kind:
+        model = model if cfg.draft.frozen_target else merged
+    if cfg.draft.frozen_target:
         return export_draft(model, model.state_dict(), out, target_dir, identity, cfg.draft,
                             step=train_state["train"]["step"], command="export", dtype=dtype)
     tokenizer = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None

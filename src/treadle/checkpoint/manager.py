@@ -131,6 +131,10 @@ class CheckpointManager:
         self._pending: Path | None = None
         self._error: BaseException | None = None
         self._staging = StagingBuffers()
+        # name -> an object with state_dict / load_state_dict (DCP-able tensors) saved and restored beside the
+        # engine's model and optimizer, in the same state/ (a draft trained beside the target: its own weights and
+        # optimizer), so it lands, resumes and rolls back with the run.
+        self.companions: dict[str, object] = {}
         # The background writer's own group (new_group is collective: every rank builds its manager at the same point).
         self._group = torch.distributed.new_group(backend="gloo") if async_save and world_size > 1 else None
         if rank == 0:
@@ -172,7 +176,7 @@ class CheckpointManager:
         """
         self.wait()  # at most one in flight; surfaces the previous one's failure
         dcp_state = engine.checkpoint_format == "dcp"
-        job = _Job(step=step, final=self.root / f"step_{step}", state=engine.state_dict() if dcp_state else None,
+        job = _Job(step=step, final=self.root / f"step_{step}", state=self._state(engine) if dcp_state else None,
                    train_state=json.dumps(train_state), rng=capture_rng(), config_toml=config_toml,
                    metrics=dict(metrics) if metrics else None)
         if not (self.async_save and dcp_state):
@@ -184,6 +188,10 @@ class CheckpointManager:
         self._thread = threading.Thread(target=self._background, args=(job,), name=f"treadle-save-step_{step}")
         self._thread.start()
         return job.final
+
+    def _state(self, engine) -> dict:
+        """The DCP state of a checkpoint: the engine's, and each companion's under its name."""
+        return {**engine.state_dict(), **{name: c.state_dict() for name, c in self.companions.items()}}
 
     def wait(self) -> None:
         """Block until no save is in flight; raise the background save's error, if it failed."""
@@ -422,10 +430,12 @@ class CheckpointManager:
             with loading(path):
                 engine.load_checkpoint(path / "deepspeed")
         else:
-            state = engine.state_dict()
+            state = self._state(engine)
             check_fit(path, md, state, partial=engine.state_is_partial)
             safe_dcp_load(state, path / "state", path, md)
             engine.load_state_dict(state)
+            for name, companion in self.companions.items():
+                companion.load_state_dict(state[name])
         rng_file = path / "rng" / f"rank_{self.rank}.json"
         if rng_file.is_file():
             rng = read_json_object(rng_file, path)

@@ -15,7 +15,16 @@ class DraftConfig(Section):
     """A draft model for speculative decoding, trained against a frozen target (``kind`` unset: an ordinary run)."""
 
     kind: Literal[DRAFT_KINDS] | None = Field(None, description="draft architecture; unset = train the [model] itself")
-    target: str | None = Field(None, description="frozen target: a Hugging Face model directory or a treadle run directory")
+    target: str | None = Field(None, description="frozen target: a Hugging Face model directory or a treadle run "
+                               "directory; 'self' = the model this run trains ([model]): the draft trains beside it, "
+                               "in the same step, reading its training forward")
+    joint: bool = Field(False, description="draft.target = 'self': false = the draft's loss never reaches the target "
+                        "(it trains as it would alone); true = the loss, times draft.weight, flows into the target's "
+                        "hidden states the draft reads")
+    weight: float = Field(0.3, ge=0.0, description="draft.joint = true: the draft loss's weight in the target's loss "
+                          "(DeepSeek-V3's and torchtitan's MTP scale)")
+    lr: float | None = Field(None, gt=0.0, description="draft.target = 'self': the draft's own peak learning rate (its "
+                             "own AdamW and schedule, the run's schedule shape); unset = optim.lr")
     loss: Literal["ce", "kl", "mix"] = Field("kl", description="ce: next data token; kl: the target's own distribution; mix: both")
     kl_weight: float = Field(0.5, ge=0.0, le=1.0, description="mix: weight of kl (ce gets 1 - kl_weight)")
     gamma: int = Field(4, ge=1, le=16, description="draft tokens per verification: the KV lag range and the acceptance chain")
@@ -96,3 +105,16 @@ class DraftConfig(Section):
     train_backbone: bool | None = Field(None, description="lilicorr: false = only the correlator trains, on the "
                                         "frozen DFlash backbone draft.init names; unset = true, backbone and "
                                         "correlator jointly (ModelOpt PR #2342)")
+
+    @property
+    def beside(self) -> bool:
+        """A draft trained beside its target in the target's own run (``draft.target = 'self'``)."""
+        return self.kind is not None and self.target == SELF
+
+    @property
+    def frozen_target(self) -> bool:
+        """A draft run: the draft is the model trained, against a frozen target (``draft.target`` a directory)."""
+        return self.kind is not None and self.target != SELF
+
+
+SELF = "self"  # draft.target naming the run's own model

@@ -22,7 +22,7 @@ from treadle.config.draft import DraftConfig
 from treadle.config.messages import config_error
 from treadle.config.section import Section
 from treadle.drafts.settings import check as check_draft, check_context_parallel as check_draft_context_parallel
-from treadle.drafts.settings import check_lora as check_draft_lora
+from treadle.drafts.settings import check_beside as check_draft_beside, check_lora as check_draft_lora
 
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
@@ -450,6 +450,7 @@ class Config(Section):
         if self.draft.kind is not None and self.draft.target is None:
             raise ValueError("draft.kind is set but draft.target is not; accepted: a Hugging Face model directory or a treadle run directory")
         check_draft(self.draft)  # each kind's own keys and refusals (drafts/settings.py)
+        self._check_beside()
         if self.draft.eval_new_tokens <= self.draft.gamma:
             raise ValueError(f"draft.eval_new_tokens={self.draft.eval_new_tokens} must exceed draft.gamma={self.draft.gamma}")
         if not self.data.train:
@@ -467,6 +468,42 @@ class Config(Section):
         self._check_mesh()
         self._check_lora()
         return self
+
+    def _check_beside(self) -> None:
+        """A draft trained beside its target (``draft.target = 'self'``): what it cannot run with, one line each."""
+        dr, d = self.draft, self.distributed
+        if not dr.beside:
+            for key, default in (("joint", False), ("lr", None)):
+                if getattr(dr, key) != default:
+                    raise ValueError(f"draft.{key} is set but draft.target = {dr.target!r}: it sets a draft trained "
+                                     "beside its target; accepted: draft.target = 'self' with a draft.kind, or "
+                                     f"draft.{key} unset")
+            return
+        check_draft_beside(dr)  # the kind reads the target's training forward
+        if not dr.joint and dr.weight != 0.3:
+            raise ValueError(f"draft.weight = {dr.weight:g} with draft.joint = false: a detached draft's loss never "
+                             "reaches the target; accepted: draft.joint = true, or draft.weight unset")
+        if dr.features is not None:
+            raise ValueError(f"draft.features = {dr.features!r} with draft.target = 'self': a draft beside its target "
+                             "reads the target's training forward of each step, never a store (the target changes "
+                             "every step); accepted: draft.features unset")
+        refusals = (
+            (d.tensor_parallel > 1, f"distributed.tensor_parallel = {d.tensor_parallel}",
+             "the draft reads whole hidden states, not a tensor-parallel shard of them"),
+            (d.context_parallel > 1, f"distributed.context_parallel = {d.context_parallel}",
+             "the draft reads whole sequences, not a rank's slice of them"),
+            (d.pipeline_parallel > 1, f"distributed.pipeline_parallel = {d.pipeline_parallel}",
+             "the hidden states the draft reads are made on different pipeline stages"),
+            (d.engine in ("fsdp2", "deepspeed"), f"distributed.engine = {d.engine!r}",
+             "the draft reads the target's embedding and head between forwards, which this engine shards (local "
+             "and ddp are built)"),
+            (self.lora.rank is not None, "lora.rank", "a draft beside adapters on its target is not built"),
+            (self.model.dtype == "fp8", "model.dtype = 'fp8'", "a draft beside an fp8 target is not built"),
+        )
+        for refused, what, why in refusals:
+            if refused:
+                raise ValueError(f"{what} with draft.target = 'self': {why}; accepted: the run without it, or the "
+                                 "draft trained afterwards against the exported target")
 
     def _check_lora(self) -> None:
         """What adapters cannot run with, refused before anything starts (the modules named are checked against the

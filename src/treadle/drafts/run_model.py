@@ -11,11 +11,14 @@ evaluations' texts too (``StoredEval``), and refuses to run the target rather th
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
+from treadle.drafts.targets import capture_features
 from treadle.models.chunked_ce import model_logits
 from treadle.models.hf import greedy_continuations
 
@@ -98,6 +101,29 @@ class DraftRunModel(nn.Module):
         """What the reads depend on besides the target and the data (EAGLE-3: its feature layers)."""
         return {}
 
+    # Which reads keep their graph when the draft trains beside its target jointly (``draft.joint``): its loss reaches
+    # the target's trunk through them. The final hidden state is the teacher's unless a kind reads it as its input.
+    trunk_reads: tuple[str, ...] = ()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Callable[[], dict[str, torch.Tensor]]]:
+        """Inside the block, every forward of the target (its own training forward, when the draft trains beside
+        it) records what ``target_reads`` returns, with the same taps: the final hidden state where the head reads
+        it, and the kind's own (``_taps``). Yields ``take()``: the latest forward's reads."""
+        got: dict[str, torch.Tensor] = {}
+        head = self.target.get_output_embeddings()
+        handle = head.register_forward_pre_hook(lambda _module, args: got.__setitem__("hidden", args[0]))
+        try:
+            with self._taps() as taken:
+                yield lambda: {"hidden": got["hidden"], **taken()}
+        finally:
+            handle.remove()
+
+    @contextlib.contextmanager
+    def _taps(self) -> Iterator[Callable[[], dict[str, torch.Tensor]]]:
+        """The kind's reads besides the final hidden state, tapped where the target makes them (none here)."""
+        yield dict
+
 
 class FusedFeatureReads:
     """What EAGLE-3 and DFlash read from their target (a ``DraftRunModel`` mixin): the final hidden state and the
@@ -109,6 +135,13 @@ class FusedFeatureReads:
 
     def reads_signature(self) -> dict:
         return {"feature_layers": list(self.draft_model.feature_layers)}
+
+    trunk_reads = ("features",)  # a joint run's draft loss reaches the target through these (run_model.py)
+
+    @contextlib.contextmanager
+    def _taps(self) -> Iterator[Callable[[], dict[str, torch.Tensor]]]:
+        with capture_features(self.target, self.draft_model.feature_layers) as tap:
+            yield lambda: {"features": tap.take()}
 
     def from_reads(self, reads: dict, hidden: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``_target_forward``'s result from a store's reads: the final hidden state (or the teacher's logits from

@@ -59,6 +59,19 @@ def check(draft) -> None:
         own.check(draft)
 
 
+def check_beside(draft) -> None:
+    """``draft.target = 'self'``: the run's kind reads its target's training forward (a kind's ``BESIDE_NOTE``
+    says why it cannot)."""
+    own = KINDS[draft.kind]
+    note = getattr(own, "BESIDE_NOTE", None)
+    if note is not None:
+        live = " or ".join(repr(n) for n in sorted(KINDS) if getattr(KINDS[n], "BESIDE_NOTE", None) is None)
+        raise ValueError(f"draft.target = 'self' with draft.kind = {own.NAME!r}: {note}; accepted: draft.kind = "
+                         f"{live}, or draft.target = a frozen target's directory")
+    if hasattr(own, "check_beside"):
+        own.check_beside(draft)
+
+
 def check_lora(draft) -> None:
     """``[lora]`` in a draft run: adapters on a trained draft (``draft.init``) of a kind that has them (a kind's
     ``ADAPTERS``; else its ``LORA_NOTE`` says why not)."""

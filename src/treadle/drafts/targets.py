@@ -39,7 +39,7 @@ import torch
 
 from treadle.errors import UserError
 from treadle.models.identity import target_config_fingerprint, target_summary
-from treadle.model_dirs import model_fingerprint
+from treadle.model_dirs import model_fingerprint, resolve_model_dir
 from treadle.models.hf import decoder_layers, load_causal_lm
 from treadle.tokenizer import tokenizer_fingerprint
 
@@ -197,6 +197,45 @@ def checked_target(target_dir: Path, data_vocab: int, data_tokenizer_fingerprint
         raise UserError(f"data.train was tokenized with tokenizer {data_tokenizer_fingerprint}, draft.target "
                         f"{target_dir} uses {theirs}; accepted: shards made with the target's tokenizer")
     return target, ident
+
+
+# The target a kind's build attaches its draft to when the draft trains beside it (``beside``): the run's own model,
+# already built, instead of ``draft.target`` loaded from disk. Set only for the duration of one build.
+_BESIDE: list = []
+
+
+@contextlib.contextmanager
+def beside(target) -> Iterator[None]:
+    """Kinds built inside the block take ``target`` (a model being trained) as their target: ``draft_target`` hands it
+    out in place of loading ``draft.target``. Its parameters' ``requires_grad`` and its train mode, which a draft run
+    model sets for a frozen target, are restored on the way out: it keeps training."""
+    flags, mode = [p.requires_grad for p in target.parameters()], target.training
+    _BESIDE.append(target)
+    try:
+        yield
+    finally:
+        _BESIDE.pop()
+        for p, flag in zip(target.parameters(), flags):
+            p.requires_grad_(flag)
+        target.train(mode)
+
+
+def building_beside() -> bool:
+    """Whether a kind's build runs inside ``beside`` (its target is the run's own model, not a directory)."""
+    return bool(_BESIDE)
+
+
+def draft_target(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
+    """(target dir, target, identity) a kind's build starts from: ``draft.target`` loaded and checked
+    (``checked_target``), or, inside ``beside``, the run's own model (no directory yet: its export names it at the
+    end; the identity is its config's)."""
+    if _BESIDE:
+        target = _BESIDE[-1]
+        check_target(target, "draft.target = 'self': the model", "model.path")
+        return None, target, {**target_summary(target.config), "config_fingerprint":
+                              target_config_fingerprint(target.config)}
+    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
+    return (target_dir, *checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty))
 
 
 @contextlib.contextmanager

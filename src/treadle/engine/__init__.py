@@ -79,7 +79,7 @@ def builds_empty(name: str, cfg: Config, world_size: int, deepspeed_json: dict |
     ``build_engine`` to allocate and read as the engine partitions it (FSDP2: each rank its shards, after sharding;
     a pipeline: each rank its stages, after the split; ZeRO-3: module by module). Otherwise it is read whole, on
     every rank."""
-    if cfg.model.path is None and cfg.draft.kind is None:
+    if cfg.model.path is None and not cfg.draft.frozen_target:
         return False
     if cfg.lora.rank is not None:  # PEFT injects its layers into real modules, and the adapters are in no file
         return False

@@ -44,7 +44,9 @@ class Run:
     @property
     def is_draft(self) -> bool:
         """A draft run (its steps report the frozen target's own CE beside the draft's objective, its evals
-        tau_sim)."""
+        tau_sim); not a model run with a draft beside it (its steps carry ``draft_loss``: its loss is the model's)."""
+        if any("draft_loss" in rec for rec in self.steps.values()):
+            return False
         return bool(self.acceptance) or any("target_loss" in rec for rec in self.steps.values())
 
     def last(self, records: str) -> dict:

@@ -30,7 +30,7 @@ def dtype_candidates(cfg: Config, engine: str) -> tuple[str, ...]:
     found = ["fp32"]
     if not (engine == "deepspeed" and cfg.distributed.zero_stage == 0):  # DeepSpeed refuses bf16 at stage 0
         found.append("bf16")
-    if engine == "local" and not cfg.draft.kind:  # the one engine that keeps fp32 masters beside bf16 weights
+    if engine == "local" and not cfg.draft.frozen_target:  # the one engine that keeps fp32 masters beside bf16 weights
         found.append("bf16-weights")
     return tuple(found)
 
@@ -40,10 +40,10 @@ def check_dtype(cfg: Config, engine: str, device: torch.device | None = None) ->
     engine alone, without the device checks)."""
     accepted = ", ".join(("auto", *dtype_candidates(cfg, engine)))
     if cfg.model.dtype == "fp8":  # never a candidate of auto: it changes the math, so only when asked for
-        check_fp8(engine, bool(cfg.draft.kind), cfg.distributed.tensor_parallel, device, accepted)
+        check_fp8(engine, cfg.draft.frozen_target, cfg.distributed.tensor_parallel, device, accepted)
         return
     if cfg.model.dtype not in ("auto", *dtype_candidates(cfg, engine)):
-        what = "a draft run" if cfg.draft.kind else f"distributed.engine {engine!r}"
+        what = "a draft run" if cfg.draft.frozen_target else f"distributed.engine {engine!r}"
         raise UserError(f"model.dtype = {cfg.model.dtype!r} is not available to {what} (bf16 weights with fp32 masters "
                         "are the local engine's, for a model run; FSDP2's bf16 already computes in bf16 weights over "
                         f"fp32 shards); accepted: {accepted}")
@@ -65,7 +65,7 @@ def resolve_auto(cfg: Config, model: nn.Module, engine: str, device: torch.devic
         return cfg, [], None
     rows, seq_len = t.micro_batch_size, cfg.data.seq_len
     # A draft run compiles its one block; the frozen target stays eager.
-    layers = 1 if cfg.draft.kind else len(decoder_layers(model))
+    layers = 1 if cfg.draft.frozen_target else len(decoder_layers(model))
     micro_steps = max(t.max_steps - start_step, 0) * t.grad_accum_steps
 
     def decide() -> tuple[list[tuple[str, str | bool, str]], float | None, float | None, str | None]:
@@ -103,7 +103,7 @@ def resolve_auto(cfg: Config, model: nn.Module, engine: str, device: torch.devic
         floor = layer_s * min(rows, autotune.PROBE_ROWS) / rows * layers * t.grad_accum_steps
     # A draft run's step is mostly its frozen target's forward, which a compile of the draft block does not touch:
     # its pace says little about what the compile would save, so only the figure is checked there.
-    check = StepTimeCheck(layer_s, floor, cache, compile_auto=m.compile == "auto" and not cfg.draft.kind,
+    check = StepTimeCheck(layer_s, floor, cache, compile_auto=m.compile == "auto" and not cfg.draft.frozen_target,
                           compiled=bool(cfg.model.compile), estimate_s=estimate)
     return cfg, lines, check
 

@@ -61,9 +61,13 @@ class AcceptanceCallback(EvalCallback):
         precision = EVAL_PRECISION.get(trainer.cfg.model.dtype, trainer.cfg.model.dtype)
         return f"acceptance (tau_sim, drafts in {precision}) on {len(self.prompts)} prompts{first}"
 
+    def scored_model(self, trainer: Trainer) -> torch.nn.Module:
+        """The draft run model scored (a draft run's: the model the engine trains)."""
+        return trainer.engine.module
+
     def measure(self, trainer: Trainer) -> dict:
         # Every rank measures the same prompts: the methods gather sharded weights collectively.
-        model = trainer.engine.module
+        model = self.scored_model(trainer)
         t0 = time.perf_counter()
         model.eval()
         if self.texts is None:

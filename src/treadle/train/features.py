@@ -123,6 +123,10 @@ def write_features(cfg, out: Path, dtype: str = "bf16", shard_samples: int = 0, 
     if not cfg.draft.kind:
         raise UserError("treadle features stores what a draft reads from its target: the config needs draft.kind "
                         "and draft.target (a draft run's config)")
+    if cfg.draft.beside:
+        raise UserError("treadle features with draft.target = 'self': a draft beside its target reads the target's "
+                        "training forward of each step, never a store; accepted: a draft run's config (draft.target = "
+                        "a frozen target's directory)")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
     refuse_unstorable(cfg, "treadle features")

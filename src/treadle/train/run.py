@@ -45,6 +45,7 @@ from treadle.models.fp8 import apply_fp8
 from treadle.models import attention
 from treadle.models.hf import (build_model, compile_layers, count_parameters, from_scratch_line, persistent_compile_cache,
                                trainable_parameters, vocabulary_fit)
+from treadle.train.cotrain import BesideExportCallback, beside_setup
 from treadle.train.callbacks import (AdapterExportCallback, Callback, CheckpointCallback, EvalCallback, ExportCallback,
                                     MetricsCallback)
 from treadle.drafts.features.run import attach_store, is_speculators_store, refuse_unstorable, speculators_samples
@@ -86,6 +87,7 @@ class RunSummary:
     eval_loss_label: str = "cross-entropy per label token"  # the eval loss
     rank: int = 0  # the process that returns it (every rank of a launch gets one)
     finished_before: bool = False  # the run had finished already: nothing ran (the CLI prints no summary)
+    draft_dir: Path | None = None  # a draft trained beside the model (draft.target = 'self'): its export
 
 
 def seed_everything(seed: int) -> None:
@@ -145,7 +147,8 @@ def _open_data(cfg: Config) -> RunData:
     paths = [resolve(s.path, "train", key(i)) for i, s in enumerate(specs)]  # (shard dirs, data files) each
     # Data files are tokenized with data.tokenizer, else the target's / model's, else the shards', else the built-in.
     recorded = next((_recorded_tokenizer(p) for dirs, _ in paths for p in dirs), None)
-    tokenizer = file_tokenizer(d.tokenizer, [cfg.draft.target, cfg.model.path, recorded])
+    frozen_target = cfg.draft.target if cfg.draft.frozen_target else None  # 'self' names no directory
+    tokenizer = file_tokenizer(d.tokenizer, [frozen_target, cfg.model.path, recorded])
     opened = [open_source(s.name, s.path, "train", s.format, s.text_field, d.seq_len, d, tokenizer, key(i), paths[i],
                           d.val_fraction) for i, s in enumerate(specs)]
     if d.val_fraction:  # the sources' held-out documents replace data.val
@@ -278,12 +281,12 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
 def choose_attention(cfg: Config, model: torch.nn.Module, device: torch.device, cp: int) -> list[str]:
     """``model.attention`` resolved and applied to the model that reads the packed rows (a draft run's target, and
     then the draft's own masks: BlockMasks on CUDA); the line that says what ``auto`` chose."""
-    reader = model.target if cfg.draft.kind else model
+    reader = model.target if cfg.draft.frozen_target else model
     if reader is None:  # a draft trained from a store: no target runs
         return []
     choice, why = attention.resolve(cfg.model.attention, reader.config, device, cfg.data.seq_len, cp)
     attention.use(reader, choice)
-    if cfg.draft.kind:  # the draft's own masks as FlexAttention BlockMasks where flex can train (drafts/masks.py)
+    if cfg.draft.frozen_target:  # the draft's own masks as FlexAttention BlockMasks where flex trains (drafts/masks.py)
         model.flex_masks = choice in attention.NAMES and device.type == "cuda"
     return [f"treadle: model.attention = auto -> {choice}: {why}"] if cfg.model.attention == "auto" else []
 
@@ -397,7 +400,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     d = cfg.distributed
     info = init_distributed(cfg.train.device, num_threads=cfg.train.threads or None,
                             timeout=datetime.timedelta(seconds=d.timeout_s))
-    engine_name = resolve_engine(d.engine, info, d.pipeline_parallel, draft=bool(cfg.draft.kind))
+    engine_name = resolve_engine(d.engine, info, d.pipeline_parallel, draft=cfg.draft.frozen_target)
     mesh = build_mesh(d, info)  # every axis; one line when their product does not fit the launch
     layout = mesh.layout  # data-parallel x context ranks
     elastic = elastic_callbacks(cfg, info.rank, info.world_size)  # torchrun restarts; a drill's keys checked now
@@ -424,7 +427,9 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     # A model read from disk is built as the engine wants it: empty (FSDP2 reads each rank's shards once it has
     # sharded it, ZeRO-3 reads and partitions it module by module), or whole.
     empty = builds_empty(engine_name, cfg, info.world_size, deepspeed_json)
-    setup = (_draft_setup if cfg.draft.kind else _model_setup)(cfg, data, meta, empty)
+    setup = (_draft_setup if cfg.draft.frozen_target else _model_setup)(cfg, data, meta, empty)
+    if cfg.draft.beside:  # a draft trained beside the model, in its step (train/cotrain.py)
+        setup = beside_setup(cfg, setup, data, device, checkpoints, engine_name)
     train_ds, val_ds = data.train, data.val  # a store-backed draft run's: the store's windows (draft.features)
     if d.pipeline_parallel > 1 and setup.loss_fn is not loss_sum:  # the last stage computes a plain cross-entropy
         raise UserError("distributed.pipeline_parallel > 1 is not supported for mixture-of-experts models (their "
@@ -440,8 +445,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         quantized_compute_dtype(setup.model, torch.bfloat16)
     # Per decoder layer, before compile and before the engine wraps the model (FSDP2 shards per layer). A draft
     # run checkpoints its draft block only: the frozen target runs under no_grad and keeps no activations.
-    apply_activation_checkpointing(setup.model.draft_model if cfg.draft.kind else setup.model, cfg.model)
-    if mesh.tp > 1 and cfg.draft.kind:  # before anything is written: a target it cannot split is refused
+    apply_activation_checkpointing(setup.model.draft_model if cfg.draft.frozen_target else setup.model, cfg.model)
+    if mesh.tp > 1 and cfg.draft.frozen_target:  # before anything is written: a target it cannot split is refused
         check_tensor_parallel_target(setup.model.target, mesh.tp, cfg.draft.kind)
     elif mesh.tp > 1:
         check_tensor_parallel(setup.model, mesh.tp, seq_len)
@@ -457,10 +462,10 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     model = setup.model.train()
     if layout.cp_size > 1:  # a model transform, where parallelism is applied: before compile and the engine's wrap
         apply_context_parallel(model, layout.cp_group)
-    flops_per_token = model_flops_per_token(model, seq_len, bool(cfg.draft.kind))  # before a pipeline prunes it
+    flops_per_token = model_flops_per_token(model, seq_len, cfg.draft.frozen_target)  # before a pipeline prunes it
     if cfg.model.compile:  # a draft is one block: compile it whole; the frozen target stays eager
         persistent_compile_cache()
-        model.draft_model.compile() if cfg.draft.kind else compile_layers(model)
+        model.draft_model.compile() if cfg.draft.frozen_target else compile_layers(model)
     engine = build_engine(engine_name, model, cfg, device, deepspeed_json, mesh=mesh)
     t, r = cfg.train, cfg.resilience
     # Data-parallel ranks (replicas x shards) draw the samples; the ranks of a context group share them and slice
@@ -487,7 +492,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
         callbacks.insert(0, ProfilerCallback(p.start_step, p.steps, Path(p.dir) if p.dir else out / "profile",
                                              p.record_shapes, p.memory, p.with_stack))
     if val_ds is not None:
-        callbacks.append(EvalCallback(t.eval_every, t.eval_at_start, perplexity=not cfg.draft.kind))
+        callbacks.append(EvalCallback(t.eval_every, t.eval_at_start, perplexity=not cfg.draft.frozen_target))
     callbacks += setup.eval_callbacks
     callbacks += user_callbacks
     callbacks.append(CheckpointCallback(cfg.checkpoint.every, cfg.checkpoint.every_minutes * 60))
@@ -596,6 +601,7 @@ def run_training(cfg: Config, live: bool | None = None, callbacks: Sequence[Call
                         (None, None) if trainer.cfg.draft.kind else None),  # a draft run without tau_sim: (None, None)
         rank=trainer.engine.rank,
         finished_before=trainer.finished,
+        draft_dir=next((cb.draft_dir for cb in trainer.callbacks if isinstance(cb, BesideExportCallback)), None),
         loss_label=getattr(trainer.loss_fn, "label", RunSummary.loss_label),
         eval_loss_label=getattr(getattr(trainer.eval_loss_fn, "__self__", trainer.eval_loss_fn), "eval_label",
                                 RunSummary.eval_loss_label),

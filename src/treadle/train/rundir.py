@@ -171,7 +171,7 @@ def _check_continuity(cfg: Config, ckpt: Path, then: dict, state: dict, changes:
     step, run = state["train"]["step"], ckpt.parent.parent
     for key, old, new in changes:
         if key in _DATA_ORDER_KEYS:
-            weights = "" if cfg.draft.kind else f" started from its weights (--model.path={run})"
+            weights = "" if cfg.draft.frozen_target else f" started from its weights (--model.path={run})"
             raise UserError(
                 f"checkpoint {ckpt} was trained with {key} = {show_value(old)}, this run has {show_value(new)}: its data "
                 f"position does not carry over; accepted: {key} = {show_value(old)} to continue it, or a new "

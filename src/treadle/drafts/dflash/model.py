@@ -48,9 +48,8 @@ from treadle.drafts.glide.model import (
 )
 from treadle.drafts.masks import Rule
 from treadle.drafts.run_model import DraftRunModel, FusedFeatureReads
-from treadle.drafts.targets import capture_features, checked_target
+from treadle.drafts.targets import capture_features, draft_target
 from treadle.errors import UserError
-from treadle.model_dirs import resolve_model_dir
 from treadle.data.packed import IGNORE_INDEX
 from treadle.models.chunked_ce import chunked_rows, model_logits
 from treadle.models.upcast import at_least_fp32
@@ -481,8 +480,7 @@ def build_dflash(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
     (DFlash2Model, LiLiCorrModel), whose ``draft_class`` says what it reads from the config and from its layout."""
     model_class = model_class or DFlashModel
     draft_class = model_class.draft_class
-    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
-    target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
+    target_dir, target, ident = draft_target(cfg, data_vocab, data_tokenizer_fingerprint, empty)
     if cfg.init is not None:
         draft = draft_from_layout(init_dir(cfg.init), target, "draft.init", draft_class)
         check_init_keys(cfg, draft)

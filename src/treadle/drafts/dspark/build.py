@@ -9,7 +9,7 @@ from treadle.drafts.dflash.model import build_dflash, load_dflash
 from treadle.drafts.dspark import stages
 from treadle.drafts.dspark.model import DSparkModel
 from treadle.drafts.kind import init_dir
-from treadle.drafts.targets import checked_target
+from treadle.drafts.targets import building_beside, checked_target
 from treadle.model_dirs import resolve_model_dir
 
 
@@ -18,6 +18,8 @@ def build_dspark(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
     ``draft.init``) ships, fine-tuned in place (dspark/v4.py); else DFlash's build (``build_dflash``) of a
     ``DSparkDraft``, from ``draft.init`` the directory's draft (its layers, block size, mask token and Markov rank
     are the run's)."""
+    if cfg.init is None and building_beside():  # the run's own model: no shipped stages to read
+        return build_dflash(cfg, data_vocab, data_tokenizer_fingerprint, empty, DSparkModel)
     target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
     source = target_dir if cfg.init is None else init_dir(cfg.init)
     found = stages.find(source)

@@ -37,7 +37,6 @@ from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
 from treadle.errors import UserError
-from treadle.model_dirs import resolve_model_dir
 from treadle.drafts.kind import init_dir
 from treadle.drafts.eagle3 import layout as eagle3_layout
 from treadle.drafts.eagle3.attention import UnrollKeys
@@ -47,7 +46,7 @@ from treadle.drafts.glide.model import (
 )
 from treadle.drafts.masks import ttt_rule
 from treadle.drafts.run_model import DraftRunModel, FusedFeatureReads
-from treadle.drafts.targets import capture_features, checked_target
+from treadle.drafts.targets import capture_features, draft_target
 from treadle.drafts.ttt_scores import UnrollScores, chunked_unroll_scores
 
 KIND = "eagle3"
@@ -324,8 +323,7 @@ def build_eagle3(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
     """(Eagle3Model, target dir, target identity) for a ``DraftConfig``; a reduced vocabulary's maps are left to
     the caller (``Eagle3Draft.set_vocabulary``: a run counts its data, a checkpoint or export holds them), except
     for a draft started from ``draft.init``, whose weights, feature layers and map are the directory's."""
-    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
-    target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
+    target_dir, target, ident = draft_target(cfg, data_vocab, data_tokenizer_fingerprint, empty)
     if cfg.init is not None:
         draft = _draft_from_layout(init_dir(cfg.init), target, "draft.init")
         for key, want, have in (("feature_layers", cfg.feature_layers, list(draft.feature_layers)),

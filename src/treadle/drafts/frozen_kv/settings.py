@@ -16,6 +16,8 @@ LORA_NOTE = "a Gemma-4 assistant is served by transformers' generate, which load
 LAYOUT_NOTE = "its layout is Gemma4AssistantForCausalLM's own checkpoint"
 WINDOW_NOTE = "its attention reads the target's K/V under the target's own sliding window"
 
+# Why draft.target = 'self' is refused (drafts/settings.py check_beside words it).
+BESIDE_NOTE = "Gemma 4's assistant reads the target's KV cache, which the training forward does not hand out yet"
 
 def check(draft) -> None:
     """Nothing of its own beyond the layout and window refusals every single-layout kind gets."""

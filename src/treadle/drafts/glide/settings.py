@@ -9,6 +9,8 @@ LAYOUTS = ("treadle", "longspec")
 # Why [lora] (adapters on a draft) is refused for this kind (drafts/settings.py words the one-line refusal).
 LORA_NOTE = "not built for GLIDE: no engine serves a GLIDE draft with adapters, and its cross-attention into the target's K/V was never tried under PEFT"
 
+# Why draft.target = 'self' is refused (drafts/settings.py check_beside words it).
+BESIDE_NOTE = "GLIDE reads the K/V cache of the target's last layer, which the training forward does not hand out yet"
 
 def check(draft) -> None:
     if draft.layout == "longspec" and draft.window not in (0, 513):

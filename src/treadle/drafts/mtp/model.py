@@ -37,11 +37,10 @@ from treadle.drafts.mtp import layout
 from treadle.drafts.recurrent import UnrollOutput, guesses_by_step
 from treadle.drafts.ttt_scores import chunked_unroll_scores
 from treadle.drafts.run_model import DraftRunModel
-from treadle.drafts.targets import checked_target
+from treadle.drafts.targets import draft_target
 from treadle.errors import UserError
 from treadle.models.checkpoint_files import read_layer, read_target_tensor
 from treadle.models.hf import cache_kwargs
-from treadle.model_dirs import resolve_model_dir
 
 KIND = "mtp"
 
@@ -151,6 +150,7 @@ class MtpModel(DraftRunModel):
     """What an mtp draft run trains: the frozen target and its MTP module."""
 
     fsdp_forward_methods = ("chain_guesses", "continue_greedily")
+    trunk_reads = ("hidden",)  # the module reads the target's final hidden state: DeepSeek-V3's joint MTP loss path
     chunked_unroll = True  # its steps score through the target's head: model.loss_chunk_tokens applies
 
     def target_reads(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -262,12 +262,11 @@ def shipped_layer(target_dir: Path, target) -> dict:
 def build_mtp(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
     """(MtpModel, target dir, target identity): the module from ``draft.init``, else the one the target ships, else a
     new one (``init_new``)."""
-    target_dir = resolve_model_dir(Path(cfg.target), "draft.target")
-    target, ident = checked_target(target_dir, data_vocab, data_tokenizer_fingerprint, empty)
-    config = mtp_config(target, f"draft.target {target_dir}")
+    target_dir, target, ident = draft_target(cfg, data_vocab, data_tokenizer_fingerprint, empty)
+    config = mtp_config(target, f"draft.target {target_dir or 'self (the model)'}")
     if cfg.init is not None:
         draft, origin = draft_from_dir(init_dir(cfg.init), target, "draft.init", config), f"draft.init {cfg.init}"
-    elif shipped_layer(target_dir, target):
+    elif target_dir is not None and shipped_layer(target_dir, target):
         draft, origin = draft_from_dir(target_dir, target, "draft.target", config), "the layer the target ships"
     else:
         draft = MtpDraft(target, config)

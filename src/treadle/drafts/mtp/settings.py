@@ -23,3 +23,12 @@ def check(draft) -> None:
 def check_context_parallel(draft, cp: int, loss_chunk_tokens: str | int) -> None:
     raise ValueError(f"distributed.context_parallel = {cp} with draft.kind = 'mtp': its unroll is not built for "
                      "sliced sequences yet; accepted: context_parallel = 1")
+
+
+def check_beside(draft) -> None:
+    """Beside its target, jointly: the module's input is the target's final hidden state, which is also the teacher
+    of a kl / mix loss; its loss would pull the target toward its draft. DeepSeek-V3 trains MTP on the data."""
+    if draft.joint and draft.loss != "ce":
+        raise ValueError(f"draft.joint = true with draft.kind = 'mtp' and draft.loss = {draft.loss!r}: the target's "
+                         "hidden state the module reads is also the teacher, which the joint loss would train toward "
+                         "the draft; accepted: draft.loss = 'ce' (DeepSeek-V3's MTP objective), or draft.joint = false")
