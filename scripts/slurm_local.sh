@@ -76,7 +76,7 @@ start() {
   pid_alive "$DIR/munge/munged.pid" || munged --force --key-file="$DIR/munge/munge.key" \
     --socket="$DIR/munge/munge.socket" --pid-file="$DIR/munge/munged.pid" --seed-file="$DIR/munge/munged.seed" \
     --log-file="$DIR/munge/munged.log"
-  slurmctld -i  # -i: ignore state left by an earlier cluster in $DIR (a fresh start)
+  slurmctld -c  # -c: clear jobs left by an earlier cluster in $DIR (a fresh start)
   slurmd
   for _ in $(seq 60); do  # the node registers within a few seconds
     if sinfo -h -o %t 2>/dev/null | grep -qx idle; then env_line; return; fi
