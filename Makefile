@@ -10,7 +10,7 @@ OLDEST := .venv-oldest
 OLDEST_STAMP := $(OLDEST)/.installed
 PYTEST := -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-.PHONY: install venv demo test test-oldest bench gpu-check clean-venv lint
+.PHONY: install venv demo test test-oldest bench gpu-check slurm-check clean-venv lint
 
 # $(call venv,DIR,CONSTRAINTS): DIR holds treadle (editable, with the test extras) on the CONSTRAINTS' releases.
 define venv
@@ -47,6 +47,9 @@ bench: $(STAMP)  ## treadle's loop against a bare PyTorch loop; drafters compare
 
 gpu-check: $(STAMP)  ## one GPU, a few minutes: tiny + 1.1B Llama (bf16, compile, act. ckpt, chunked loss), torchrun/NCCL, GLIDE + EAGLE-3 drafts, spec-eval -> one table (tokens/s, MFU, peak memory) on stdout and in runs/gpu-check/gpu-check.md; no CUDA: one line, exit 0
 	$(BIN)/python bench/gpu.py
+
+slurm-check: $(STAMP)  ## as root, ~5 min: docs/cluster.md's sbatch recipe on a one-host SLURM it starts and stops (scripts/slurm_local.sh): time-limit signal -> checkpoint + requeue -> resume, scancel -> exit 75, equal losses (needs: apt-get install -y slurm-wlm munge)
+	$(BIN)/python scripts/slurm_check.py
 
 clean-venv:
 	rm -rf $(VENV) $(OLDEST)
