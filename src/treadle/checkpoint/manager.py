@@ -51,7 +51,7 @@ Several ranks: every rank writes its shards (DCP, or DeepSpeed's own files under
 chose; rank 0 alone writes the train state, renames, moves the links and retires old
 checkpoints; every rank learns the outcome (one collective), so a failed write on any
 rank fails the save everywhere. The run directory must be on a file system all ranks
-share. Async save with several ranks: every collective of a save (the temporary's name,
+share, or ``checkpoint.dir`` an object store (``remote_manager``: the same steps, committed by objects). Async save with several ranks: every collective of a save (the temporary's name,
 DCP's own planning, the agreement on the outcome) runs on a gloo group of its own, made
 once by every rank when the manager is built, so the background writer never shares a
 group with the training thread's collectives; ranks stay in step because each runs the

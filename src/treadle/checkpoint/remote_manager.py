@@ -40,8 +40,10 @@ from treadle.checkpoint.manager import CheckpointManager, _Job
 from treadle.checkpoint.remote import COMMITTED, RemotePath
 from treadle.errors import CheckpointWriteError, UserError, first_line
 
-try:  # public in newer torch (2.15: the private name warns); torch 2.11 has only the private module
-    from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
+# FsspecReader: checkpoint/safety.py reads a store through it. Public in newer torch (2.15: the private name warns);
+# torch 2.11 has only the private module.
+try:
+    from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: F401
 except ImportError:  # pragma: no cover - the oldest torch
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: F401
 
