@@ -232,7 +232,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "f
     check_versions()
     from treadle.checkpoint.export import export_checkpoint
 
-    return export_checkpoint(Path(source), Path(out), dtype=dtype, to=to, merge=merge)
+    source = source if isinstance(source, str) else Path(source)  # a string may be a URL (a checkpoint.dir)
+    return export_checkpoint(source, Path(out), dtype=dtype, to=to, merge=merge)
 
 
 def spec_eval(target: str | os.PathLike, draft: str | os.PathLike, **options: Any) -> dict:

@@ -166,7 +166,8 @@ def _print_summary(s) -> None:
     table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s ({s.tokens:,} tokens in {s.elapsed_s:.1f} s of training)")
     table.add_row("run directory", str(s.output_dir))
     table.add_row("metrics", str(s.output_dir / "metrics.jsonl"))
-    table.add_row("checkpoints", ", ".join(p.name for p in s.checkpoints) + f" in {s.output_dir / 'checkpoints'}")
+    where = s.checkpoints[0].parent if s.checkpoints else s.output_dir / "checkpoints"  # checkpoint.dir: anywhere
+    table.add_row("checkpoints", ", ".join(p.name for p in s.checkpoints) + f" in {where}")
     if s.draft_dir is not None:  # a draft trained beside its target: the target, then its draft
         table.add_row("exported model", f"{s.export_dir} (AutoModelForCausalLM.from_pretrained)")
         table.add_row("exported draft",
@@ -187,7 +188,7 @@ def _print_summary(s) -> None:
 def _export(args: argparse.Namespace) -> int:
     from treadle.checkpoint.export import export_checkpoint
 
-    out = export_checkpoint(Path(args.source), Path(args.out), dtype=args.dtype, to=args.to, merge=args.merge,
+    out = export_checkpoint(args.source, Path(args.out), dtype=args.dtype, to=args.to, merge=args.merge,
                             base_name=args.base_name)
     print(f"exported {args.source} -> {out}")
     return 0

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from treadle.checkpoint.remote import as_path
 from treadle.config import flatten, show_value
 from treadle.errors import UserError
 
@@ -46,7 +47,7 @@ def check_compatible(path: Path, config_toml_now: str | None, meta_now: dict | N
     ``target_fingerprint`` of its train_state.json ``meta`` with ``meta_now``. Everything else (steps, lr, logging, eval, data paths) may change.
     Either argument may be None to skip that half.
     """
-    path = Path(path)
+    path = as_path(path)
     if config_toml_now is not None:
         try:
             then = _architecture(tomllib.loads((path / "config.toml").read_text()))

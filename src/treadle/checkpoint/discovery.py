@@ -6,10 +6,10 @@ Reading only: nothing here changes a checkpoints directory.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
-from treadle.checkpoint.layout import STEP_DIR, complete_steps, link_target
+from treadle.checkpoint.layout import STEP_DIR, complete_steps, link_target, link_text
+from treadle.checkpoint.remote import RemotePath, as_path
 from treadle.checkpoint.validate import damage
 from treadle.errors import UserError
 
@@ -19,7 +19,7 @@ _PATH_ACCEPTED = "accepted: a step_<N> checkpoint directory, or a run directory 
 _RESUME_ACCEPTED = "accepted: auto, none, a step_<N> checkpoint directory, or a run directory that has checkpoints"
 
 
-def newest_valid(root: Path) -> Path | None:
+def newest_valid(root: Path | RemotePath) -> Path | RemotePath | None:
     """``latest`` if sound, else the newest sound ``step_<N>``, saying in one line what was skipped.
 
     None if ``root`` holds no checkpoint at all; UserError if it holds only damaged ones,
@@ -32,7 +32,7 @@ def newest_valid(root: Path) -> Path | None:
         reason = damage(target) if target.is_dir() else "it points to a missing directory"
         if reason is None:
             return target
-        skipped.append(f"latest -> {os.readlink(link)} ({reason})")
+        skipped.append(f"latest -> {link_text(link)} ({reason})")
     done = [p for p in reversed(complete_steps(root)) if target is None or p.name != target.name]
     for p in done:
         reason = damage(p)
@@ -59,8 +59,8 @@ def find_checkpoint(root: Path, resume: str) -> Path | None:
     if resume == "none":
         return None
     if resume == "auto":
-        return newest_valid(Path(root))
-    return checkpoint_at(Path(resume), f"checkpoint.resume = {resume!r}", _RESUME_ACCEPTED)
+        return newest_valid(as_path(root))
+    return checkpoint_at(as_path(resume), f"checkpoint.resume = {resume!r}", _RESUME_ACCEPTED)
 
 
 def checkpoint_at(path: Path, named: str, accepted: str = _PATH_ACCEPTED) -> Path:

@@ -193,7 +193,7 @@ def absolute_base(name: str | None) -> str | None:
     return name
 
 
-def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "auto", merge: bool = False,
+def export_checkpoint(source: str | Path, out: Path, dtype: str = "fp32", to: str = "auto", merge: bool = False,
                       base_name: str | None = None) -> Path:
     """``treadle export``: rebuild what a checkpoint was trained as, load its weights, export.
 
@@ -204,6 +204,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     the adapter's recorded base (``--base-name``; else the run's lora.base_name, else the base's absolute path).
     """
     from treadle.checkpoint.discovery import checkpoint_at
+    from treadle.checkpoint.remote import as_path
     from treadle.checkpoint.validate import checkpoint_format, run_state
     from treadle.checkpoint.safety import loading, safe_dcp_load
     from treadle.config import load_config
@@ -214,7 +215,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str = "fp32", to: str = "a
     claim_export(out)  # before the checkpoint is read: a refusal costs nothing
     # Read-only (a live run's temporaries are not ours to touch); it inspects the checkpoint it returns, which
     # vets every pickle of a DeepSpeed checkpoint before checkpoint_weights hands the directory to DeepSpeed.
-    ckpt = checkpoint_at(Path(source), f"treadle export SOURCE {str(source)!r}")
+    ckpt = checkpoint_at(as_path(source), f"treadle export SOURCE {str(source)!r}")  # a URL: a checkpoint.dir
     cfg = load_config(ckpt / "config.toml")
     if to == "draft" and cfg.draft.beside:
         raise UserError(f"checkpoint {ckpt} is a model run with a draft beside it (draft.target = 'self'): its export "

@@ -13,6 +13,8 @@ import sys
 import uuid
 from pathlib import Path
 
+from treadle.checkpoint.remote import COMMITTED, RemotePath
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 TMP_NAME = re.compile(r"^\.tmp-(?P<what>[^.]+)\.(?P<pid>\d+)@(?P<host>[^.]+)\.(?P<token>[0-9a-f]{8})$")
@@ -25,8 +27,10 @@ def write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
+def remove(path: Path | RemotePath) -> None:
+    if isinstance(path, RemotePath):
+        path.remove()
+    elif path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         try:
@@ -87,12 +91,29 @@ def step_of(path: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
-def complete_steps(root: Path) -> list[Path]:
+def complete_steps(root: Path | RemotePath) -> list[Path]:
+    """``step_<N>`` checkpoints, oldest first: directories on disk, committed prefixes in an object store."""
+    if isinstance(root, RemotePath):
+        return sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / COMMITTED).is_file()),
+                      key=step_of)
     if not root.is_dir():
         return []
     return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)), key=step_of)
 
 
-def link_target(link: Path) -> Path | None:
-    """Where a ``latest``/``best`` symlink points (existing or not); None if there is no symlink."""
+def link_target(link: Path | RemotePath) -> Path | RemotePath | None:
+    """Where a ``latest``/``best`` symlink (an object store: the object naming the step) points, existing or not;
+    None if there is none."""
+    if isinstance(link, RemotePath):
+        try:
+            name = link.read_text().strip()
+        except FileNotFoundError:
+            return None
+        return link.parent / name if STEP_DIR.match(name) else None
     return link.parent / os.readlink(link) if link.is_symlink() else None
+
+
+def link_text(link: Path | RemotePath) -> str:
+    """What a link says, for a message (``latest -> step_4``)."""
+    target = link_target(link)
+    return target.name if isinstance(link, RemotePath) and target is not None else os.readlink(link)

@@ -51,7 +51,7 @@ Several ranks: every rank writes its shards (DCP, or DeepSpeed's own files under
 chose; rank 0 alone writes the train state, renames, moves the links and retires old
 checkpoints; every rank learns the outcome (one collective), so a failed write on any
 rank fails the save everywhere. The run directory must be on a file system all ranks
-share. Async save with several ranks: every collective of a save (the temporary's name,
+share, or ``checkpoint.dir`` an object store (``remote_manager``: the same steps, committed by objects). Async save with several ranks: every collective of a save (the temporary's name,
 DCP's own planning, the agreement on the outcome) runs on a gloo group of its own, made
 once by every rank when the manager is built, so the background writer never shares a
 group with the training thread's collectives; ranks stay in step because each runs the
@@ -87,6 +87,7 @@ from treadle.checkpoint.layout import (
     tmp_name,
     write_text,
 )
+from treadle.checkpoint.remote import as_path
 from treadle.checkpoint.rng import capture_rng, restore_rng
 from treadle.checkpoint.safety import CheckpointDamaged, causes, loading, safe_dcp_load
 from treadle.checkpoint.staging import StagingBuffers
@@ -120,7 +121,7 @@ class CheckpointManager:
             raise UserError(f"checkpoint.keep_last = {keep_last!r} is invalid; accepted: an integer >= 1")
         if best_mode not in ("min", "max"):
             raise UserError(f"checkpoint.best_mode = {best_mode!r} is invalid; accepted: min, max")
-        self.root = Path(root)
+        self.root = as_path(root)
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
@@ -226,7 +227,7 @@ class CheckpointManager:
 
         ``group``: the process group of every collective here (None: the default one, or none at all).
         """
-        tmp = self.root / distributed.broadcast_object(tmp_name(job.final.name), group=group)
+        tmp = self._temporary(job, group)
         error = self._agreed(self._attempt(self._write_shards, job, tmp, engine, group), job, tmp, group)
         if error is None and self.rank == 0:
             error = self._attempt(self._install_files, job, tmp)
@@ -240,6 +241,10 @@ class CheckpointManager:
             self._raise_write_error(job, error, self.root, written=True)
         if self.rank == 0:
             self._retain()
+
+    def _temporary(self, job: _Job, group) -> Path:
+        """Where every rank writes this save until it is installed: a ``.tmp-*`` directory rank 0 names."""
+        return self.root / distributed.broadcast_object(tmp_name(job.final.name), group=group)
 
     def _write_shards(self, job: _Job, tmp: Path, engine, group) -> None:
         (tmp / "rng").mkdir(parents=True, exist_ok=True)  # every rank: whichever comes first creates it
@@ -348,13 +353,17 @@ class CheckpointManager:
             return
         rec = {"metric": self.best_metric, "mode": self.best_mode, "value": value, "step": job.step,
                "checkpoint": job.final.name}
-        tmp = self.root / tmp_name("bestjson")
+        self._replace_text(self.root / "best.json", json.dumps(rec))
+        self._point(self.root / "best", job.final)
+
+    def _replace_text(self, path: Path, text: str) -> None:
+        """Readers of ``path`` see the old text or the new one."""
+        tmp = self.root / tmp_name(path.name.replace(".", ""))
         try:
-            write_text(tmp, json.dumps(rec))
-            os.replace(tmp, self.root / "best.json")
+            write_text(tmp, text)
+            os.replace(tmp, path)
         finally:
             remove(tmp)
-        self._point(self.root / "best", job.final)
 
     def _retain(self) -> None:
         done = self.complete()
@@ -416,7 +425,7 @@ class CheckpointManager:
         an incompatible checkpoint first (``check_compatible``). Every problem is a one-line UserError.
         """
         self.wait()
-        path = Path(path)
+        path = as_path(path)
         md = inspect(path)
         check_compatible(path, config_toml, meta)
         train_state = json.loads((path / "train_state.json").read_text())

@@ -49,6 +49,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import pickle
 import re
@@ -63,6 +64,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 # torch.load's own steps for a zip archive (private, pinned with torch 2.13): vetting reads the very record it unpickles.
 from torch.serialization import _is_torchscript_zip, _is_zipfile, _open_zipfile_reader
 
+from treadle.checkpoint.remote import RemotePath
 from treadle.distributed import quiet_single_process_dcp
 from treadle.errors import UserError
 
@@ -194,7 +196,7 @@ def read_metadata(state_dir: Path, ckpt: Path | None = None) -> Metadata:
     file = state_dir / ".metadata"
     rel = _relative(file, ckpt)
     try:
-        with open(file, "rb") as f:
+        with file.open("rb") as f:  # a Path, or a RemotePath (an object store)
             md = RestrictedUnpickler(f).load()
     except RefusedPickle as exc:
         raise _refused(ckpt, rel, exc.name) from None
@@ -207,10 +209,10 @@ def read_metadata(state_dir: Path, ckpt: Path | None = None) -> Metadata:
     return md
 
 
-class _PrereadReader(FileSystemReader):
-    """A FileSystemReader whose metadata was already read (and vetted) by us."""
+class _Preread:
+    """A DCP reader whose metadata was already read (and vetted) by us."""
 
-    def __init__(self, path: Path, metadata: Metadata):
+    def __init__(self, path, metadata: Metadata):
         super().__init__(path)
         self._vetted = metadata
 
@@ -221,6 +223,25 @@ class _PrereadReader(FileSystemReader):
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
+
+
+class _PrereadReader(_Preread, FileSystemReader):
+    pass
+
+
+@functools.cache
+def _preread_fsspec_reader() -> type:
+    """``_Preread`` over DCP's fsspec reader, made on first use: only a run with an object store imports fsspec."""
+    from treadle.checkpoint.remote_manager import FsspecReader
+
+    return type("_PrereadFsspecReader", (_Preread, FsspecReader), {})
+
+
+def _preread_reader(state_dir, metadata: Metadata):
+    """The reader of ``state_dir``: on disk, or in an object store through DCP's fsspec reader."""
+    if isinstance(state_dir, RemotePath):
+        return _preread_fsspec_reader()(state_dir.url, metadata)
+    return _PrereadReader(state_dir, metadata)
 
 
 class _SafePlanner(DefaultLoadPlanner):
@@ -287,4 +308,4 @@ def safe_dcp_load(state: dict, state_dir: Path, ckpt: Path, metadata: Metadata |
     """``dcp.load(state, state_dir)`` with every unpickling restricted (see the module docstring)."""
     md = metadata if metadata is not None else read_metadata(state_dir, ckpt)
     with loading(ckpt), quiet_single_process_dcp():
-        dcp.load(state, storage_reader=_PrereadReader(state_dir, md), planner=_SafePlanner(ckpt))
+        dcp.load(state, storage_reader=_preread_reader(state_dir, md), planner=_SafePlanner(ckpt))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from treadle.checkpoint.remote import COMMITTED, RemotePath, as_path
 from treadle.checkpoint.safety import CheckpointDamaged, read_metadata, vet_deepspeed
 from treadle.engine.deepspeed import TAG, meta_problem
 
@@ -53,6 +54,8 @@ def inspect(path: Path) -> Metadata | None:
     CheckpointDamaged saying what is wrong."""
     if not path.is_dir():
         raise CheckpointDamaged(path, "no such directory")
+    if isinstance(path, RemotePath) and not (path / COMMITTED).is_file():
+        raise CheckpointDamaged(path, f"it was never committed (no {COMMITTED} object: a save that did not finish)")
     read_json_object(path / "train_state.json", path)
     if not (path / "config.toml").is_file():
         raise CheckpointDamaged(path, "config.toml is missing")
@@ -95,7 +98,7 @@ def _inspect_deepspeed(path: Path) -> None:
 def damage(path: Path) -> str | None:
     """Why the checkpoint at ``path`` cannot be resumed from, or None if it is complete and sound."""
     try:
-        inspect(Path(path))
+        inspect(as_path(path))
     except CheckpointDamaged as exc:
         return exc.reason
     return None

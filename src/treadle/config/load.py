@@ -140,7 +140,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     tree: dict[str, Any] = {}
     source = ""
     if path is not None:
-        p = Path(path)
+        p = Path(path) if isinstance(path, str) else path  # a Path, or a checkpoint's in an object store
         source = str(p)
         try:
             tree = tomllib.loads(p.read_text())

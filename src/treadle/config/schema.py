@@ -100,6 +100,10 @@ class CheckpointConfig(Section):
     every_minutes: float = Field(30.0, ge=0.0, description="wall-clock minutes between checkpoints, besides 'every' "
                                  "(whichever is due first; rank 0's clock); 0 = none by time")
     keep_last: int = Field(2, ge=1)
+    dir: str | None = Field(None, description="where checkpoints go: unset = <output_dir>/checkpoints; a local "
+                            "path, or an fsspec URL (s3://bucket/prefix, gs://..., an S3-compatible endpoint through "
+                            "AWS_ENDPOINT_URL); credentials come from the environment or the backend's own "
+                            "configuration, never from this file")
     resume: str = Field("auto", description="auto | none | <checkpoint path>")
     export_hf: bool = Field(True, description="write <output_dir>/hf (a draft run: <output_dir>/draft) at the end")
     async_save: bool = Field(False, description="write checkpoints in the background; latest moves when durable "

@@ -20,6 +20,8 @@ from pydantic import ValidationError
 from treadle import distributed
 from treadle.checkpoint.export import claim_export
 from treadle.checkpoint.manager import CheckpointManager
+from treadle.checkpoint.remote import RemotePath
+from treadle.checkpoint.remote_manager import RemoteCheckpointManager
 from treadle.checkpoint.validate import run_state
 from treadle.config import Config, SourceConfig, _explain, explicit_tree, parse_duration
 from treadle.data.holdout import Interleaved
@@ -59,7 +61,15 @@ from treadle.engine.optim import build_schedule
 from treadle.train.resilience import (FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher,
                                       elastic_callbacks)
 from treadle.train.profiling import ProfilerCallback
-from treadle.train.rundir import check_output_dir, check_resume, prepare_output_dir, save_run_config
+from treadle.train.rundir import (
+    check_checkpoint_owner,
+    check_output_dir,
+    check_resume,
+    checkpoint_dir,
+    claim_checkpoint_dir,
+    prepare_output_dir,
+    save_run_config,
+)
 from treadle.train.step import loss_sum
 from treadle.train.trainer import Trainer
 from treadle.train.user_callbacks import load_callbacks
@@ -409,13 +419,16 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     seq_len = cfg.data.seq_len
     out = Path(cfg.train.output_dir)
     distributed.on_main(check_output_dir, out)  # a user's directory is refused before anything else
+    ckpt_dir = checkpoint_dir(cfg, engine_name)  # an object store: reachable, writable (one line if not)
+    distributed.on_main(check_checkpoint_owner, cfg, ckpt_dir)  # another run's: refused before recover() clears
     # Rank 0 tokenizes data files into the cache; the others then find them there.
     data = distributed.on_main(_open_data, cfg) or _open_data(cfg)
     train_ds, val_ds, tokenizer_dir = data.train, data.val, data.tokenizer_dir
 
-    checkpoints = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last, info.rank, world_size=info.world_size,
-                                    async_save=cfg.checkpoint.async_save, best_metric=cfg.checkpoint.best_metric,
-                                    best_mode=cfg.checkpoint.best_mode)
+    manager = RemoteCheckpointManager if isinstance(ckpt_dir, RemotePath) else CheckpointManager
+    checkpoints = manager(ckpt_dir, cfg.checkpoint.keep_last, info.rank, world_size=info.world_size,
+                          async_save=cfg.checkpoint.async_save, best_metric=cfg.checkpoint.best_metric,
+                          best_mode=cfg.checkpoint.best_mode)
     opened.callback(checkpoints.join)  # a rollback below may write
     # One choice for all ranks: on_main returns the result on rank 0 only (the others would not load it).
     resume_from = distributed.broadcast_object(distributed.on_main(checkpoints.find_resume, cfg.checkpoint.resume))
@@ -457,6 +470,8 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     if cfg.checkpoint.export_hf:  # a user's files in <output_dir>/hf are refused now, not after the training
         distributed.on_main(claim_export, setup.export.out_dir, "the run's export")
     distributed.on_main(prepare_output_dir, out, cfg, checkpoints)  # the first write: every input above is valid
+    if cfg.checkpoint.dir is not None:
+        distributed.on_main(claim_checkpoint_dir, ckpt_dir, cfg.train.output_dir)
     if resume is not None and resume.rollback:  # asked for with checkpoint.allow_rollback
         checkpoints.roll_back_to(resume.checkpoint, resume.rollback)
     model = setup.model.train()

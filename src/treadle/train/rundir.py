@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import tomllib
 import uuid
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from pydantic import ValidationError
 from treadle.checkpoint.compat import check_compatible
 from treadle.checkpoint.layout import step_of
 from treadle.checkpoint.manager import CheckpointManager
+from treadle.checkpoint.remote import RemotePath, as_path, check_store
+from treadle.checkpoint.remote_manager import refuse_engine
 from treadle.checkpoint.validate import run_state
 from treadle.config import (
     Config,
@@ -48,6 +51,7 @@ from treadle.engine.optim import lr_function
 from treadle.errors import UserError, first_line
 
 MARKER = ".treadle-run"
+OWNER = ".treadle-run.json"  # in an explicit checkpoint.dir: the train.output_dir of the run that owns it
 _ACCEPTED_DIR = "accepted: a new or empty directory, or a treadle run directory"
 # How this invocation starts, not how the run trains: never reported as a change, and saved with these values so
 # that running the run directory's config.toml again continues this run (and grants no permission again).
@@ -84,6 +88,52 @@ def check_output_dir(out: Path) -> None:
     if entries and not is_treadle_run(out):
         raise UserError(f"train.output_dir = {str(out)!r} holds files that are not a treadle run ({', '.join(entries[:3])}"
                         f"{', ...' if len(entries) > 3 else ''}); {_ACCEPTED_DIR} (one holding {MARKER})")
+
+
+def checkpoint_dir(cfg: Config, engine: str) -> Path | RemotePath:
+    """Where the run's checkpoints go: ``checkpoint.dir``, else ``<output_dir>/checkpoints``. An object store is
+    checked from every rank (each writes its own shards): a backend for its scheme, reachable, the bucket there,
+    writable; and an engine that cannot write there refused. One line each, before anything is written."""
+    if cfg.checkpoint.dir is None:
+        return Path(cfg.train.output_dir) / "checkpoints"
+    root = as_path(cfg.checkpoint.dir)
+    if isinstance(root, RemotePath):
+        refuse_engine(cfg.checkpoint.dir, engine)
+        check_store(root)
+    return root
+
+
+def check_checkpoint_owner(cfg: Config, root: Path | RemotePath) -> None:
+    """UserError if an explicit ``checkpoint.dir`` holds another run's checkpoints; reads only (rank 0).
+
+    Its owner is the run's ``train.output_dir`` as configured, recorded in ``OWNER`` there: a job restarted on
+    another node, whose local disk is empty, is the same run and resumes from the store.
+    """
+    if cfg.checkpoint.dir is None or root == Path(cfg.train.output_dir) / "checkpoints":
+        return  # <output_dir>/checkpoints: the run directory's own marker says whose it is
+    try:
+        owner = json.loads((root / OWNER).read_text()).get("output_dir")
+    except FileNotFoundError:
+        owner = None
+    except (OSError, ValueError, AttributeError):
+        owner = "(unreadable)"
+    key = f"checkpoint.dir = {cfg.checkpoint.dir!r}"
+    if owner is not None and os.path.normpath(owner) != os.path.normpath(cfg.train.output_dir):
+        raise UserError(f"{key} holds another run's checkpoints (the run with train.output_dir = {owner!r}): "
+                        "resuming would splice that run into this one; accepted: an empty location, or that run's "
+                        "train.output_dir")
+    entries = [p.name for p in root.iterdir()] if root.is_dir() else []
+    if owner is None and entries:
+        raise UserError(f"{key} holds {sorted(entries)[0]} and is no treadle run's checkpoint location (it has no "
+                        f"{OWNER}); accepted: an empty location")
+
+
+def claim_checkpoint_dir(root: Path | RemotePath, output_dir: str) -> None:
+    """Record the run as the owner of its explicit ``checkpoint.dir`` (rank 0, with the run's first write)."""
+    if not (root / OWNER).is_file():
+        if isinstance(root, Path):
+            root.mkdir(parents=True, exist_ok=True)
+        (root / OWNER).write_text(json.dumps({"output_dir": output_dir}) + "\n")
 
 
 def prepare_output_dir(out: Path, cfg: Config, checkpoints: CheckpointManager) -> None:
@@ -129,7 +179,8 @@ def _holds_run(out: Path, checkpoints: CheckpointManager) -> bool:
 
 def _check_source(cfg: Config, out: Path, ckpt: Path, checkpoints: CheckpointManager) -> list[Path]:
     """Refuse a resume that would overwrite a run; return the newer checkpoints an allowed rollback retires."""
-    if not ckpt.resolve().is_relative_to(checkpoints.root.resolve()):
+    root = checkpoints.root
+    if not (isinstance(ckpt, type(root)) and ckpt.resolve().is_relative_to(root.resolve())):
         if _holds_run(out, checkpoints):
             raise UserError(
                 f"checkpoint.resume = {str(ckpt)!r} is another run's checkpoint, and train.output_dir {out} already "
