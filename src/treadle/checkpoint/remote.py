@@ -28,6 +28,16 @@ COMMITTED = "COMMITTED"  # the object that makes a step_<N>/ prefix a checkpoint
 _ACCEPTED = "accepted: a local path, or a URL of an installed fsspec backend (s3:// with s3fs, gs:// with gcsfs, ...)"
 
 
+def dcp_fsspec():
+    """DCP's fsspec storage module (FsspecReader, FsspecWriter), imported on first use: only a run with an object
+    store pays for fsspec. Public in newer torch (2.15: the private name warns); torch 2.11 has only the private one."""
+    try:
+        from torch.distributed.checkpoint import fsspec_filesystem
+    except ImportError:  # pragma: no cover - the oldest torch
+        from torch.distributed.checkpoint import _fsspec_filesystem as fsspec_filesystem
+    return fsspec_filesystem
+
+
 def is_url(value: str | Path) -> bool:
     """Whether ``value`` names an object store (``scheme://``) rather than a local path (``file://`` is local)."""
     return isinstance(value, str) and "://" in value and not value.startswith("file://")

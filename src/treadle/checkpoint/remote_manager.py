@@ -37,15 +37,8 @@ import torch.distributed.checkpoint as dcp
 from treadle import distributed
 from treadle.checkpoint.layout import STEP_DIR, link_target
 from treadle.checkpoint.manager import CheckpointManager, _Job
-from treadle.checkpoint.remote import COMMITTED, RemotePath
+from treadle.checkpoint.remote import COMMITTED, RemotePath, dcp_fsspec
 from treadle.errors import CheckpointWriteError, UserError, first_line
-
-# FsspecReader: checkpoint/safety.py reads a store through it. Public in newer torch (2.15: the private name warns);
-# torch 2.11 has only the private module.
-try:
-    from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: F401
-except ImportError:  # pragma: no cover - the oldest torch
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: F401
 
 log = logging.getLogger("treadle")
 
@@ -81,7 +74,7 @@ class RemoteCheckpointManager(CheckpointManager):
     def _write_shards(self, job: _Job, tmp: RemotePath, engine, group) -> None:
         # No fsync: an object is durable once its upload completes, when DCP closes the stream (an fsync there
         # only warns that the stream has no file descriptor).
-        writer = FsspecWriter((tmp / "state").url, sync_files=False, use_listings_cache=False)
+        writer = dcp_fsspec().FsspecWriter((tmp / "state").url, sync_files=False, use_listings_cache=False)
         with distributed.quiet_single_process_dcp():
             dcp.save(job.state, storage_writer=writer, process_group=group)  # every rank its shards, rank 0 .metadata
         (tmp / "rng" / f"rank_{self.rank}.json").write_text(json.dumps(job.rng))

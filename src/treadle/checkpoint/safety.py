@@ -232,9 +232,9 @@ class _PrereadReader(_Preread, FileSystemReader):
 @functools.cache
 def _preread_fsspec_reader() -> type:
     """``_Preread`` over DCP's fsspec reader, made on first use: only a run with an object store imports fsspec."""
-    from treadle.checkpoint.remote_manager import FsspecReader
+    from treadle.checkpoint.remote import dcp_fsspec
 
-    return type("_PrereadFsspecReader", (_Preread, FsspecReader), {})
+    return type("_PrereadFsspecReader", (_Preread, dcp_fsspec().FsspecReader), {})
 
 
 def _preread_reader(state_dir, metadata: Metadata):
