@@ -153,14 +153,22 @@ DEEPSEEK = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_interm
                 num_nextn_predict_layers=1, use_cache=False)  # 61 layers: where transformers reads the MTP layer
 
 
+def safetensors_of(model_dir):
+    """Every tensor a checkpoint directory holds, by name (whichever files it is split into)."""
+    from treadle.models.checkpoint_files import safetensors_files
+
+    return {n: t for f in safetensors_files(model_dir) for n, t in load_file(model_dir / f).items()}
+
+
 def test_mtp_pretraining_trains_the_mtp_layer_with_the_model_and_transformers_generates_with_it(shards, tmp_path):
     """A DeepSeek-V3 config with num_nextn_predict_layers, built from scratch, trains its MTP layer from step 0 with
-    the MTP loss in the trunk's (x 0.3); the stitched export is the model with its trained layer, which
-    transformers' generate(use_mtp=True) runs losslessly."""
+    the MTP loss in the trunk's (x 0.3). The model's export hf/ (and treadle export of the run's checkpoint) carries
+    the trained layer at model.layers.61.*: transformers' generate(use_mtp=True) runs it losslessly and a later mtp
+    run takes hf/ as its draft.target, finding the layer there; draft/ is the stand-alone layout, no stitched copy."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config
-    from transformers.modeling_layers import MtpModel
 
-    from treadle.drafts.mtp.model import load_mtp
+    from treadle.config.draft import DraftConfig
+    from treadle.drafts.mtp.model import build_mtp, load_mtp
 
     DeepseekV3Config(**DEEPSEEK).save_pretrained(tmp_path / "config")
     run = tmp_path / "run"
@@ -168,14 +176,31 @@ def test_mtp_pretraining_trains_the_mtp_layer_with_the_model_and_transformers_ge
                      "--train.max_steps=2", "--train.micro_batch_size=2", "--train.grad_accum_steps=1",
                      "--train.eval_at_start=false", "--train.eval_batches=1", "--draft.kind=mtp", "--draft.target=self",
                      "--draft.joint=true", "--draft.loss=ce", "--draft.ttt_steps=1", "--draft.gamma=1",
-                     "--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12")) == 0
+                     "--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12",
+                     "--checkpoint.every=2")) == 0
     loss, target, draft = records(run), records(run, "target_loss"), records(run, "draft_loss")
     assert all(loss[s] == pytest.approx(target[s] + 0.3 * draft[s], rel=1e-6) for s in (1, 2))
-    stitched = run / "draft" / "stitched"
-    model = AutoModelForCausalLM.from_pretrained(stitched).eval()
-    mine = load_mtp(run / "draft", model).draft_model.state_dict()
-    theirs = MtpModel.from_pretrained(model).layers[0].state_dict()
+    hf = run / "hf"
+    assert json.loads((hf / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert not (run / "draft" / "stitched").exists()  # hf/ is that layout: no second copy of the model
+    model = AutoModelForCausalLM.from_pretrained(hf).eval()
+    mine = load_mtp(run / "draft", model).draft_model.state_dict()  # draft/ names hf/ as its target (checked)
+    shipped = build_mtp(DraftConfig(kind="mtp", target=str(hf)), 512, None)[0]  # a later mtp run on hf/
+    assert shipped.origin == "MTP module: the layer the target ships"
+    theirs = shipped.draft_model.state_dict()
     assert theirs.keys() == mine.keys() and all(torch.equal(theirs[k], mine[k]) for k in mine)
+    # treadle export of the run's checkpoint writes the same model, its layer included.
+    assert main(["export", str(run / "checkpoints" / "step_2"), str(tmp_path / "again")]) == 0
+    exported, again = safetensors_of(hf), safetensors_of(tmp_path / "again")
+    assert any(k.startswith("model.layers.61.eh_proj") for k in exported)
+    assert exported.keys() == again.keys() and all(torch.equal(exported[k], again[k]) for k in exported)
+
+    from transformers import modeling_layers
+
+    if not hasattr(modeling_layers, "MtpModel"):
+        pytest.skip("this transformers has no MTP generation (generate(use_mtp=True)): hf/ checked above")
+    layer = modeling_layers.MtpModel.from_pretrained(model).layers[0].state_dict()
+    assert layer.keys() == mine.keys() and all(torch.equal(layer[k], mine[k]) for k in mine)
     prompt = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(5))
     kw = dict(max_new_tokens=12, do_sample=False, use_cache=True, attention_mask=torch.ones(1, 8, dtype=torch.long))
     assert torch.equal(model.generate(prompt, use_mtp=True, **kw), model.generate(prompt, **kw))

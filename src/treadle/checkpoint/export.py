@@ -8,7 +8,7 @@ import json
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
@@ -87,9 +87,12 @@ def state_tokenizer_ids(directory: Path, tokenizer_dir: Path) -> None:
 
 
 def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | None, out: Path,
-              dtype: str = "fp32", enabled: bool = True, command: str = "train", chat_template: str | None = None) -> Path:
+              dtype: str = "fp32", enabled: bool = True, command: str = "train", chat_template: str | None = None,
+              into: Callable[[Path, torch.dtype], None] | None = None) -> Path:
     """``chat_template`` (Jinja): what an SFT run rendered conversations with; the exported tokenizer gets it
-    (transformers writes chat_template.jinja), so ``apply_chat_template`` gives the ids training saw."""
+    (transformers writes chat_template.jinja), so ``apply_chat_template`` gives the ids training saw. ``into``: what
+    adds weights the model's checkpoint carries beside its module's (a draft beside it: ``DraftKind.into_model``),
+    called on the directory before it replaces ``out``."""
     out = Path(out)
     if not enabled:
         return out
@@ -113,11 +116,13 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
                 tokenizer.chat_template = chat_template
             tokenizer.save_pretrained(tmp)
             state_tokenizer_ids(tmp, tokenizer_dir)
+        if into is not None:
+            into(tmp, torch_dtype)
     return out
 
 
 def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity: dict, cfg, step: int | None = None,
-                 command: str = "train", dtype: str = "fp32") -> Path:
+                 command: str = "train", dtype: str = "fp32", extra: bool = True) -> Path:
     """The draft alone, with what identifies its target; ``treadle.drafts.registry.load_draft`` loads it.
 
     The files are its kind's (``DraftKind.export`` / ``write_extra``, drafts/<kind>/kind.py): the layout its
@@ -125,6 +130,8 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
     run's config and step) as extra config keys. ``dtype``: the weights' dtype on disk (loading casts them to the model's own); integer and
     boolean tensors (a vocabulary map) keep theirs.
     A weight the layout has no name for, or one it needs and the draft lacks, is refused before anything is written.
+    ``extra=False``: without the kind's extra files (an mtp draft beside its model: its ``stitched/`` would be a
+    second copy of the model export, which carries the layer itself).
     """
     from safetensors.torch import save_file
 
@@ -146,7 +153,8 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
     with atomic_directory(out, command) as tmp:
         tmp.mkdir()
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        kind.write_extra(tmp, weights, config, Path(target_dir))
+        if extra:
+            kind.write_extra(tmp, weights, config, Path(target_dir))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         if (Path(target_dir) / "tokenizer.json").is_file():  # the draft decodes with its target's tokenizer
             AutoTokenizer.from_pretrained(target_dir).save_pretrained(tmp)
@@ -258,6 +266,7 @@ def export_checkpoint(source: str | Path, out: Path, dtype: str = "fp32", to: st
             adapters = apply_lora(model, cfg.lora, identity)
             model = adapters.model
         module, prefix = model, ""
+    draft, into = beside_draft(cfg, model, meta["vocab_size"])
     # Only the trained module's entries: optimizer state and frozen tensors stay on disk (or were never there): a
     # frozen part of the trained module (a lilicorr run's frozen backbone, an adapter run's base) was never saved.
     params = dict(module.named_parameters())
@@ -266,6 +275,8 @@ def export_checkpoint(source: str | Path, out: Path, dtype: str = "fp32", to: st
         return params[key].requires_grad if key in params else adapters is None
 
     state = {"model": {prefix + k: v for k, v in module.state_dict().items() if saved(k)}}
+    if draft is not None:  # the companion's weights (train/cotrain.py ``DraftBeside.state_dict``)
+        state["draft"] = {"model": draft.state_dict()}
     if checkpoint_format(ckpt) == "deepspeed":
         from treadle.engine.deepspeed import checkpoint_weights
 
@@ -278,6 +289,8 @@ def export_checkpoint(source: str | Path, out: Path, dtype: str = "fp32", to: st
     else:
         safe_dcp_load(state, ckpt / "state", ckpt)
     module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()}, strict=all(p.requires_grad for p in params.values()))
+    if draft is not None:
+        draft.load_state_dict(state["draft"]["model"])
     if adapters is not None and not merge:
         return export_adapter(adapters, model.state_dict(), out, step=train_state["train"]["step"], command="export",
                               dtype=dtype, base_name=base_name or cfg.lora.base_name)
@@ -291,4 +304,20 @@ def export_checkpoint(source: str | Path, out: Path, dtype: str = "fp32", to: st
                             step=train_state["train"]["step"], command="export", dtype=dtype)
     tokenizer = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
     return export_hf(model, model.state_dict(), tokenizer if tokenizer and tokenizer.is_dir() else None, out,
-                     dtype=dtype, command="export", chat_template=meta.get("chat_template"))
+                     dtype=dtype, command="export", chat_template=meta.get("chat_template"),
+                     into=into)
+
+
+def beside_draft(cfg, model, vocab_size: int) -> tuple:
+    """(the draft module, what puts it into the model's export) of a run with a draft beside ``model`` whose weights
+    its model's export carries (mtp): built around it for the checkpoint's weights to load into; (None, None) for
+    any other run."""
+    from treadle.drafts import registry
+    from treadle.drafts.targets import beside
+
+    if not (cfg.draft.beside and registry.kind(cfg.draft.kind).carried_by_model):
+        return None, None
+    with beside(model):  # draft.init is where the run started, not what it trained: the checkpoint holds that
+        built, _, _ = registry.kind(cfg.draft.kind).build(cfg.draft.model_copy(update={"init": None}), vocab_size,
+                                                          None)
+    return built.draft_model, registry.kind(cfg.draft.kind).into_model(built.draft_model)

@@ -38,6 +38,9 @@ class DraftKind:
     settings: ModuleType  # the kind's settings.py: NAME, KEYS, TTT_STEPS, LAYOUTS, check, check_context_parallel
     # Its drafter cuts a proposal at a confidence threshold (spec-eval's --confidence-threshold; DSpark's head).
     confidence_head = False
+    # Beside its model (draft.target = 'self'), its trained weights belong to the model's own checkpoint (mtp: the
+    # layer DeepSeek-V3 / Qwen3-Next checkpoints ship): the model's export carries them (``write_into_model``).
+    carried_by_model = False
 
     @property
     def name(self) -> str:
@@ -72,6 +75,24 @@ class DraftKind:
         names and treadle's metadata (``meta``: target identity and config, training config); by default treadle's
         own names and config."""
         return weights, {**draft.export_config(), "dtype": dtype, **meta}
+
+    def into_model(self, draft):
+        """What puts ``draft``'s trained weights into its model's export as ``export_hf`` writes it (called with the
+        directory and the export's dtype); None for a kind whose weights are not the model's."""
+        if not self.carried_by_model:
+            return None
+
+        def put(model_dir: Path, dtype) -> None:
+            weights = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+                       for k, v in draft.state_dict().items()}
+            self.write_into_model(model_dir, draft, weights)
+
+        return put
+
+    def write_into_model(self, model_dir: Path, draft, weights: dict) -> None:
+        """Put ``draft``'s ``weights`` (treadle's names, the export's dtype) into a model export being written, in
+        place (only kinds with ``carried_by_model``)."""
+        raise NotImplementedError
 
     def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
                     target_dir: Path | None = None) -> None:

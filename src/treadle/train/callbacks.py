@@ -249,18 +249,19 @@ class CheckpointCallback(Callback):
 
 class ExportCallback(Callback):
     """At the end, a Hugging Face model directory that ``from_pretrained`` loads, its tokenizer carrying the chat
-    template an SFT run rendered conversations with (``chat_template``, Jinja)."""
+    template an SFT run rendered conversations with (``chat_template``, Jinja); ``into``: ``export_hf``'s."""
 
-    def __init__(self, out_dir, tokenizer_dir, chat_template: str | None = None):
+    def __init__(self, out_dir, tokenizer_dir, chat_template: str | None = None, into=None):
         self.out_dir = out_dir
         self.tokenizer_dir = tokenizer_dir
         self.chat_template = chat_template
+        self.into = into
 
     def on_train_end(self, trainer: Trainer) -> None:
         from treadle.checkpoint.export import export_hf
 
         export_hf(trainer.engine.module, trainer.engine.export_state_dict(), self.tokenizer_dir, self.out_dir,
-                  enabled=trainer.engine.rank == 0, chat_template=self.chat_template)
+                  enabled=trainer.engine.rank == 0, chat_template=self.chat_template, into=self.into)
 
 
 class AdapterExportCallback(ExportCallback):

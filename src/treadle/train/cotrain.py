@@ -133,10 +133,10 @@ class DraftBeside:
                        options=_LOAD)
 
     def export(self, out_dir: Path, target_dir: Path | None, cfg, step: int | None = None,
-               command: str = "train") -> Path:
+               command: str = "train", extra: bool = True) -> Path:
         """The draft in its kind's serving layout, written atomically (``out_dir`` replaced only when treadle wrote
         it), naming ``target_dir``'s model (the target as exported) as its target; without one, the target by its
-        config alone (a target that lives in someone else's loop)."""
+        config alone (a target that lives in someone else's loop). ``extra``: ``export_draft``'s."""
         from treadle.checkpoint.export import export_draft
         from treadle.drafts.targets import target_identity
 
@@ -148,7 +148,8 @@ class DraftBeside:
                 return export_draft(self.model, weights, out_dir, Path(empty), self.identity, cfg, step=step,
                                     command=command)
         identity = target_identity(Path(target_dir), self.target)
-        return export_draft(self.model, weights, out_dir, target_dir, identity, cfg, step=step, command=command)
+        return export_draft(self.model, weights, out_dir, target_dir, identity, cfg, step=step, command=command,
+                            extra=extra)
 
 
 class BesideLoss:
@@ -219,16 +220,20 @@ class BesideAcceptance(AcceptanceCallback):
 
 class BesideExportCallback(ExportCallback):
     """At the end, the target (``hf/``), then the draft in its serving layout (``draft/``) naming that export as its
-    target."""
+    target. A kind whose weights belong to the model's checkpoint (mtp: ``DraftKind.carried_by_model``) is in
+    ``hf/`` too, where transformers' ``generate(use_mtp=True)``, vLLM and a later mtp run (``draft.target = hf/``)
+    read it; its ``draft/`` is then the stand-alone layout alone (SGLang's NextN draft path, treadle's draft tools),
+    without a ``stitched/`` copy of ``hf/``."""
 
     def __init__(self, hf: ExportCallback, draft: DraftBeside, out_dir: Path, cfg):
-        super().__init__(hf.out_dir, hf.tokenizer_dir, hf.chat_template)
+        super().__init__(hf.out_dir, hf.tokenizer_dir, hf.chat_template, kind(cfg.kind).into_model(draft.draft))
         self.draft, self.draft_dir, self.cfg = draft, out_dir, cfg
 
     def on_train_end(self, trainer: Trainer) -> None:
         super().on_train_end(trainer)
         if trainer.engine.rank == 0:
-            self.draft.export(self.draft_dir, self.out_dir, self.cfg, step=trainer.state.step)
+            self.draft.export(self.draft_dir, self.out_dir, self.cfg, step=trainer.state.step,
+                              extra=self.into is None)
 
 
 def beside_setup(cfg: Config, setup, data, device: torch.device, checkpoints, engine_name: str):

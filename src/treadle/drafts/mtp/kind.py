@@ -15,6 +15,7 @@ STITCHED = "stitched"  # the export's subdirectory holding the target checkpoint
 
 class Mtp(DraftKind):
     settings = settings
+    carried_by_model = True  # MTP pretraining's model export is the checkpoint with its trained layer
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_mtp(cfg, data_vocab, data_tokenizer_fingerprint, empty)
@@ -38,6 +39,11 @@ class Mtp(DraftKind):
         prefix = draft.family.prefix(target_config.num_hidden_layers, alone=True)
         tensors = {prefix + k: v for k, v in layout.to_checkpoint(weights, draft.family).items()}
         return tensors, layout.alone_config(target_config.to_dict(), {**draft.export_config(), "dtype": dtype, **meta})
+
+    def write_into_model(self, model_dir: Path, draft, weights: dict) -> None:
+        """The layer at its family's place in the model's own export (``layout.carry``), names checked first."""
+        layout.check_names(weights, draft.state_dict(), "mtp export")
+        layout.carry(model_dir, weights, draft.family)
 
     def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
                     target_dir: Path | None = None) -> None:

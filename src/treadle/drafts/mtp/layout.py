@@ -214,7 +214,8 @@ def stitch(target_dir: Path, out: Path, layer: dict, prefix: str) -> None:
     """A copy of ``target_dir`` in ``out`` (created) with ``layer`` (checkpoint names relative to the layer, shared
     copies included) under ``prefix`` in a shard of its own, the config's MTP count set. The target's other tensors
     are not rewritten: files without MTP tensors are copied byte for byte; a file that held an older MTP layer is
-    written again without it."""
+    written again without it. ``out`` = ``target_dir``: the same, in place (a model export being written, which
+    carries its own layer): its files stay where they are, a lone model.safetensors renamed beside the index."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -223,7 +224,9 @@ def stitch(target_dir: Path, out: Path, layer: dict, prefix: str) -> None:
     if not files:
         raise UserError(f"{target_dir} has no model.safetensors or {INDEX}; accepted: a safetensors checkpoint")
     single = not (target_dir / INDEX).is_file()
-    out.mkdir(parents=True)
+    in_place = out.exists() and out.resolve() == target_dir.resolve()
+    if not in_place:
+        out.mkdir(parents=True)
     weight_map, metadata = {}, {}
     if not single:
         metadata = json.loads((target_dir / INDEX).read_text()).get("metadata", {})
@@ -234,7 +237,12 @@ def stitch(target_dir: Path, out: Path, layer: dict, prefix: str) -> None:
             with safe_open(str(target_dir / f), framework="pt") as h:
                 kept = {n: h.get_tensor(n) for n in names if not n.startswith(prefix)}
                 meta = h.metadata() or {"format": "pt"}
-            save_file(kept, str(out / dest), metadata=meta)
+            save_file(kept, str(out / f".{dest}.part"), metadata=meta)  # in place: f may be the file read
+            (out / f".{dest}.part").replace(out / dest)
+            if in_place and dest != f:
+                (target_dir / f).unlink()
+        elif in_place:
+            (target_dir / f).replace(out / dest)
         else:
             shutil.copyfile(target_dir / f, out / dest)
         weight_map.update({n: dest for n in names if not n.startswith(prefix)})
@@ -242,11 +250,21 @@ def stitch(target_dir: Path, out: Path, layer: dict, prefix: str) -> None:
     weight_map.update({prefix + k: MTP_SHARD for k in layer})
     index_json = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX).write_text(json.dumps(index_json, indent=2) + "\n")
-    for p in target_dir.iterdir():  # tokenizer, generation config ...: as they are
+    for p in [] if in_place else target_dir.iterdir():  # tokenizer, generation config ...: as they are
         if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX, "config.json"):
             shutil.copyfile(p, out / p.name)
     config = json.loads((target_dir / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, **count_keys(config)}, indent=2) + "\n")
+
+
+def carry(model_dir: Path, weights: dict, family: Family) -> None:
+    """A model export (``model_dir``, being written) made to carry its trained MTP layer (``weights``: treadle's
+    names) where the family's checkpoints do (DeepSeek: ``model.layers.{N}.*``, the target's embedding and head
+    copied beside it; Qwen: ``mtp.*``), in place: what transformers' ``generate(use_mtp=True)``, vLLM and the mtp
+    kind's loader read from the model's own checkpoint."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    layer = stitched_layer(model_dir, to_checkpoint(weights, family), family)
+    stitch(model_dir, model_dir, layer, family.prefix(config["num_hidden_layers"], alone=False))
 
 
 def alone_config(target_config: dict, extra: dict) -> dict:
