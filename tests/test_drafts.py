@@ -18,6 +18,36 @@ def test_nothing_outside_drafts_imports_a_kind():
     assert not found
 
 
+def test_each_kind_reads_its_own_layout_in_the_stated_order(tmp_path):
+    """read_draft_config asks each kind's own reader (DraftKind.read_config): a draft written elsewhere in a kind's
+    layout gets that kind, a treadle export keeps the kind it records, and where two readers would take a config
+    the first in READ_ORDER (today's: frozen_kv, mtp, the generic reader, then KINDS' order) wins."""
+    import json
+
+    dflash_like = {"dflash_config": {"block_size": 4}}
+    foreign = {"frozen_kv": {"model_type": "gemma4_assistant"},
+               "mtp": {"architectures": ["DeepseekV3ForCausalLMNextN"]},
+               "eagle3": {"architectures": ["LlamaForCausalLMEagle3"]},
+               "glide": {"architectures": ["Qwen2GlideDecoderLayer"]},
+               "dflash": {"architectures": ["DFlashDraftModel"], **dflash_like},
+               "dspark": {"architectures": ["Qwen3DSparkModel"]},
+               "dflash2": {"architectures": ["DFlash2DraftModel"], **dflash_like},
+               "lilicorr": {"architectures": ["LiLiCorrDraftModel"], **dflash_like},
+               None: {"architectures": ["Qwen3ForCausalLM"]},  # a model, not a draft
+               "treadle": {"architectures": ["DFlashDraftModel"], **dflash_like, "treadle_draft_kind": "lilicorr"},
+               "first": {"architectures": ["DFlashDraftModel"], **dflash_like, "model_type": "gemma4_assistant"}}
+    assert set(foreign) - {None, "treadle", "first"} == set(registry.KINDS)
+    for name, config in foreign.items():
+        (tmp_path / str(name)).mkdir()
+        (tmp_path / str(name) / "config.json").write_text(json.dumps(config))
+        read = registry.read_draft_config(tmp_path / str(name))
+        expected = {None: None, "treadle": "lilicorr", "first": "frozen_kv"}.get(name, name)
+        assert (read and read["treadle_draft_kind"]) == expected, name
+    assert registry.read_draft_config(tmp_path / "absent") is None
+    assert [k.name for k in registry.READ_ORDER] == ["frozen_kv", "mtp", "glide", "eagle3", "dflash", "dspark",
+                                                     "dflash2", "lilicorr"]
+
+
 def test_a_kind_key_is_refused_without_its_kind():
     import pytest
     from treadle.config import load_config

@@ -2,7 +2,8 @@
 
 Generic code (the run's assembly, export, spec-eval) asks the registry for the kind and calls these methods:
 it never names a kind or imports one. A new kind is a folder ``drafts/<kind>/`` with a ``settings.py`` (its
-config keys, see drafts/settings.py) and a ``kind.py`` defining a subclass of this, listed in both registries.
+config keys, see drafts/settings.py) and a ``kind.py`` defining a subclass of this (binding its layout's
+``read_config``), listed in both registries.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class DraftKind:
     @property
     def name(self) -> str:
         return self.settings.NAME
+
+    def read_config(self, draft_dir) -> dict | None:
+        """The config.json of a draft in this kind's layout, with ``treadle_draft_kind`` added to one written
+        elsewhere (``layout_config``), or None when ``draft_dir`` holds none; registry.read_draft_config asks the
+        kinds in turn. None by default: a kind whose drafts another kind's reader recognises."""
+        return None
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         """(model, target dir, target identity) for a ``DraftConfig``: the target loaded and checked (drafts/

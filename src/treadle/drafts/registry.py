@@ -6,25 +6,27 @@ Generic code goes through here (or drafts/settings.py, for the config) and never
 from __future__ import annotations
 
 from treadle.drafts.dflash.kind import DFLASH
-from treadle.drafts.dspark.kind import DSPARK
-from treadle.drafts.dspark.layout import read_config as read_dspark_config
 from treadle.drafts.dflash2.kind import DFLASH2
-from treadle.drafts.dflash2.layout import read_config as read_dflash2_config
+from treadle.drafts.dspark.kind import DSPARK
 from treadle.drafts.eagle3.kind import EAGLE3
 from treadle.drafts.frozen_kv.kind import FROZEN_KV
-from treadle.drafts.frozen_kv.layout import read_config as read_frozen_kv_config
 from treadle.drafts.glide.kind import GLIDE
-from treadle.drafts.mtp.kind import MTP
-from treadle.drafts.mtp.layout import read_config as read_mtp_config
-from treadle.drafts.dflash.layout import read_config as read_dflash_config
-from treadle.drafts.glide.model import read_draft_config as read_treadle_config
 from treadle.drafts.kind import DraftKind
 from treadle.drafts.lilicorr.kind import LILICORR
-from treadle.drafts.lilicorr.layout import read_config as read_lilicorr_config
+from treadle.drafts.mtp.kind import MTP
 from treadle.errors import UserError
 
 # drafts/settings.py's order (tests/test_drafts.py)
 KINDS: dict[str, DraftKind] = {k.name: k for k in (GLIDE, EAGLE3, DFLASH, MTP, FROZEN_KV, DSPARK, DFLASH2, LILICORR)}
+
+# The order read_draft_config asks the kinds' readers in: the first config found wins. GLIDE's is treadle's generic
+# reader (glide/model.py): it takes every treadle export by the treadle_draft_kind it records, so a reader after it
+# only ever sees drafts written elsewhere, and a layout reader before it must keep a recorded kind (layout_config's
+# setdefault does). The layouts are told apart by their architectures / model_type today, so the order decides
+# only for a config two readers would both take: a new kind's foreign layout that could pass for another kind's
+# goes before that kind. The rest follow in KINDS' order (a kind with no reader is skipped).
+READ_ORDER: tuple[DraftKind, ...] = (FROZEN_KV, MTP, GLIDE,
+                                     *(k for k in KINDS.values() if k not in (FROZEN_KV, MTP, GLIDE)))
 
 __all__ = ["KINDS", "build_draft", "drafter", "kind", "load_draft", "read_draft_config"]
 
@@ -32,9 +34,11 @@ __all__ = ["KINDS", "build_draft", "drafter", "kind", "load_draft", "read_draft_
 def read_draft_config(draft_dir) -> dict | None:
     """The config.json of a draft export of any kind (with its ``treadle_draft_kind``), or None if ``draft_dir`` is
     not one."""
-    return (read_frozen_kv_config(draft_dir) or read_mtp_config(draft_dir) or read_treadle_config(draft_dir)
-            or read_dflash_config(draft_dir) or read_dspark_config(draft_dir)
-            or read_dflash2_config(draft_dir) or read_lilicorr_config(draft_dir))
+    for found in READ_ORDER:
+        config = found.read_config(draft_dir)
+        if config:
+            return config
+    return None
 
 
 def kind(name: str) -> DraftKind:

@@ -22,6 +22,9 @@ class DFlash(DraftKind):
     drafter_class = DFlashDrafter
     layout = dflash_layout  # whose ``export`` writes the consumers' layout
 
+    def read_config(self, draft_dir) -> dict | None:
+        return self.layout.read_config(draft_dir)
+
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_dflash(cfg, data_vocab, data_tokenizer_fingerprint, empty, self.model_class)
 

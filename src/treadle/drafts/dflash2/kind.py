@@ -11,6 +11,7 @@ from treadle.drafts.kind import DraftKind
 
 class DFlash2(DraftKind):
     settings = settings
+    read_config = staticmethod(layout.read_config)
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_dflash2(cfg, data_vocab, data_tokenizer_fingerprint, empty)

@@ -12,6 +12,7 @@ from treadle.drafts.kind import DraftKind
 
 class Eagle3(DraftKind):
     settings = settings
+    # read_config: none of its own; GLIDE's generic reader (glide/model.py) recognises EAGLE-3's layout
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_eagle3(cfg, data_vocab, data_tokenizer_fingerprint, empty)

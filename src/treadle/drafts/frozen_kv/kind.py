@@ -12,6 +12,7 @@ from treadle.drafts.kind import DraftKind
 
 class FrozenKv(DraftKind):
     settings = settings
+    read_config = staticmethod(layout.read_config)
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_frozen_kv(cfg, data_vocab, data_tokenizer_fingerprint, empty)

@@ -9,6 +9,7 @@ import torch
 from treadle.drafts.glide import settings
 from treadle.drafts.glide.drafter import GlideDrafter
 from treadle.drafts.glide.layout import build_glide, export as longspec_export, load_glide
+from treadle.drafts.glide.model import read_draft_config
 from treadle.drafts.glide.objective import glide_setup
 from treadle.drafts.kind import DraftKind
 from treadle.drafts.targets import refuse_for
@@ -16,6 +17,9 @@ from treadle.drafts.targets import refuse_for
 
 class Glide(DraftKind):
     settings = settings
+    # treadle's generic reader, kept where GLIDE's layout check lives (glide/model.py): any treadle export of any kind
+    # (its recorded treadle_draft_kind), and drafts trained elsewhere in EAGLE-3's or LongSpec's GLIDE layout
+    read_config = staticmethod(read_draft_config)
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         refuse_for("glide", cfg.target, "draft.target")  # from its config, before a weight is read

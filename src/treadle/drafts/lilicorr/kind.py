@@ -37,6 +37,7 @@ def build(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: b
 
 class LiLiCorr(DraftKind):
     settings = settings
+    read_config = staticmethod(layout.read_config)
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build(cfg, data_vocab, data_tokenizer_fingerprint, empty)

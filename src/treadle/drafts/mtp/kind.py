@@ -15,6 +15,7 @@ STITCHED = "stitched"  # the export's subdirectory holding the target checkpoint
 
 class Mtp(DraftKind):
     settings = settings
+    read_config = staticmethod(layout.read_config)
     carried_by_model = True  # MTP pretraining's model export is the checkpoint with its trained layer
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
