@@ -39,11 +39,12 @@ test: $(STAMP)  ## the whole test suite on the newest supported torch and transf
 test-oldest: $(OLDEST_STAMP)  ## the same suite on the oldest supported torch and transformers, in .venv-oldest
 	$(OLDEST)/bin/python $(PYTEST)
 
-bench: $(STAMP)  ## treadle's loop against a bare PyTorch loop; drafters compared (needs runs/demo: make demo); engines at 1 and 2 ranks; packed-document attention (dense vs varlen)
+bench: $(STAMP)  ## treadle's loop against a bare PyTorch loop; drafters compared (needs runs/demo: make demo); engines at 1 and 2 ranks; packed-document attention (dense vs varlen); a draft beside its target (step time, fresh drafts, MTP joint)
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/spec.py
 	$(BIN)/python bench/scaling.py
 	$(BIN)/python bench/attention.py
+	$(BIN)/python bench/draft_beside.py
 
 gpu-check: $(STAMP)  ## one GPU, a few minutes: tiny + 1.1B Llama (bf16, compile, act. ckpt, chunked loss), torchrun/NCCL, GLIDE + EAGLE-3 drafts, spec-eval -> one table (tokens/s, MFU, peak memory) on stdout and in runs/gpu-check/gpu-check.md; no CUDA: one line, exit 0
 	$(BIN)/python bench/gpu.py
