@@ -4,7 +4,9 @@ On the demo family (the tiny Llama on the built-in corpus; ``--quick``: a narrow
 
 1. **Step time.** Short training runs, interleaved and repeated (``--repeats``): the target alone, the target with
    an EAGLE-3 draft beside it, and, for reference, a draft run of the same draft against the frozen target (which
-   pays a second target forward every step). The ratios to the target alone are per repeat (median, min-max). Goal:
+   pays a second target forward every step). A run's step time is the median of its steps after the first, each
+   from its start to the end of the draft's update (``StepClock``). The ratios to the target alone are per repeat
+   (median, min-max). Goal:
    the draft beside costs no more than its own forward and backward, so ``beside - alone`` stays under the draft run's
    step, which is that forward and backward plus a target forward.
 2. **Keeping a draft current when the target changes.** The target is pretrained on the built-in corpus
@@ -39,6 +41,7 @@ import platform
 import shutil
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -49,6 +52,7 @@ from treadle.config import load_config
 from treadle.data.samples import write_samples
 from treadle.data.sft import encode_prompt
 from treadle.machine_load import watch
+from treadle.train.callbacks import Callback
 from treadle.train.run import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +66,7 @@ DEFAULTS = dict(out=Path("runs/bench-beside"), pretrain_steps=200, sft_steps=100
                 mtp_steps=100, prompts=8, max_new_tokens=64, chat_rows=2000, seq_len=256, batch=8, draft_vocab=2048,
                 model="", threads=2)
 # --quick: every stage at its smallest (explicit flags win); the model a narrow 2-layer Llama over the same tokenizer.
-QUICK = dict(out=Path("runs/bench-quick-beside"), pretrain_steps=2, sft_steps=2, time_steps=2, repeats=2, mtp_steps=2,
+QUICK = dict(out=Path("runs/bench-quick-beside"), pretrain_steps=2, sft_steps=2, time_steps=3, repeats=2, mtp_steps=2,
              prompts=1, max_new_tokens=8, chat_rows=24, seq_len=64, batch=2, draft_vocab=256, threads=1,
              model="{hidden_size=64,intermediate_size=128,num_hidden_layers=4,num_attention_heads=4,"
                    "num_key_value_heads=2}")
@@ -88,10 +92,24 @@ def draft(args, target: str | Path, *extra: str) -> list[str]:
             "--draft.eval_new_tokens=8", *extra]
 
 
-def train(argv: list[str], config: Path | None = None):
+class StepClock(Callback):
+    """Each step's wall seconds from its start to the end of the step's callbacks before this one: the draft's own
+    update beside its target runs in one (train/cotrain.py DraftStepCallback), after the trainer's step timer."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+
+    def on_step_start(self, trainer) -> None:
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, trainer, result) -> None:
+        self.seconds.append(time.perf_counter() - self.t0)
+
+
+def train(argv: list[str], config: Path | None = None, clock: StepClock | None = None):
     out = Path(next(a for a in argv if a.startswith("--train.output_dir=")).split("=", 1)[1])
     shutil.rmtree(out, ignore_errors=True)  # each bench run trains from scratch
-    return run_training(load_config(config, argv), live=False)
+    return run_training(load_config(config, argv), live=False, callbacks=[clock] if clock else ())
 
 
 def corpus(args) -> list[str]:
@@ -112,8 +130,9 @@ def step_times(args, target: Path) -> dict:
     for r in range(args.repeats):
         for way, extra in ways.items():
             out = args.out / "timing" / f"{way.split()[-1].strip('()')}-{r}"
-            summary = train([*common(args, out, args.time_steps), "--checkpoint.export_hf=false", *extra])
-            seen[way].append(summary.elapsed_s / summary.steps)
+            clock = StepClock()
+            train([*common(args, out, args.time_steps), "--checkpoint.export_hf=false", *extra], clock=clock)
+            seen[way].append(statistics.median(clock.seconds[1:]))  # the first step warms up
             shutil.rmtree(out, ignore_errors=True)
     verdict = watching.verdict()
     return {"step_s": seen, "loaded": verdict.loaded, "load": verdict.why}
@@ -129,7 +148,8 @@ def timing_table(t: dict) -> list[str]:
     extra = [b - a for b, a in zip(t["step_s"]["target + draft beside"], alone)]
     state = (f"LOADED machine ({t['load']}): these timings are no figure, only the pipeline's"
              if t["loaded"] else f"quiet machine ({t['load']})")
-    lines = [f"Step time, {len(alone)} interleaved repeats, median (min-max); {state}", "",
+    lines = [f"Step time, {len(alone)} interleaved repeats (each a run's median step after the first), median "
+             f"(min-max); {state}", "",
              "| run | s/step | x target alone |", "|---|---|---|"]
     lines += [f"| {w} | {spread(v)} | {spread(ratio[w])} |" for w, v in t["step_s"].items()]
     met = statistics.median(extra) <= statistics.median(t["step_s"]["draft run (frozen target)"])
@@ -233,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads of every run (--quick: 1, a tiny model's best)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.time_steps is not None and args.time_steps < 2:
+        parser.error(f"--time-steps {args.time_steps}: must be >= 2 (the first step warms up and is not timed)")
     for key, value in {**DEFAULTS, **(QUICK if args.quick else {})}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
