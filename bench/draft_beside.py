@@ -60,12 +60,14 @@ MTP_TARGET = ROOT / "configs" / "bench-target-mtp.toml"
 DRAFT = ("--draft.kind=eagle3", "--draft.loss=kl", "--draft.gamma=4", "--draft.ttt_steps=4")
 MTP_JOINT = ("--draft.kind=mtp", "--draft.target=self", "--draft.joint=true", "--draft.weight=0.3", "--draft.loss=ce",
              "--draft.ttt_steps=1", "--draft.gamma=1", "--draft.eval_prompts=2", "--draft.eval_new_tokens=8")
+CORPUS = ("--data.train=builtin", "--data.val=builtin")  # the pretraining data and its validation rows
 WAYS = ("stale", "catch-up", "beside")
 MODES = {"T=0": 0.0, "T=1": 1.0}
 DEFAULTS = dict(out=Path("runs/bench-beside"), pretrain_steps=200, sft_steps=100, time_steps=10, repeats=3,
                 mtp_steps=100, prompts=8, max_new_tokens=64, chat_rows=2000, seq_len=256, batch=8, draft_vocab=2048,
                 model="", threads=2)
-# --quick: every stage at its smallest (explicit flags win); the model a narrow 2-layer Llama over the same tokenizer.
+# --quick: every stage at its smallest (explicit flags win); the model a narrow 4-layer Llama (EAGLE-3 fuses
+# three of its layers) over the same tokenizer.
 QUICK = dict(out=Path("runs/bench-quick-beside"), pretrain_steps=2, sft_steps=2, time_steps=3, repeats=2, mtp_steps=2,
              prompts=1, max_new_tokens=8, chat_rows=24, seq_len=64, batch=2, draft_vocab=256, threads=1,
              model="{hidden_size=64,intermediate_size=128,num_hidden_layers=4,num_attention_heads=4,"
@@ -112,10 +114,6 @@ def train(argv: list[str], config: Path | None = None, clock: StepClock | None =
     return run_training(load_config(config, argv), live=False, callbacks=[clock] if clock else ())
 
 
-def corpus(args) -> list[str]:
-    return ["--data.train=builtin", "--data.val=builtin"]
-
-
 def chat(args) -> list[str]:
     return [f'--data.sources=[{{name="chat",path="{args.chat_train}"}}]', "--data.val_fraction=0.05"]
 
@@ -123,8 +121,8 @@ def chat(args) -> list[str]:
 def step_times(args, target: Path) -> dict:
     """Seconds per step of the target alone, with the draft beside it, and of a draft run against ``target``
     (frozen), interleaved ``--repeats`` times; the machine watched throughout."""
-    ways = {"target alone": [*corpus(args)], "target + draft beside": [*corpus(args), *draft(args, "self")],
-            "draft run (frozen target)": [*corpus(args), *draft(args, target)]}
+    ways = {"target alone": [*CORPUS], "target + draft beside": [*CORPUS, *draft(args, "self")],
+            "draft run (frozen target)": [*CORPUS, *draft(args, target)]}
     seen: dict[str, list[float]] = {w: [] for w in ways}
     watching = watch()
     for r in range(args.repeats):
@@ -173,15 +171,15 @@ def fresh_drafts(args) -> dict:
     p, s = args.pretrain_steps, args.sft_steps
     runs = args.out
     print(f"pretraining the target {p} steps, a draft beside it ...", file=sys.stderr, flush=True)
-    pre = train([*common(args, runs / "pretrain", p), *corpus(args), *draft(args, "self")])
+    pre = train([*common(args, runs / "pretrain", p), *CORPUS, *draft(args, "self")])
     print(f"SFT {s} steps on the chat rows, the draft beside it ...", file=sys.stderr, flush=True)
     sft = train([*common(args, runs / "sft", s), *chat(args), f"--model.path={runs / 'pretrain' / 'hf'}",
                  *draft(args, "self"),
                  f"--draft.init={runs / 'pretrain'}", "--optim.lr=5e-4"])
     old, new = runs / "pretrain" / "hf", runs / "sft" / "hf"
     print("draft runs: before the change, stale, catch-up ...", file=sys.stderr, flush=True)
-    before = train([*common(args, runs / "draft-before", p), *corpus(args), *draft(args, old)])
-    stale = train([*common(args, runs / "stale", s), *corpus(args), *draft(args, old),
+    before = train([*common(args, runs / "draft-before", p), *CORPUS, *draft(args, old)])
+    stale = train([*common(args, runs / "stale", s), *CORPUS, *draft(args, old),
                    f"--draft.init={runs / 'draft-before'}"])
     catch = train([*common(args, runs / "catch-up", s), *chat(args), *draft(args, new),
                    f"--draft.init={runs / 'draft-before'}"])
@@ -224,7 +222,7 @@ def mtp_joint(args) -> dict:
     found = {}
     for way, extra in (("no MTP loss", ()), ("MTP loss x 0.3 (joint)", MTP_JOINT)):
         out = args.out / ("mtp-joint" if "joint" in way else "mtp-alone")
-        argv = [*common(args, out, args.mtp_steps, evals=True), *corpus(args), "--checkpoint.export_hf=false", *extra]
+        argv = [*common(args, out, args.mtp_steps, evals=True), *CORPUS, "--checkpoint.export_hf=false", *extra]
         if args.quick:  # the config's GLM-4-MoE at the narrow width (its MoE and MTP keys kept)
             argv = [a for a in argv if not a.startswith("--model.overrides=")] + [
                 "--model.overrides.hidden_size=64", "--model.overrides.intermediate_size=128",
