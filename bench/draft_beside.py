@@ -150,9 +150,13 @@ def timing_table(t: dict) -> list[str]:
              f"(min-max); {state}", "",
              "| run | s/step | x target alone |", "|---|---|---|"]
     lines += [f"| {w} | {spread(v)} | {spread(ratio[w])} |" for w, v in t["step_s"].items()]
-    met = statistics.median(extra) <= statistics.median(t["step_s"]["draft run (frozen target)"])
-    lines += ["", f"draft beside, extra per step: {spread(extra)} s; goal (no more than the draft's own forward and "
-                  f"backward, under a draft run's step, which adds a target forward): {'met' if met else 'NOT met'}"]
+    # The draft's own forward and backward: a draft run's step less its target forward, taken as a third of the
+    # target's training step (a forward and a backward of twice its cost).
+    own = statistics.median(t["step_s"]["draft run (frozen target)"]) - statistics.median(alone) / 3
+    met = statistics.median(extra) <= own
+    lines += ["", f"draft beside, extra per step: {spread(extra)} s; goal: no more than the draft's own forward and "
+                  f"backward, a draft run's step less a target forward (a third of the target's step): {own:.2f} s: "
+                  + ("met" if met else "NOT met")]
     return lines
 
 
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     size = "a 4-layer width-64 Llama" if args.quick else "the demo's tiny Llama"
     lines = [f"draft_beside bench: {size}, {args.batch} x {args.seq_len} tokens a step, EAGLE-3 draft (head "
              f"{args.draft_vocab}, kl, unroll 4); {platform.processor() or platform.machine()}, "
-             f"torch {torch.__version__}, {torch.get_num_threads()} threads", "",
+             f"torch {torch.__version__}, torch threads: {torch.get_num_threads()}", "",
              *timing_table(timing), "",
              f"Keeping a draft current: target pretrained {args.pretrain_steps} steps on the built-in corpus, then SFT "
              f"{args.sft_steps} steps on {len(rows) - args.prompts} chat rows; tau on the SFT target, "
