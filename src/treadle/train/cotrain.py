@@ -245,10 +245,10 @@ def beside_setup(cfg: Config, setup, data, device: torch.device, checkpoints, en
     from treadle.checkpoint.export import claim_export
     from treadle.data.loader import check_token_ids
 
-    if engine_name not in ("local", "ddp"):
+    if engine_name not in ("local", "ddp", "fsdp2"):
         raise UserError(f"draft.target = 'self' with distributed.engine = {engine_name!r} (what auto chose for this "
                         "launch): the draft reads the target's embedding and head between forwards, which it shards; "
-                        "accepted: distributed.engine = 'ddp' (or 'local' in one process)")
+                        "accepted: distributed.engine = 'fsdp2' or 'ddp' (or 'local' in one process)")
     out = Path(cfg.train.output_dir)
     draft = DraftBeside(cfg, setup.model, [o.dataset for o in data.sources], data.train.vocab_size, device)
     checkpoints.companions["draft"] = draft
