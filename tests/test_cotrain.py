@@ -114,7 +114,7 @@ def test_a_draft_beside_its_target_resumes_bit_for_bit(shards, tmp_path):
     (("--draft.kind=glide", "--draft.target=self"), "draft.kind = 'glide'"),
     ((*BESIDE, "--draft.features=/nowhere"), "draft.features"),
     ((*BESIDE, "--distributed.tensor_parallel=2"), "tensor_parallel"),
-    ((*BESIDE, "--distributed.engine=deepspeed"), "deepspeed"),
+    ((*BESIDE, "--distributed.context_parallel=2"), "context_parallel"),
     ((*BESIDE, "--lora.rank=4"), "lora.rank"),
     ((*BESIDE, "--draft.weight=0.5"), "draft.weight"),
     (("--draft.joint=true",), "draft.joint"),
@@ -216,24 +216,30 @@ def _beside_on_engines(rank, world_size, shards, runs):
     return rank
 
 
-def test_a_draft_beside_its_target_on_ddp_and_fsdp2_matches_one_process(shards, tmp_path, monkeypatch):
-    """2 ranks x GA 1 == one process x GA 2, on DDP and FSDP2 (detached, and joint on FSDP2): the target's and the
+def test_a_draft_beside_its_target_matches_one_process_on_every_engine(shards, tmp_path, monkeypatch):
+    """2 ranks x GA 1 == one process x GA 2, on DDP, FSDP2 (detached, and joint) and ZeRO-3: the target's and the
     draft's losses and gradient norms, and the draft's exported weights (its gradients summed over the ranks by the
-    draft itself, outside the engine; on FSDP2 it reads the root's embedding and head, kept whole from the model's
-    forward to its backward)."""
+    draft itself, outside the engine, reading the target's embedding and head whole). ZeRO-3's checkpoint carries
+    the draft beside DeepSpeed's files: resumed at step 2, step 3 is the uninterrupted run's."""
     from tests.distributed import run_distributed
 
     monkeypatch.setenv("TREADLE_CACHE", str(tmp_path / "cache"))
-    joint = ("--draft.joint=true",)
+    joint, zero3 = ("--draft.joint=true",), ("--distributed.engine=deepspeed", "--distributed.zero_stage=3")
     runs = {"ddp": ("--distributed.engine=ddp",), "fsdp2": ("--distributed.engine=fsdp2",),
-            "fsdp2-joint": ("--distributed.engine=fsdp2", *joint)}
-    run_distributed(_beside_on_engines, world_size=2, timeout=300, shards=shards,
+            "fsdp2-joint": ("--distributed.engine=fsdp2", *joint), "zero3": (*zero3, "--checkpoint.every=2"),
+            "zero3-resumed": (*zero3, f"--checkpoint.resume={tmp_path / 'zero3' / 'checkpoints' / 'step_2'}")}
+    run_distributed(_beside_on_engines, world_size=2, timeout=400, shards=shards,
                     runs=[(tmp_path / name, extra) for name, extra in runs.items()])
     for name, extra in (("one", ()), ("one-joint", joint)):
         assert main(run_args(shards, tmp_path / name, "--train.max_steps=3", *BESIDE, *extra)) == 0
-    for two, one in (("ddp", "one"), ("fsdp2", "one"), ("fsdp2-joint", "one-joint")):
+    pairs = (("ddp", "one"), ("fsdp2", "one"), ("fsdp2-joint", "one-joint"), ("zero3", "one"),
+             ("zero3-resumed", "zero3"))
+    for two, one in pairs:
         for key in ("loss", "grad_norm", "draft_loss", "draft_grad_norm", "eval_loss", "tau_sim"):
             a, b = records(tmp_path / one, key), records(tmp_path / two, key)
+            if two == "zero3-resumed":
+                a = {s: v for s, v in a.items() if s in b}
+                assert 3 in b, key
             assert a.keys() == b.keys() and a == pytest.approx(b, rel=1e-5, abs=1e-7), (two, key)
         wa, wb = (load_file(tmp_path / run / "draft" / "model.safetensors") for run in (one, two))
         assert wa.keys() == wb.keys()

@@ -33,7 +33,6 @@ from treadle.drafts.registry import kind
 from treadle.drafts.run_model import READS_PREFIX
 from treadle.drafts.targets import beside
 from treadle.engine.optim import build_optimizer, build_schedule
-from treadle.errors import UserError
 from treadle.train.callbacks import Callback, ExportCallback
 from treadle.train.draft import AcceptanceCallback, TTTAccuracyCallback, eval_prompts
 from treadle.train.step import StepResult, split_loss
@@ -236,7 +235,7 @@ class BesideExportCallback(ExportCallback):
                               extra=self.into is None)
 
 
-def beside_setup(cfg: Config, setup, data, device: torch.device, checkpoints, engine_name: str):
+def beside_setup(cfg: Config, setup, data, device: torch.device, checkpoints):
     """A model run's ``ModelSetup`` with a draft beside its model: the step's loss, the draft's update, acceptance
     and export; the draft's tensors a companion of the run's checkpoints."""
     from dataclasses import replace
@@ -245,10 +244,9 @@ def beside_setup(cfg: Config, setup, data, device: torch.device, checkpoints, en
     from treadle.checkpoint.export import claim_export
     from treadle.data.loader import check_token_ids
 
-    if engine_name not in ("local", "ddp", "fsdp2"):
-        raise UserError(f"draft.target = 'self' with distributed.engine = {engine_name!r} (what auto chose for this "
-                        "launch): the draft reads the target's embedding and head between forwards, which it shards; "
-                        "accepted: distributed.engine = 'fsdp2' or 'ddp' (or 'local' in one process)")
+    # Every engine: the draft is whole on each rank, outside the engine (its gradients summed by DraftBeside.step), and
+    # reads the target's embedding and head whole: FSDP2 keeps its root unit gathered from the model's forward to
+    # its backward (engine/fsdp2.py whole_root), ZeRO-3 gathers a module's parameters whenever it runs (its hooks).
     out = Path(cfg.train.output_dir)
     draft = DraftBeside(cfg, setup.model, [o.dataset for o in data.sources], data.train.vocab_size, device)
     checkpoints.companions["draft"] = draft
