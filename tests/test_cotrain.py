@@ -161,10 +161,10 @@ def safetensors_of(model_dir):
 
 
 # A joint MTP head beside a DeepSeek-V3 model built from its config alone (DEEPSEEK, saved as model.path).
-MTP_BESIDE = ("--model.overrides={}", "--train.max_steps=2", "--train.micro_batch_size=2", "--train.eval_at_start=false",
-              "--train.eval_batches=1", "--draft.kind=mtp", "--draft.target=self", "--draft.joint=true",
-              "--draft.loss=ce", "--draft.ttt_steps=1", "--draft.gamma=1", "--draft.eval_prompts=2",
-              "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12")
+MTP_BESIDE = ("--model.overrides={}", "--train.max_steps=2", "--train.micro_batch_size=2",
+              "--train.eval_at_start=false", "--train.eval_batches=1", "--draft.kind=mtp", "--draft.target=self",
+              "--draft.joint=true", "--draft.loss=ce", "--draft.ttt_steps=1", "--draft.gamma=1",
+              "--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12")
 
 
 def test_mtp_pretraining_trains_the_mtp_layer_with_the_model_and_transformers_generates_with_it(shards, tmp_path):
