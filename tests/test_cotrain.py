@@ -235,7 +235,8 @@ def test_a_draft_beside_its_target_matches_one_process_on_every_engine(shards, t
     resume = f"--checkpoint.resume={tmp_path / 'zero3' / 'checkpoints' / 'step_2'}"
     runs = {"ddp": ("--distributed.engine=ddp",), "fsdp2": ("--distributed.engine=fsdp2",),
             "fsdp2-joint": ("--distributed.engine=fsdp2", *joint), "zero3": (*zero3, "--checkpoint.every=2"),
-            "zero3-resumed": (*zero3, resume), "fsdp2-mtp": ("--distributed.engine=fsdp2",)}
+            "zero3-resumed": (*zero3, resume), "fsdp2-mtp": ("--distributed.engine=fsdp2",),
+            "zero3-mtp": (*zero3, "--checkpoint.every=2")}
 
     def argv(name, *extra):
         if "mtp" in name:
@@ -247,7 +248,7 @@ def test_a_draft_beside_its_target_matches_one_process_on_every_engine(shards, t
     for name, extra in (("one", ()), ("one-joint", joint), ("one-mtp", ())):
         assert main(argv(name, *extra)) == 0
     pairs = (("ddp", "one"), ("fsdp2", "one"), ("fsdp2-joint", "one-joint"), ("fsdp2-mtp", "one-mtp"),
-             ("zero3", "one"), ("zero3-resumed", "zero3"))
+             ("zero3", "one"), ("zero3-resumed", "zero3"), ("zero3-mtp", "one-mtp"))
     for two, one in pairs:
         for key in ("loss", "grad_norm", "draft_loss", "draft_grad_norm", "eval_loss", "tau_sim"):
             a, b = records(tmp_path / one, key), records(tmp_path / two, key)
@@ -257,9 +258,16 @@ def test_a_draft_beside_its_target_matches_one_process_on_every_engine(shards, t
             assert a.keys() == b.keys() and a == pytest.approx(b, rel=1e-5, abs=1e-7), (two, key)
         wa, wb = (load_file(tmp_path / run / "draft" / "model.safetensors") for run in (one, two))
         assert wa.keys() == wb.keys()
-        assert all(torch.allclose(wa[k].double(), wb[k].double(), rtol=1e-4, atol=1e-6) for k in wa), two
+        # Adam divides by the root of a gradient's square: where it is fp32 noise (an expert few tokens reach), the
+        # noise is amplified up to the lr; 1e-5 is what 2 steps at lr 5e-3 leave of it here (2e-6 seen).
+        assert all(torch.allclose(wa[k].double(), wb[k].double(), rtol=1e-4, atol=1e-5) for k in wa), two
     # joint: the draft's loss reached the target (its loss after step 1 is not the detached run's)
     assert records(tmp_path / "fsdp2-joint", "target_loss")[2] != records(tmp_path / "fsdp2", "loss")[2]
+    # treadle export of a ZeRO-3 checkpoint puts the MTP layer it trained (from companions/) into the model, as hf/
+    assert main(["export", str(tmp_path / "zero3-mtp" / "checkpoints" / "step_2"), str(tmp_path / "exported")]) == 0
+    hf, exported = safetensors_of(tmp_path / "zero3-mtp" / "hf"), safetensors_of(tmp_path / "exported")
+    layer = [k for k in hf if k.startswith("model.layers.2.")]  # the MTP layer, after the model's two
+    assert layer and hf.keys() == exported.keys() and all(torch.equal(hf[k], exported[k]) for k in hf)
 
 
 def test_draft_trainer_steps_a_draft_beside_a_loop_it_does_not_own_and_publishes_it(tmp_path):

@@ -94,14 +94,15 @@ class DraftBeside:
         return summed.sum(), side
 
     def step(self, reduce: Callable[[torch.Tensor], torch.Tensor], agree: Callable[[bool], bool], label_tokens: int,
-             scaled: bool) -> dict[str, float]:
+             scaled: bool, loss_multiplier: float = 1) -> dict[str, float]:
         """The draft's update after the target's: gradients summed over data-parallel ranks (``reduce``: the draft
         is whole on each), divided by the step's label tokens unless the step's loss already was (``scaled``:
-        joint), clipped; skipped where not finite (``agree``: all ranks)."""
+        joint; then by the factor the engine's backward multiplied that loss by, ``loss_multiplier``: DeepSpeed's
+        world size, which it divides out of its own gradients only), clipped; skipped where not finite (``agree``:
+        all ranks)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.flatten() for g in grads])
-        if not scaled:
-            flat = flat / max(label_tokens, 1)
+        flat = flat / loss_multiplier if scaled else flat / max(label_tokens, 1)
         flat = reduce(flat)
         offset = 0
         for p, g in zip(self.params, grads):
@@ -183,7 +184,7 @@ class DraftStepCallback(Callback):
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         engine = trainer.engine
         result.metrics.update(self.draft.step(engine.all_reduce_sum, engine.all_agree, result.label_tokens,
-                                              scaled=self.draft.joint))
+                                              scaled=self.draft.joint, loss_multiplier=engine.loss_multiplier))
 
     def state_dict(self) -> dict:
         return {"schedule": self.draft.schedule.state_dict()}
