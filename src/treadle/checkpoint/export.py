@@ -213,7 +213,7 @@ def export_checkpoint(source: str | Path, out: Path, dtype: str = "fp32", to: st
     """
     from treadle.checkpoint.discovery import checkpoint_at
     from treadle.checkpoint.remote import as_path
-    from treadle.checkpoint.validate import checkpoint_format, run_state
+    from treadle.checkpoint.validate import COMPANIONS, checkpoint_format, run_state
     from treadle.checkpoint.safety import loading, safe_dcp_load
     from treadle.config import load_config
     from treadle.models.hf import build_model
@@ -286,6 +286,8 @@ def export_checkpoint(source: str | Path, out: Path, dtype: str = "fp32", to: st
         if missing:
             raise UserError(f"checkpoint {ckpt}: deepspeed/ lacks {missing[0]} (and {len(missing) - 1} more)")
         state["model"] = {k: saved[k] for k in state["model"]}
+        if draft is not None:  # DeepSpeed's files hold its engine's state: the companion is beside them (manager.py)
+            safe_dcp_load({"draft": state["draft"]}, ckpt / COMPANIONS, ckpt)
     else:
         safe_dcp_load(state, ckpt / "state", ckpt)
     module.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()}, strict=all(p.requires_grad for p in params.values()))

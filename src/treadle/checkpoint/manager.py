@@ -91,7 +91,7 @@ from treadle.checkpoint.remote import as_path
 from treadle.checkpoint.rng import capture_rng, restore_rng
 from treadle.checkpoint.safety import CheckpointDamaged, causes, loading, safe_dcp_load
 from treadle.checkpoint.staging import StagingBuffers
-from treadle.checkpoint.validate import checkpoint_format, damage, inspect, read_json_object
+from treadle.checkpoint.validate import COMPANIONS, checkpoint_format, damage, inspect, read_json_object, vetted_dcp
 from treadle.errors import CheckpointWriteError, UserError, first_line
 from treadle.fsutil import fsync as _fsync
 from treadle.fsutil import fsync_tree as _fsync_tree
@@ -101,6 +101,11 @@ log = logging.getLogger("treadle")
 _FORMATS = {"dcp": "DCP state (state/)", "deepspeed": "a DeepSpeed checkpoint (deepspeed/)"}
 
 
+def _dcp_save(state: dict, where: Path, group) -> None:
+    with distributed.quiet_single_process_dcp():
+        dcp.save(state, checkpoint_id=where, process_group=group)  # collective with several ranks
+
+
 @dataclass
 class _Job:
     """Everything one save writes, fixed at the moment ``save`` was called."""
@@ -108,6 +113,7 @@ class _Job:
     step: int
     final: Path
     state: dict | None  # DCP state; None when the engine writes its own format (DeepSpeed)
+    companions: dict | None  # with DeepSpeed's format: the companions' DCP state (None: none)
     train_state: str  # already JSON: later changes to the caller's dict cannot leak in
     rng: dict
     config_toml: str
@@ -177,7 +183,9 @@ class CheckpointManager:
         """
         self.wait()  # at most one in flight; surfaces the previous one's failure
         dcp_state = engine.checkpoint_format == "dcp"
+        companions = None if dcp_state or not self.companions else self._companion_state()
         job = _Job(step=step, final=self.root / f"step_{step}", state=self._state(engine) if dcp_state else None,
+                   companions=companions,
                    train_state=json.dumps(train_state), rng=capture_rng(), config_toml=config_toml,
                    metrics=dict(metrics) if metrics else None)
         if not (self.async_save and dcp_state):
@@ -192,7 +200,10 @@ class CheckpointManager:
 
     def _state(self, engine) -> dict:
         """The DCP state of a checkpoint: the engine's, and each companion's under its name."""
-        return {**engine.state_dict(), **{name: c.state_dict() for name, c in self.companions.items()}}
+        return {**engine.state_dict(), **self._companion_state()}
+
+    def _companion_state(self) -> dict:
+        return {name: c.state_dict() for name, c in self.companions.items()}
 
     def wait(self) -> None:
         """Block until no save is in flight; raise the background save's error, if it failed."""
@@ -249,10 +260,11 @@ class CheckpointManager:
     def _write_shards(self, job: _Job, tmp: Path, engine, group) -> None:
         (tmp / "rng").mkdir(parents=True, exist_ok=True)  # every rank: whichever comes first creates it
         if job.state is not None:
-            with distributed.quiet_single_process_dcp():
-                dcp.save(job.state, checkpoint_id=tmp / "state", process_group=group)  # collective with several ranks
+            _dcp_save(job.state, tmp / "state", group)
         else:
             engine.save_checkpoint(tmp / "deepspeed")
+            if job.companions is not None:  # DeepSpeed's files hold its engine's state only
+                _dcp_save(job.companions, tmp / COMPANIONS, group)
         write_text(tmp / "rng" / f"rank_{self.rank}.json", json.dumps(job.rng))
 
     def _install_files(self, job: _Job, tmp: Path) -> None:
@@ -418,6 +430,18 @@ class CheckpointManager:
     def find_resume(self, resume: str) -> Path | None:
         return find_checkpoint(self.root, resume)
 
+    def _load_companions(self, path: Path) -> None:
+        """The companions' state from a DeepSpeed checkpoint's ``companions/`` (one line where it has none)."""
+        if not (path / COMPANIONS).is_dir():
+            raise UserError(f"checkpoint {path} holds no {COMPANIONS}/ for this run's {', '.join(self.companions)} "
+                            "(a run without it wrote the checkpoint); accepted: a checkpoint of a run like this one")
+        state = self._companion_state()
+        md = vetted_dcp(path, COMPANIONS)
+        check_fit(path, md, state)
+        safe_dcp_load(state, path / COMPANIONS, path, md)
+        for name, companion in self.companions.items():
+            companion.load_state_dict(state[name])
+
     def load(self, path: Path, engine, *, config_toml: str | None = None, meta: dict | None = None) -> dict:
         """Restore model, optimizer and this rank's RNG; return the JSON train state.
 
@@ -438,6 +462,8 @@ class CheckpointManager:
         if md is None:  # inspect vetted every pickle DeepSpeed will open; other damage surfaces while it loads
             with loading(path):
                 engine.load_checkpoint(path / "deepspeed")
+            if self.companions:
+                self._load_companions(path)
         else:
             state = self._state(engine)
             check_fit(path, md, state, partial=engine.state_is_partial)

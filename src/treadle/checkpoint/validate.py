@@ -12,6 +12,11 @@ from treadle.checkpoint.safety import CheckpointDamaged, read_metadata, vet_deep
 from treadle.engine.deepspeed import TAG, meta_problem
 
 
+# Where a DeepSpeed checkpoint keeps its companions' state (CheckpointManager.companions), in DCP's format: DeepSpeed's
+# own files hold only its engine's module and optimizer.
+COMPANIONS = "companions"
+
+
 def checkpoint_format(path: Path) -> str:
     """``dcp`` (``state/``) or ``deepspeed`` (``deepspeed/``, written by the DeepSpeed engine)."""
     return "deepspeed" if (path / "deepspeed").is_dir() and not (path / "state").is_dir() else "dcp"
@@ -67,20 +72,25 @@ def inspect(path: Path) -> Metadata | None:
     if checkpoint_format(path) == "deepspeed":
         _inspect_deepspeed(path)
         return None
-    md = read_metadata(path / "state", path)
-    # Every byte range the metadata names must exist: catches truncated or missing .distcp files.
+    return vetted_dcp(path, "state")
+
+
+def vetted_dcp(path: Path, sub: str) -> Metadata:
+    """The DCP metadata of ``path / sub``, every byte range it names present (catches truncated or missing .distcp
+    files)."""
+    md = read_metadata(path / sub, path)
     ends: dict[str, int] = {}
     for info in md.storage_data.values():
         rel = getattr(info, "relative_path", None)
         if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
-            raise CheckpointDamaged(path, f"state/.metadata names an invalid data file {rel!r}")
+            raise CheckpointDamaged(path, f"{sub}/.metadata names an invalid data file {rel!r}")
         ends[rel] = max(ends.get(rel, 0), int(info.offset) + int(info.length))
     for rel, end in ends.items():
-        f = path / "state" / rel
+        f = path / sub / rel
         if not f.is_file():
-            raise CheckpointDamaged(path, f"state/{rel} is missing")
+            raise CheckpointDamaged(path, f"{sub}/{rel} is missing")
         if f.stat().st_size < end:
-            raise CheckpointDamaged(path, f"state/{rel} is truncated ({f.stat().st_size} bytes, {end} expected)")
+            raise CheckpointDamaged(path, f"{sub}/{rel} is truncated ({f.stat().st_size} bytes, {end} expected)")
     return md
 
 
@@ -93,6 +103,8 @@ def _inspect_deepspeed(path: Path) -> None:
     if not any((ds / TAG).glob("*model_states.pt")):
         raise CheckpointDamaged(path, f"deepspeed/{TAG}/ holds no model_states.pt")
     vet_deepspeed(ds, path)
+    if (path / COMPANIONS).is_dir():  # a draft beside its target: its weights and optimizer, DCP beside DeepSpeed's
+        vetted_dcp(path, COMPANIONS)
 
 
 def damage(path: Path) -> str | None:

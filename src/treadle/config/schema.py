@@ -498,9 +498,6 @@ class Config(Section):
              "the draft reads whole sequences, not a rank's slice of them"),
             (d.pipeline_parallel > 1, f"distributed.pipeline_parallel = {d.pipeline_parallel}",
              "the hidden states the draft reads are made on different pipeline stages"),
-            (d.engine in ("fsdp2", "deepspeed"), f"distributed.engine = {d.engine!r}",
-             "the draft reads the target's embedding and head between forwards, which this engine shards (local "
-             "and ddp are built)"),
             (self.lora.rank is not None, "lora.rank", "a draft beside adapters on its target is not built"),
             (self.model.dtype == "fp8", "model.dtype = 'fp8'", "a draft beside an fp8 target is not built"),
         )

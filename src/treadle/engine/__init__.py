@@ -156,6 +156,7 @@ def build_engine(name: str, model: nn.Module, cfg: Config, device: torch.device,
                            mp_param_dtype=torch.bfloat16 if bf16 else None,
                            reduce_dtype=torch.bfloat16 if d.reduce_dtype == "bf16" else torch.float32,
                            reshard_after_forward=d.reshard_after_forward, cpu_offload=d.cpu_offload,
+                           whole_root=cfg.draft.beside,
                            **(dict(mesh=mesh.fsdp_mesh, tp_mesh=mesh.tp_mesh, loss_group=mesh.loss_group)
                               if mesh is not None else {}))
     if name == "deepspeed":

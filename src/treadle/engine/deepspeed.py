@@ -329,7 +329,11 @@ class DeepSpeedEngine(CollectiveEngine):
         self._norm = None
         # The loss is already this rank's share of the step's global mean: no division by the accumulation
         # steps, and the world-size factor cancels DeepSpeed's average over ranks (the shares must add up).
-        self.model.backward(loss * self.world_size, scale_wrt_gas=False)
+        self.model.backward(loss * self.loss_multiplier, scale_wrt_gas=False)
+
+    @property
+    def loss_multiplier(self) -> int:
+        return self.world_size
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global pre-clip norm (equal on every rank); DeepSpeed clips at ``max_norm`` during ``step``."""

@@ -72,6 +72,7 @@ class FSDP2Engine(CollectiveEngine):
         mesh: DeviceMesh | None = None,
         tp_mesh: DeviceMesh | None = None,
         loss_group: dist.ProcessGroup | None = None,
+        whole_root: bool = False,
     ):
         """Shard ``model`` (fp32, identical on every rank: same seed or same checkpoint) and build its optimizer.
 
@@ -80,6 +81,8 @@ class FSDP2Engine(CollectiveEngine):
         ``mp_param_dtype``: the dtype layers compute in (e.g. bf16; None = fp32, the master
         weights' own dtype). ``reduce_dtype``: the dtype gradients are reduced in.
         ``cpu_offload``: sharded parameters, gradients and optimizer state live on the CPU.
+        ``whole_root``: the root unit (embeddings, final norm, LM head) stays gathered from its forward to its
+        backward, as torch does by default, for a draft beside the model that reads them in between.
         """
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Engine needs a process group: call treadle.distributed.init_distributed() first")
@@ -101,7 +104,11 @@ class FSDP2Engine(CollectiveEngine):
                                      reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
         for layer in decoder_layers(model):
             fully_shard(layer, **shard_kwargs)
-        fully_shard(model, **shard_kwargs)
+        # A draft beside the model (train/cotrain.py) reads the root's embedding and head after the model's forward
+        # and before its backward (and after each evaluation forward): the root not resharded after its forward
+        # keeps them whole there, in FSDP2's own unsharded parameters (no second gather, no copy). The backward
+        # reshards them; a state_dict (checkpoint, export) reshards them first (FSDP2's pre-hooks).
+        fully_shard(model, **{**shard_kwargs, "reshard_after_forward": False} if whole_root else shard_kwargs)
         sum_gradients(model.modules())
         # Methods other than forward that evaluations call (a draft's target_forward): FSDP must
         # gather the root's parameters around them as it does around forward.

@@ -25,6 +25,9 @@ class LocalEngine:
     rank = 0
     world_size = 1
     checkpoint_format = "dcp"  # the checkpoint manager saves state_dict() with DCP (DeepSpeed writes its own)
+    # What ``backward`` multiplies the loss by before it reaches autograd (the engine divides it out of its own
+    # gradients; a module outside it, a draft beside the model trained jointly, divides it out itself).
+    loss_multiplier = 1
 
     @property
     def data_rank(self) -> int:

@@ -33,7 +33,6 @@ from treadle.drafts.registry import kind
 from treadle.drafts.run_model import READS_PREFIX
 from treadle.drafts.targets import beside
 from treadle.engine.optim import build_optimizer, build_schedule
-from treadle.errors import UserError
 from treadle.train.callbacks import Callback, ExportCallback
 from treadle.train.draft import AcceptanceCallback, TTTAccuracyCallback, eval_prompts
 from treadle.train.step import StepResult, split_loss
@@ -95,14 +94,15 @@ class DraftBeside:
         return summed.sum(), side
 
     def step(self, reduce: Callable[[torch.Tensor], torch.Tensor], agree: Callable[[bool], bool], label_tokens: int,
-             scaled: bool) -> dict[str, float]:
+             scaled: bool, loss_multiplier: float = 1) -> dict[str, float]:
         """The draft's update after the target's: gradients summed over data-parallel ranks (``reduce``: the draft
         is whole on each), divided by the step's label tokens unless the step's loss already was (``scaled``:
-        joint), clipped; skipped where not finite (``agree``: all ranks)."""
+        joint; then by the factor the engine's backward multiplied that loss by, ``loss_multiplier``: DeepSpeed's
+        world size, which it divides out of its own gradients only), clipped; skipped where not finite (``agree``:
+        all ranks)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.flatten() for g in grads])
-        if not scaled:
-            flat = flat / max(label_tokens, 1)
+        flat = flat / loss_multiplier if scaled else flat / max(label_tokens, 1)
         flat = reduce(flat)
         offset = 0
         for p, g in zip(self.params, grads):
@@ -184,7 +184,7 @@ class DraftStepCallback(Callback):
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         engine = trainer.engine
         result.metrics.update(self.draft.step(engine.all_reduce_sum, engine.all_agree, result.label_tokens,
-                                              scaled=self.draft.joint))
+                                              scaled=self.draft.joint, loss_multiplier=engine.loss_multiplier))
 
     def state_dict(self) -> dict:
         return {"schedule": self.draft.schedule.state_dict()}
@@ -236,7 +236,7 @@ class BesideExportCallback(ExportCallback):
                               extra=self.into is None)
 
 
-def beside_setup(cfg: Config, setup, data, device: torch.device, checkpoints, engine_name: str):
+def beside_setup(cfg: Config, setup, data, device: torch.device, checkpoints):
     """A model run's ``ModelSetup`` with a draft beside its model: the step's loss, the draft's update, acceptance
     and export; the draft's tensors a companion of the run's checkpoints."""
     from dataclasses import replace
@@ -245,10 +245,9 @@ def beside_setup(cfg: Config, setup, data, device: torch.device, checkpoints, en
     from treadle.checkpoint.export import claim_export
     from treadle.data.loader import check_token_ids
 
-    if engine_name not in ("local", "ddp"):
-        raise UserError(f"draft.target = 'self' with distributed.engine = {engine_name!r} (what auto chose for this "
-                        "launch): the draft reads the target's embedding and head between forwards, which it shards; "
-                        "accepted: distributed.engine = 'ddp' (or 'local' in one process)")
+    # Every engine: the draft is whole on each rank, outside the engine (its gradients summed by DraftBeside.step), and
+    # reads the target's embedding and head whole: FSDP2 keeps its root unit gathered from the model's forward to
+    # its backward (engine/fsdp2.py whole_root), ZeRO-3 gathers a module's parameters whenever it runs (its hooks).
     out = Path(cfg.train.output_dir)
     draft = DraftBeside(cfg, setup.model, [o.dataset for o in data.sources], data.train.vocab_size, device)
     checkpoints.companions["draft"] = draft

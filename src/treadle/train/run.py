@@ -442,7 +442,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     empty = builds_empty(engine_name, cfg, info.world_size, deepspeed_json)
     setup = (_draft_setup if cfg.draft.frozen_target else _model_setup)(cfg, data, meta, empty)
     if cfg.draft.beside:  # a draft trained beside the model, in its step (train/cotrain.py)
-        setup = beside_setup(cfg, setup, data, device, checkpoints, engine_name)
+        setup = beside_setup(cfg, setup, data, device, checkpoints)
     train_ds, val_ds = data.train, data.val  # a store-backed draft run's: the store's windows (draft.features)
     if d.pipeline_parallel > 1 and setup.loss_fn is not loss_sum:  # the last stage computes a plain cross-entropy
         raise UserError("distributed.pipeline_parallel > 1 is not supported for mixture-of-experts models (their "
