@@ -22,8 +22,10 @@ endef
 $(STAMP): pyproject.toml constraints.txt
 	$(call venv,$(VENV),constraints.txt)
 
-$(OLDEST_STAMP): pyproject.toml constraints-oldest.txt
+$(OLDEST_STAMP): pyproject.toml constraints-oldest.txt constraints-speculators.txt
 	$(call venv,$(OLDEST),constraints-oldest.txt)
+	PIP_CONSTRAINT= $(OLDEST)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
+		--target $(OLDEST)/speculators -r constraints-speculators.txt
 
 install: $(STAMP)  ## create .venv (when missing) and install treadle into it, editable, with the test extras
 venv: install

@@ -370,7 +370,11 @@ def test_an_eagle3_run_starts_from_a_draft_in_the_eagle_layout(shards, eagle3_ta
     (foreign / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in (
         "treadle_draft_kind", "target", "target_config", "training")}))
     shutil.copy(a / "draft" / "model.safetensors", foreign / "model.safetensors")
-    for init in (a, foreign):
+    # The same draft in the speculators format (drafts/eagle3/speculators.py), as treadle export writes it.
+    speculators = tmp_path / "speculators"
+    assert main(["export", str(a), "--to", "speculators", str(speculators)]) == 0
+    assert json.loads((speculators / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    for init in (a, foreign, speculators):
         trainer = build_trainer(load_config(None, draft_args(shards, target_dir, tmp_path / "b", "--train.max_steps=2",
                                                              "--draft.kind=eagle3", f"--draft.init={init}")[1:]))
         draft = trainer.engine.module.draft_model
@@ -386,10 +390,11 @@ def test_an_eagle3_run_starts_from_a_draft_in_the_eagle_layout(shards, eagle3_ta
     assert load_file(tmp_path / "c" / "draft" / "model.safetensors")["d2t"].equal(want["d2t"])
     # spec-eval measures the draft trained elsewhere against its target, losslessly.
     out = tmp_path / "spec.json"
-    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(foreign), "--num-prompts", "1",
-                 "--prompt-len", "8", "--max-new-tokens", "8", "--json", str(out)]) == 0
-    got = json.loads(out.read_text())
-    assert got["drafter"] == "eagle3" and got["lossless"] is True
+    for draft_dir in (foreign, speculators):
+        assert main(["spec-eval", "--target", str(target_dir), "--draft", str(draft_dir), "--num-prompts", "1",
+                     "--prompt-len", "8", "--max-new-tokens", "8", "--json", str(out)]) == 0
+        got = json.loads(out.read_text())
+        assert got["drafter"] == "eagle3" and got["lossless"] is True
     # A draft.vocab_size other than the initial draft's, or a directory that is no EAGLE-3 draft, is one line.
     capsys.readouterr()
     for extra, word in (((f"--draft.init={foreign}", "--draft.vocab_size=100"), "draft.vocab_size"),

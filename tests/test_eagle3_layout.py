@@ -12,6 +12,7 @@ since those commits.
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -144,6 +145,12 @@ def _sharp(draft):
 def exported(tmp_path, request):
     """(Eagle3Model, target, export dir): a draft of an 8-layer llama3-rotary target, exported; its head scores
     DRAFT_VOCAB tokens (a d2t map) or the target's whole vocabulary (zero offsets, an all-true t2d)."""
+    return exported_draft(tmp_path, request.param)
+
+
+def exported_draft(tmp_path, vocab: int | None, to: str = "draft", ttt_steps: int | None = None):
+    """``exported``'s draft, in the export ``to`` names (tests/test_speculators_format.py: "speculators")."""
+    request = SimpleNamespace(param=vocab)
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(LlamaConfig(**TARGET)).eval()
     target_dir = tmp_path / "target"
@@ -156,7 +163,7 @@ def exported(tmp_path, request):
     model = Eagle3Model(target, draft).eval()
     out = tmp_path / "export"
     export_draft(model, model.state_dict(), out, target_dir, target_identity(target_dir, target),
-                 DraftConfig(kind="eagle3", target=str(target_dir)), step=0)
+                 DraftConfig(kind="eagle3", target=str(target_dir), ttt_steps=ttt_steps), step=0, to=to)
     return model, target, out
 
 

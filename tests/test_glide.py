@@ -294,6 +294,11 @@ def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_
     again = load_file(tmp_path / "again" / "model.safetensors")
     assert all(torch.equal(again[k], st[k]) for k in st)
     assert main(["export", str(run), "--to", "hf", str(tmp_path / "wrong")]) == 2
+    capsys.readouterr()
+    assert main(["export", str(run), "--to", "speculators", str(tmp_path / "wrong")]) == 2  # no such layout for glide
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "accepted: a draft of kind 'eagle3'" in err
+    assert not (tmp_path / "wrong").exists()
     # ... again over its own earlier export, with the marker that allows it; every file readable by others.
     assert main(["export", str(run), "--to", "draft", str(tmp_path / "again")]) == 0
     marker = json.loads((tmp_path / "again" / ".treadle.json").read_text())

@@ -122,7 +122,7 @@ def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | No
 
 
 def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity: dict, cfg, step: int | None = None,
-                 command: str = "train", dtype: str = "fp32", extra: bool = True) -> Path:
+                 command: str = "train", dtype: str = "fp32", extra: bool = True, to: str = "draft") -> Path:
     """The draft alone, with what identifies its target; ``treadle.drafts.registry.load_draft`` loads it.
 
     The files are its kind's (``DraftKind.export`` / ``write_extra``, drafts/<kind>/kind.py): the layout its
@@ -131,7 +131,8 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
     boolean tensors (a vocabulary map) keep theirs.
     A weight the layout has no name for, or one it needs and the draft lacks, is refused before anything is written.
     ``extra=False``: without the kind's extra files (an mtp draft beside its model: its ``stitched/`` would be a
-    second copy of the model export, which carries the layer itself).
+    second copy of the model export, which carries the layer itself). ``to="speculators"``: the speculators format
+    instead (drafts/speculators_format.py), for the kinds that have one.
     """
     from safetensors.torch import save_file
 
@@ -148,7 +149,12 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
         "training": {**cfg.model_dump(mode="json"), "step": step},
     }
     kind = registry.kind(draft.export_config()["treadle_draft_kind"])
-    weights, config = kind.export(draft, weights, model.target.config, torch_dtype, dtype, meta)
+    if to == "speculators":
+        from treadle.drafts import speculators_format
+
+        weights, config = speculators_format.export(kind, draft, weights, model.target, torch_dtype, meta)
+    else:
+        weights, config = kind.export(draft, weights, model.target.config, torch_dtype, dtype, meta)
     out = Path(out)
     with atomic_directory(out, command) as tmp:
         tmp.mkdir()
@@ -205,7 +211,8 @@ def export_checkpoint(source: str | Path, out: Path, dtype: str = "fp32", to: st
                       base_name: str | None = None) -> Path:
     """``treadle export``: rebuild what a checkpoint was trained as, load its weights, export.
 
-    ``to="hf"`` for a model run; ``to="draft"`` for a draft run (the draft alone, as at the end of the run);
+    ``to="hf"`` for a model run; ``to="draft"`` for a draft run (the draft alone, as at the end of the run),
+    ``to="speculators"`` the same draft in the speculators format;
     ``"auto"``: whichever the checkpoint's config says it is. A LoRA run (``[lora]``): its adapter directory, or
     with ``merge`` the base with the adapters merged in, as a Hugging Face model (a draft LoRA run: the base draft
     of draft.init with them merged in, as a draft in its kind's layout, which engines serve today). ``base_name``:
@@ -225,14 +232,19 @@ def export_checkpoint(source: str | Path, out: Path, dtype: str = "fp32", to: st
     # vets every pickle of a DeepSpeed checkpoint before checkpoint_weights hands the directory to DeepSpeed.
     ckpt = checkpoint_at(as_path(source), f"treadle export SOURCE {str(source)!r}")  # a URL: a checkpoint.dir
     cfg = load_config(ckpt / "config.toml")
-    if to == "draft" and cfg.draft.beside:
+    drafted = to in ("draft", "speculators")
+    if drafted and cfg.draft.beside:
         raise UserError(f"checkpoint {ckpt} is a model run with a draft beside it (draft.target = 'self'): its export "
                         "is the model's; the run writes the draft at its end (draft/, naming hf/); accepted: --to hf "
                         "or --to auto (the default)")
-    if to != "auto" and cfg.draft.frozen_target != (to == "draft"):
+    if to != "auto" and cfg.draft.frozen_target != drafted:
         kind = "a draft run" if cfg.draft.frozen_target else "a model run"
-        raise UserError(f"checkpoint {ckpt} is {kind}; accepted: --to {'draft' if cfg.draft.frozen_target else 'hf'} "
-                        "or --to auto (the default)")
+        accepted = "draft, --to speculators" if cfg.draft.frozen_target else "hf"
+        raise UserError(f"checkpoint {ckpt} is {kind}; accepted: --to {accepted} or --to auto (the default)")
+    if to == "speculators":
+        from treadle.drafts import registry, speculators_format
+
+        speculators_format.kind_table(registry.kind(cfg.draft.kind))  # refused before the checkpoint is read
     if merge and cfg.lora.rank is None:
         raise UserError(f"treadle export --merge: checkpoint {ckpt} is a full run, without LoRA adapters to merge; "
                         "accepted: a checkpoint of a run with lora.rank set, or no --merge")
@@ -303,7 +315,8 @@ def export_checkpoint(source: str | Path, out: Path, dtype: str = "fp32", to: st
         model = model if cfg.draft.frozen_target else merged
     if cfg.draft.frozen_target:
         return export_draft(model, model.state_dict(), out, target_dir, identity, cfg.draft,
-                            step=train_state["train"]["step"], command="export", dtype=dtype)
+                            step=train_state["train"]["step"], command="export", dtype=dtype,
+                            to="speculators" if to == "speculators" else "draft")
     tokenizer = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
     return export_hf(model, model.state_dict(), tokenizer if tokenizer and tokenizer.is_dir() else None, out,
                      dtype=dtype, command="export", chat_template=meta.get("chat_template"),

@@ -42,6 +42,8 @@ class DraftKind:
     # Beside its model (draft.target = 'self'), its trained weights belong to the model's own checkpoint (mtp: the
     # layer DeepSeek-V3 / Qwen3-Next checkpoints ship): the model's export carries them (``write_into_model``).
     carried_by_model = False
+    # Its table in the speculators format (drafts/speculators_format.py): export, is_layout, as_<layout>; None: none.
+    speculators: ModuleType | None = None
 
     @property
     def name(self) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from treadle.drafts.eagle3 import settings
+from treadle.drafts.eagle3 import settings, speculators
 from treadle.drafts.eagle3.drafter import Eagle3Drafter
 from treadle.drafts.eagle3.layout import export as eagle3_export
 from treadle.drafts.eagle3.model import build_eagle3, load_eagle3
@@ -13,6 +13,7 @@ from treadle.drafts.kind import DraftKind
 class Eagle3(DraftKind):
     settings = settings
     # read_config: none of its own; GLIDE's generic reader (glide/model.py) recognises EAGLE-3's layout
+    speculators = speculators  # `treadle export --to speculators`, draft.init of that format
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_eagle3(cfg, data_vocab, data_tokenizer_fingerprint, empty)

@@ -549,7 +549,10 @@ def read_draft_config(draft_dir) -> dict | None:
     if not isinstance(config, dict):
         return None
     from treadle.drafts.eagle3 import layout as eagle3_layout
+    from treadle.drafts.eagle3 import speculators as eagle3_speculators
 
+    if eagle3_speculators.is_layout(config):  # speculators' EAGLE-3 (treadle's --to speculators or trained there)
+        config = eagle3_speculators.as_eagle_layout(config, draft_dir)
     if "treadle_draft_kind" not in config and eagle3_layout.is_layout(config):  # an EAGLE-3 draft trained elsewhere
         config["treadle_draft_kind"] = "eagle3"
     if "treadle_draft_kind" not in config and is_layout(config):  # a GLIDE draft trained with LongSpec
