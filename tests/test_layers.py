@@ -19,7 +19,7 @@ LAYERS = {
     "checkpoint": 2, "speculative": 2, "data": 2, "drafts": 2,
     "engine": 1, "models": 1,
     "config": 0, "metrics": 0, "corpus": 0, "errors": 0, "fsutil": 0, "tokenizer": 0, "distributed": 0, "quiet": 0, "model_dirs": 0, "presets": 0,
-    "versions": 0, "compat": 0,
+    "versions": 0, "compat": 0, "machine_load": 0,
 }
 
 

@@ -126,7 +126,7 @@ def _rates(values: list[float], unit: str) -> str:
 def _draft_headline(table, s) -> None:
     """A draft run's rows before its losses: tau_sim, the chain's acceptance per position (the last acceptance eval)
     and the draft's top-1 agreement with the target per slot (the last validation eval)."""
-    from treadle.drafts.agreement import per_slot, reached
+    from treadle.metrics.agreement import per_slot, reached
 
     first, last = s.acceptance
     if last is not None:

@@ -152,7 +152,8 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
     if to == "speculators":
         from treadle.drafts import speculators_format
 
-        weights, config = speculators_format.export(kind, draft, weights, model.target, torch_dtype, meta)
+        weights, config = speculators_format.export(registry.speculators_table(kind), draft, weights, model.target,
+                                                    torch_dtype, meta)
     else:
         weights, config = kind.export(draft, weights, model.target.config, torch_dtype, dtype, meta)
     out = Path(out)
@@ -242,9 +243,9 @@ def export_checkpoint(source: str | Path, out: Path, dtype: str = "fp32", to: st
         accepted = "draft, --to speculators" if cfg.draft.frozen_target else "hf"
         raise UserError(f"checkpoint {ckpt} is {kind}; accepted: --to {accepted} or --to auto (the default)")
     if to == "speculators":
-        from treadle.drafts import registry, speculators_format
+        from treadle.drafts import registry
 
-        speculators_format.kind_table(registry.kind(cfg.draft.kind))  # refused before the checkpoint is read
+        registry.speculators_table(registry.kind(cfg.draft.kind))  # refused before the checkpoint is read
     if merge and cfg.lora.rank is None:
         raise UserError(f"treadle export --merge: checkpoint {ckpt} is a full run, without LoRA adapters to merge; "
                         "accepted: a checkpoint of a run with lora.rank set, or no --merge")

@@ -75,3 +75,13 @@ def drafter(draft_dir, target):
     """A treadle draft export of any kind as spec-eval's ``Drafter`` against ``target``."""
     found = _kind_of(draft_dir, read_draft_config(draft_dir))
     return found.drafter(found.load(draft_dir, target))
+
+
+def speculators_table(found: DraftKind):
+    """The speculators table of the kind ``found`` (drafts/speculators_format.py writes through it), refused in one
+    line for a kind speculators does not load."""
+    if found.speculators is None:
+        accepted = [k.name for k in KINDS.values() if k.speculators is not None]
+        raise UserError(f"treadle export --to speculators: draft.kind = {found.name!r} has no speculators layout; "
+                        f"accepted: a draft of kind {', '.join(map(repr, accepted))} (or --to draft, its own layout)")
+    return found.speculators

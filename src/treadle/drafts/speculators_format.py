@@ -16,17 +16,6 @@ from treadle.errors import UserError
 VERSION = "0.9.0"  # the speculators release read; written as speculators_version
 
 
-def kind_table(kind):
-    """The speculators table of ``kind`` (a DraftKind), refused in one line for a kind speculators does not load."""
-    from treadle.drafts.registry import KINDS
-
-    if kind.speculators is None:
-        accepted = [k.name for k in KINDS.values() if k.speculators is not None]
-        raise UserError(f"treadle export --to speculators: draft.kind = {kind.name!r} has no speculators layout; "
-                        f"accepted: a draft of kind {', '.join(map(repr, accepted))} (or --to draft, its own layout)")
-    return kind.speculators
-
-
 def speculators_config(algorithm: str, speculative_tokens: int, target_config, training: dict) -> dict:
     """``speculators_config``: one greedy proposal of ``speculative_tokens`` drafts; the verifier as the run named
     it (``draft.target``, a hub id or a path) with its architectures: speculators' ``from_pretrained`` loads the
@@ -47,10 +36,11 @@ def check_names(tensors: dict, expected: set, what: str) -> None:
                         f"(no name for {unknown}, missing {missing}); nothing was written")
 
 
-def export(kind, draft, weights: dict, target, torch_dtype, meta: dict) -> tuple[dict, dict]:
-    """(tensors, config.json) of ``draft`` (drafting for ``target``, the model) in the speculators format; treadle's
-    metadata rides along as extra keys, which speculators' config keeps and ignores."""
-    return kind_table(kind).export(draft, weights, target, torch_dtype, {**draft.export_config(), **meta})
+def export(table, draft, weights: dict, target, torch_dtype, meta: dict) -> tuple[dict, dict]:
+    """(tensors, config.json) of ``draft`` (drafting for ``target``, the model) in the speculators format, through its
+    kind's ``table`` (drafts/registry.py ``speculators_table``); treadle's metadata rides along as extra keys, which
+    speculators' config keeps and ignores."""
+    return table.export(draft, weights, target, torch_dtype, {**draft.export_config(), **meta})
 
 
 def embedding(target, dtype) -> dict:

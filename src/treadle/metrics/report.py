@@ -23,7 +23,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from treadle.drafts.agreement import per_slot, reached
+from treadle.metrics.agreement import per_slot, reached
 from treadle.errors import UserError
 from treadle.fsutil import claim_output
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from treadle import distributed
-from treadle.drafts.agreement import rates
+from treadle.metrics.agreement import rates
 from treadle.metrics.flops import memory_window
 from treadle.train.step import StepResult, label_tokens, split_loss
 
@@ -149,7 +149,7 @@ class EvalCallback(Callback):
 
     ``perplexity``: False for a draft run, whose eval loss is no model's per-token CE (a DFlash draft's sums the
     scored slots of a block), so exp of it is no perplexity. The eval loss's agreement counts (a draft's objective
-    returns them) are logged as rates: ``eval_acc_k``, ``eval_eal`` (drafts/agreement.py, as the steps' ``acc_k``).
+    returns them) are logged as rates: ``eval_acc_k``, ``eval_eal`` (metrics/agreement.py, as the steps' ``acc_k``).
     Other evaluations on the same cadence (a draft's acceptance) override ``measure``.
     """
 

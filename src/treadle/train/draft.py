@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from treadle.config import DraftConfig
-from treadle.drafts.agreement import rates
+from treadle.metrics.agreement import rates
 from treadle.errors import UserError
 from treadle.speculative.acceptance import chain_acceptance, degenerate_target_warning, lookup_tau
 from treadle.train.callbacks import Callback, EvalCallback

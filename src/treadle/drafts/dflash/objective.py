@@ -181,7 +181,7 @@ class DFlashObjective:
             hit = out.hit if out.hit is not None else (
                 (out.logits.detach().argmax(-1) == out.target_logits.argmax(-1)) & scored)
         agreement = self.agreement(hit, scored)
-        if not train:  # the CE and the draft's agreement per slot (eval_acc_k, eval_eal: drafts/agreement.py)
+        if not train:  # the CE and the draft's agreement per slot (eval_acc_k, eval_eal: metrics/agreement.py)
             return ce.sum((1, 2)), {"target_loss": out.target_ce, **agreement}
         if self.dpace:
             w = dpace_weights(ce, scored)

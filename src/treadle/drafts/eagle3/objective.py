@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.data.packed import IGNORE_INDEX
-from treadle.drafts.agreement import counts
+from treadle.metrics.agreement import counts
 from treadle.drafts.glide.model import anchored_positions
 from treadle.drafts.glide.objective import GlideObjective
 from treadle.drafts.run_model import batch_reads

@@ -93,7 +93,7 @@ class GlideObjective:
             if train:  # evaluation reports the CE alone
                 kl = (F.kl_div(F.log_softmax(at_least_fp32(out.logits), -1), F.log_softmax(at_least_fp32(out.target_logits), -1),
                                log_target=True, reduction="none").sum(-1) * scored).sum(-1)
-        if not train:  # the CE and the draft's top-1 agreement with the target (eval_acc_1: drafts/agreement.py)
+        if not train:  # the CE and the draft's top-1 agreement with the target (eval_acc_1: metrics/agreement.py)
             return ce, {"target_loss": target_ce, "ttt_hits_1": hit.sum().double(), "ttt_rows_1": scored.sum().double()}
         if self.cfg.loss == "mix":
             loss = (1.0 - self.cfg.kl_weight) * ce + self.cfg.kl_weight * kl
