@@ -71,8 +71,7 @@ def run_case(kind: str, seq_len: int, steps: int, device: torch.device, dtype: s
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
     times, losses = [], []
-    for i, row in enumerate(rows):  # the first is the warm-up
-        batch = {k: v.to(device) for k, v in row.items()}
+    for i, batch in enumerate(rows):  # the first is the warm-up; the engine moves each batch (as in training)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()

@@ -112,7 +112,7 @@ LORA = ["lora-r16", "qlora-r16"]
 # 40 steps in ~26 s, compile included; eager 48-54k tokens/s): ~30 s of start-up each (imports, the corpus, a 1.1B
 # init), then 45 / 55 / 42 / 90 / 55 s for the loops and ~150 s for the six attention cases (two FlexAttention
 # compiles): ~7.3 minutes. The limits below bound a slow start at 10 minutes, the device's per-command limit.
-SIDE_BY_SIDE_TIMEOUTS = {"treadle-defaults": 75, "treadle-best": 90, "hf-bf16": 75, "hf-compile": 120,
+SIDE_BY_SIDE_TIMEOUTS = {"treadle-defaults": 75, "treadle-best": 120, "hf-bf16": 75, "hf-compile": 120,
                          "bare-compile": 90, "attention": 150, "lora-r16": 90, "qlora-r16": 120}
 GROUPS = {"side-by-side": SIDE_BY_SIDE, "lora": LORA}
 
@@ -140,9 +140,10 @@ class Sizes:
     samples: int = 300    # rows per `treadle samples` file: the store items' data
     mtp_big: dict = field(default_factory=lambda: DSV3_1B)  # the MTP items' target (a DeepSeek-V3 shape)
     loop_steps: int = 40  # the side-by-side: steps each loop runs; the last 25 are timed (gpu_loops.TIMED)
-    attn_seqs: str = "8192,32768"  # the attention rows' row lengths (micro-batch 1)
+    attn_seqs: str = "2048,8192,32768"  # the attention rows' row lengths (micro-batch 1)
     attn_model: dict = field(default_factory=lambda: dict(LLAMA_1B, num_hidden_layers=4, max_position_embeddings=32768))
     attn_steps: int = 2   # timed, after a warm-up
+    profile_step: int = 12  # treadle-defaults' and hf-bf16's profiled step (before the timed ones): profile.md
 
 
 GPU = Sizes(tiny_steps=200, tiny_seq=256, tiny_batch=8, big=LLAMA_1B, big_steps=100, big_seq=2048, big_batch=8,
@@ -169,7 +170,7 @@ TOY = Sizes(tiny_steps=4, tiny_seq=64, tiny_batch=2, big=LLAMA_TOY, big_steps=4,
                      "spec-mtp-1b-after": 300,
                      "fp8": 120, **{name: 300 for name in SIDE_BY_SIDE + LORA}},
             samples=20, mtp_big=DSV3_TOY, loop_steps=4, attn_seqs="256", attn_model=LLAMA_TOY,
-            attn_steps=1)
+            attn_steps=1, profile_step=1)
 
 
 @dataclass
@@ -388,11 +389,12 @@ def side_by_side_items(out: Path, device: str, s: Sizes) -> list[Item]:
                       "--overrides", json.dumps(s.attn_model), "--json", str(out / "attention.json")]
     return [
         treadle("treadle-defaults", f"treadle at its defaults (dtype, compile, attention, chunked loss: auto), {size}",
-                []),
+                [f"--profile.start_step={s.profile_step}", "--profile.steps=1"]),
         treadle("treadle-best", f"treadle at its best: bf16, {compiled}, attention auto, chunked loss off, {size}",
                 ["--model.dtype=bf16", f"--model.compile={'true' if cuda else 'false'}",
                  "--model.loss_chunk_tokens=0"]),
-        script("hf-bf16", f"HF Trainer bf16=True, {size} (the same rows, position_ids)", ["hf"]),
+        script("hf-bf16", f"HF Trainer bf16=True, {size} (the same rows, position_ids)",
+               ["hf", "--profile-step", str(s.profile_step)]),
         script("hf-compile", f"HF Trainer bf16=True, torch_compile=True ({compiled}), {size}", ["hf", "--compile"]),
         script("bare-compile", f"a bare loop, each decoder layer compiled ({compiled}), {size}", ["bare"]),
         treadle("lora-r16", f"treadle defaults + LoRA r=16 on all decoder linears (base frozen), {size}", lora),
@@ -635,6 +637,18 @@ def dry_run(items: list[Item]) -> int:
     return 1 if bad else 0
 
 
+def profile_section(out: Path, step: int) -> str:
+    """treadle-defaults' and hf-bf16's profiled step side by side (bench/trace_summary.py), where both traced."""
+    traces = {"treadle-defaults": sorted((out / "treadle-defaults" / "profile").glob("*.pt.trace.json")),
+              "hf-bf16": sorted((out / "hf-bf16" / "profile").glob("trace.json"))}
+    found = {name: paths[-1] for name, paths in traces.items() if paths}
+    if not found:
+        return ""
+    summary = _bench("trace_summary")
+    results = {name: summary.summary(summary.load(path), 10) for name, path in found.items()}
+    return f"One profiled step (step {step}), the GPU's view\n\n" + summary.markdown(results, 10)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -690,6 +704,8 @@ def main() -> int:
     text = table(rows, args.device, args.tiny) + side_by_side_table(rows)
     if (out / "attention.md").exists() and any(item.name == "attention" for item, _ in rows):
         text += "\n" + (out / "attention.md").read_text()
+    if profiles := profile_section(out, (TOY if args.tiny else GPU).profile_step):
+        text += "\n" + profiles
     (out / "gpu-check.md").write_text(text)
     print(text, end="")
     print(f"(written to {out / 'gpu-check.md'})")

@@ -122,6 +122,31 @@ class StepTimer(Callback):
         return self.peak
 
 
+class ProfileWindow:
+    """torch.profiler over one step of the Trainer's or the bare loop (treadle's own: ``[profile]``), before the
+    timed steps, its Chrome trace written to ``<out>/profile/trace.json`` (bench/trace_summary.py reads it)."""
+
+    def __init__(self, step: int | None, out: str):
+        self.step, self.out, self.prof = step, Path(out) / "profile", None
+
+    def begin(self, step: int) -> None:
+        if step == self.step:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=activities)
+            self.prof.__enter__()
+
+    def end(self, step: int) -> None:
+        if self.prof is not None and step == self.step:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.prof.export_chrome_trace(str(self.out / "trace.json"))
+            self.prof = None
+
+
 # --------------------------------------------------------------------------- the other loops' data and model
 
 
@@ -174,8 +199,14 @@ def hf_loop(args, device: torch.device) -> None:
     settings = f"transformers {transformers.__version__}, bf16=True, torch_compile={compiled}, adamw_torch_fused, " \
                f"attention {model.config._attn_implementation}"
 
+    window = ProfileWindow(args.profile_step, args.out)
+
     class Mark(TrainerCallback):
+        def on_step_begin(self, targs, state, control, **kwargs):
+            window.begin(state.global_step + 1)
+
         def on_step_end(self, targs, state, control, **kwargs):
+            window.end(state.global_step)
             timer.step_end(state.global_step, model, args.seq, settings=settings)
 
     targs = TrainingArguments(output_dir=args.out, max_steps=args.steps,
@@ -204,7 +235,9 @@ def bare_loop(args, device: torch.device) -> None:
                f"{model.config._attn_implementation}"
     batches = [{k: torch.stack([data[s * args.batch + j][k] for j in range(args.batch)]) for k in data[0]}
                for s in range(args.steps)]  # read before the clock: the loop is measured, not the disk
+    window = ProfileWindow(args.profile_step, args.out)
     for step, batch in enumerate(batches, 1):
+        window.begin(step)
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
@@ -213,6 +246,7 @@ def bare_loop(args, device: torch.device) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        window.end(step)
         timer.step_end(step, model, args.seq, settings=settings)
 
 
@@ -225,6 +259,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, required=True)
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--steps", type=int, required=True, help=f"steps run; the last {TIMED} are timed")
+    p.add_argument("--profile-step", type=int, help="profile this step (before the timed ones): <out>/profile/")
     p.add_argument("--out", required=True, help=f"the loop's directory: {RESULT} goes there")
     return p
 
