@@ -113,8 +113,10 @@ def test_auto_keeps_the_dense_mask_where_it_is_fastest_or_the_only_way():
     assert attention.resolve("auto", config, cpu, attention.CPU_DENSE_UP_TO)[0] == "dense"
     assert attention.resolve("auto", config, cpu, attention.CPU_DENSE_UP_TO + 1)[0] == "varlen"
     assert attention.resolve("auto", config, cuda, 256)[0] == "dense"  # measured faster at 2k on an H200
-    assert attention.resolve("auto", config, cuda, attention.CUDA_DENSE_UP_TO)[0] == "dense"
-    assert attention.resolve("auto", config, cuda, attention.CUDA_DENSE_UP_TO + 1)[0] == "varlen"
+    assert attention.resolve("auto", config, cuda, 2048)[0] == "dense"  # the Trainer's speed at 2k (fourth GPU run)
+    assert attention.resolve("auto", config, cuda, attention.CUDA_FLEX_FROM - 1)[0] == "dense"
+    assert attention.resolve("auto", config, cuda, attention.CUDA_FLEX_FROM)[0] == "flex"  # 1.26x dense at 8k
+    assert attention.resolve("auto", config, cuda, 32768)[0] == "flex"  # varlen measured 0.21x dense: never on CUDA
     choice, why = attention.resolve("auto", config, cuda, 4096, context_parallel=2)
     assert choice == "dense" and "context parallelism" in why
     with pytest.raises(UserError, match="'flex' needs CUDA"):

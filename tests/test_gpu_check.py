@@ -126,3 +126,25 @@ def test_the_loops_mfu_is_against_the_bf16_peak(monkeypatch):
     monkeypatch.setattr(flops, "peak_tflops", lambda device, dtype, configured: asked.append(dtype) or 1.0)
     gpu_loops.utilization(model, 64, 1000.0, None)
     assert asked == ["bf16"]
+
+
+def test_trace_summary_counts_busy_and_idle_time_over_overlapping_streams(tmp_path):
+    # Kernels on two streams overlap (0-10 and 5-12 ms): busy is their union (12 ms), not their sum; the holes after
+    # them (12-15, 20-30) are the idle time the host left; the ranking sums each kernel's calls.
+    import gzip
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import trace_summary
+
+    spans = [("gemm", 0, 10_000), ("softmax", 5_000, 7_000), ("gemm", 15_000, 5_000), ("copy", 30_000, 1_000)]
+    events = [{"ph": "X", "cat": "kernel", "name": n, "ts": ts, "dur": d} for n, ts, d in spans]
+    events.append({"ph": "X", "cat": "cpu_op", "name": "ProfilerStep#12", "ts": -500, "dur": 32_000})
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = trace_summary.summary(trace_summary.load(path), top=2)
+    assert (got["busy_ms"], got["idle_ms"], got["gaps"], got["span_ms"]) == (18.0, 13.0, 2, 31.0)
+    assert got["host_span_ms"] == 32.0 and got["longest_gaps_ms"] == [10.0, 3.0]
+    assert got["top"] == [("gemm", 15.0, 2), ("softmax", 7.0, 1)]
+    table = trace_summary.markdown({"a": got, "b": {"error": "no kernel events"}}, top=2)
+    assert "| GPU idle between kernels (ms) | 13.0 | - |" in table and "b: no kernel events" in table

@@ -154,7 +154,7 @@ class ModelConfig(Section):
     attention: Literal["auto", "dense", "varlen", "flex"] = Field(
         "auto", description="how a packed row's documents are kept apart: dense = transformers' [T, T] mask; varlen = "
         "each document by itself (CUDA: torch's flash varlen; CPU: sdpa per document, memory linear in the row); "
-        "flex = FlexAttention with a document BlockMask (CUDA); auto = varlen on rows over 16384 tokens on CUDA and "
+        "flex = FlexAttention with a document BlockMask (CUDA); auto = flex on rows of 8192 tokens or more on CUDA, varlen "
         "over 2048 on CPU, else dense (models/attention.py)")
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none", description="recompute activations in backward, per decoder layer: full (keep only each layer's input) "

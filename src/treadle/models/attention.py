@@ -48,12 +48,12 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash's; an fp32 CUDA run att
 # Below this many tokens a CPU row attends through the dense mask: the mask is small, and one masked call beats a
 # call per document (bench/attention.py measures the crossing).
 CPU_DENSE_UP_TO = 2048
-# The same on CUDA, where rows up to this length keep sdpa's dense mask. Measured on an H200 (torch 2.11, 1.1B Llama,
-# 8 x 2048 packed rows, bf16): dense 48.4k tokens/s, varlen_attn 14-27k (docs/benchmarks.md, third GPU run). Dense
-# computes every masked-out score, a share of the step that grows with the row (at 16k about as much as the rest of
-# a 1.1B's step), so varlen takes over for long rows, where the mask alone is rows x 1 GiB at 32k. Not yet measured
-# between 2k and 32k: bench/gpu.py's attention rows (8k, 32k) are the check.
-CUDA_DENSE_UP_TO = 16384
+# On CUDA, rows shorter than this keep sdpa's dense mask (which cuDNN's flash kernel takes on Hopper); from it on
+# FlexAttention's document BlockMask skips the masked blocks. Measured on an H200 (torch 2.11, bf16, the 1.1B Llama's
+# width, docs/benchmarks.md, fourth GPU run): at 2,048 tokens the dense model ran at the HF Trainer's speed (47.3k vs
+# 48.2k tokens/s, 8 rows); at 8,192 flex ran 1.26x dense and varlen_attn 0.21x dense (so auto never picks varlen on
+# CUDA). 32k did not come back; the mask alone is 1 GiB per row there, flex's memory is linear in the row.
+CUDA_FLEX_FROM = 8192
 
 
 @dataclass(frozen=True)
@@ -258,9 +258,11 @@ def resolve(choice: str, config, device: torch.device, seq_len: int, context_par
             return "dense", why_not
         cuda = device.type == "cuda"
         where = "CUDA" if cuda else "CPU"
-        if seq_len > (CUDA_DENSE_UP_TO if cuda else CPU_DENSE_UP_TO):
-            how = "flash over each document (varlen_attn)" if cuda else "each document by itself"
-            return "varlen", f"rows of {seq_len} tokens on {where}: {how}, no mask, memory linear in the row"
+        if cuda and seq_len >= CUDA_FLEX_FROM:
+            return "flex", (f"rows of {seq_len} tokens on CUDA: FlexAttention skips the masked blocks (measured 1.26x "
+                            f"the dense mask at {CUDA_FLEX_FROM} on an H200), memory linear in the row")
+        if not cuda and seq_len > CPU_DENSE_UP_TO:
+            return "varlen", f"rows of {seq_len} tokens on CPU: each document by itself, no mask, memory linear in the row"
         return "dense", f"rows of {seq_len} tokens on {where}: one masked call is faster than one call per document"
     if choice != "dense" and why_not:
         raise UserError(f"model.attention = {choice!r} cannot run this model: {why_not}; accepted: 'dense' or 'auto'")
