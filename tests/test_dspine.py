@@ -99,3 +99,51 @@ def test_dspine_sampled_verification_has_the_targets_distribution():
     stat, dof = chi_square(counts, dist, RUNS)
     assert stat < critical(dof), (stat, dof)
     assert total_variation(counts, dist, RUNS) < 2 * sampling_noise_tv(dist, RUNS)
+
+
+def test_dspine_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_target_dir, tmp_path, capsys):
+    """Exact resume; the export is SpecForge's DSpineDraftModel layout (its names, dspine_config, transfer_ready, no
+    auto_map); the same directory without treadle's keys (a draft trained elsewhere) is a draft.init whose first
+    evaluation is the run's last; spec-eval decodes the export losslessly and sampled."""
+    from safetensors.torch import save_file
+
+    target_dir = eagle3_target_dir
+    a, b, c = (tmp_path / n for n in "abc")
+    common = ("--optim.lr=1e-2", "--draft.anchors=4")
+    assert main(draft_args(shards, target_dir, a, "--train.max_steps=4", "--checkpoint.every=2", *BLOCK,
+                           *common)) == 0
+    assert main(draft_args(shards, target_dir, b, "--train.max_steps=4", *BLOCK, *common,
+                           f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 0
+    la, lb = records(a), records(b)
+    assert [la[s] for s in (3, 4)] == [lb[s] for s in (3, 4)]
+    assert records(a, "refinement") and records(a, "alignment") and records(a, "eal")
+    wa, wb = load_file(a / "draft" / "model.safetensors"), load_file(b / "draft" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
+    config = json.loads((a / "draft" / "config.json").read_text())
+    assert config["architectures"] == ["DSpineDraftModel"] and "auto_map" not in config
+    dc = config["dspine_config"]
+    rank, message, d = dc["transfer_rank"], dc["message_size"], config["hidden_size"]
+    assert dc["top_k"] == 4 and config["dflash_config"]["block_size"] == 6
+    shapes = {"injection.message.weight": [message, rank], "injection.receiver_gate.weight": [message, rank],
+              "injection.predecessor_gate.weight": [message, rank], "injection.bias": [message],
+              "transfer_codes": [config["vocab_size"], rank], "transfer_ready": [],
+              **{f"injection.readouts.{i}.weight": [rank, d] for i in range(2)},
+              **{f"injection.writes.{i}.weight": [d, message] for i in range(2)}}
+    assert {n: list(wa[n].shape) for n in shapes} == shapes and bool(wa["transfer_ready"])
+    assert {n for n in wa if not n.startswith(("layers.", "fc.", "hidden_norm.", "norm."))} == shapes.keys()
+    # Trained elsewhere: SpecForge's save_pretrained writes no treadle keys.
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    ours = ("treadle_draft_kind", "target", "target_config", "training")
+    (foreign / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in ours}))
+    save_file(wa, foreign / "model.safetensors")
+    assert main(draft_args(shards, target_dir, c, "--train.max_steps=2", *BLOCK, *common,
+                           f"--draft.init={foreign}")) == 0
+    assert records(c, "eval_loss")[0] == pytest.approx(records(a, "eval_loss")[4], rel=1e-5)
+    out = tmp_path / "spec.json"
+    capsys.readouterr()
+    for extra in ((), ("--temperature", "1")):
+        assert main(["spec-eval", "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma",
+                     "5", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out), *extra]) == 0
+        got = json.loads(out.read_text())
+        assert got["drafter"] == "dspine" and got["lossless"] is (None if extra else True), got

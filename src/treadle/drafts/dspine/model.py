@@ -197,7 +197,7 @@ def _backbone_terms(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.T
     logp = F.log_softmax(logits, -1)
     with torch.no_grad():
         teacher_logp = F.log_softmax(teacher, -1)
-    ce = F.nll_loss(logp, labels.clamp_min(0), reduction="none")
+    ce = -logp.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
     l1 = (logp.exp() - teacher_logp.exp()).abs().sum(-1)
     ids = logits.detach().topk(k, dim=-1).indices
     return ce, l1, ids, teacher_logp.gather(-1, ids)
