@@ -49,9 +49,30 @@ def test_the_transfer_space_is_whitened_unit_codes_of_the_head():
                           dtype=torch.float64), atol=1e-8)
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_dspine_sampled_verification_has_the_targets_distribution():
+    """tests/test_spec_sampling.py's chi-square test with a DSpine drafter (block 3, 2 candidates per slot)."""
+    from tests import test_spec_sampling as ss
+
+    target = ss.tiny(0)
+    torch.manual_seed(1)
+    model = DSpineModel(target, DSpineDraft(target.config, (1,), 1, 3, 3, 2)).eval()
+    model.draft_model.init_transfer(target.get_output_embeddings().weight)
+    for name, p in model.draft_model.named_parameters():
+        if p.dim() >= 2 or "bias" in name:
+            torch.nn.init.normal_(p, std=1.0)
+    sampler = Sampler(1.0, 1.0, torch.Generator().manual_seed(0))
+    exact = ss.exact_distribution(target, sampler)
+    counts = ss.speculative_counts(target, DSpineDrafter(model), sampler, ss.RUNS, gamma=2)
+    stat, dof = ss.chi_square(counts, exact, ss.RUNS)
+    assert stat < ss.critical(dof) and ss.total_variation(counts, exact, ss.RUNS) < 2 * ss.sampling_noise_tv(exact,
+                                                                                                             ss.RUNS)
+
+
 def test_the_drafters_walk_is_the_training_forwards_and_the_injection_matters():
     """float64: the drafter's greedy proposal from the bonus equals tau_sim's guesses (slot_guesses: each slot after
-    the text's token before it) on the text it proposed, and the injection changes the block's states."""
+    the text's token before it) on the text it proposed, the injection changes the block's states, and greedy
+    speculative decoding is lossless."""
     model = dspine().double()
     target = model.target
     prompt = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
@@ -70,35 +91,11 @@ def test_the_drafters_walk_is_the_training_forwards_and_the_injection_matters():
         for w in model.draft_model.injection.writes:
             w.weight.zero_()
     assert not torch.allclose(hidden, drafter.block_hidden(prompt))
-
-
-def test_dspine_speculative_decoding_is_lossless():
-    model = dspine()
-    prompt, _ = assert_greedy_lossless(model, DSpineDrafter)
+    # greedy decoding is the target's own continuation at every gamma; gamma = block_size is refused
+    lossless = dspine()
+    start, _ = assert_greedy_lossless(lossless, DSpineDrafter)
     with pytest.raises(ValueError, match="block_size - 1 = 5"):
-        speculative_generate(model.target, DSpineDrafter(model), prompt, gamma=6, max_new_tokens=8)
-
-
-@pytest.mark.usefixtures("one_thread")
-def test_dspine_sampled_verification_has_the_targets_distribution():
-    """tests/test_spec_sampling.py's chi-square test with a DSpine drafter (block 3, 2 candidates per slot)."""
-    from tests.test_spec_sampling import (
-        RUNS, chi_square, critical, exact_distribution, sampling_noise_tv, speculative_counts, tiny, total_variation,
-    )
-
-    target = tiny(0)
-    torch.manual_seed(1)
-    model = DSpineModel(target, DSpineDraft(target.config, (1,), 1, 3, 3, 2)).eval()
-    model.draft_model.init_transfer(target.get_output_embeddings().weight)
-    for name, p in model.draft_model.named_parameters():
-        if p.dim() >= 2 or "bias" in name:
-            torch.nn.init.normal_(p, std=1.0)
-    sampler = Sampler(1.0, 1.0, torch.Generator().manual_seed(0))
-    dist = exact_distribution(target, sampler)
-    counts = speculative_counts(target, DSpineDrafter(model), sampler, RUNS, gamma=2)
-    stat, dof = chi_square(counts, dist, RUNS)
-    assert stat < critical(dof), (stat, dof)
-    assert total_variation(counts, dist, RUNS) < 2 * sampling_noise_tv(dist, RUNS)
+        speculative_generate(lossless.target, DSpineDrafter(lossless), start, gamma=6, max_new_tokens=8)
 
 
 def test_dspine_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_target_dir, tmp_path, capsys):
@@ -142,8 +139,9 @@ def test_dspine_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_ta
     assert records(c, "eval_loss")[0] == pytest.approx(records(a, "eval_loss")[4], rel=1e-5)
     out = tmp_path / "spec.json"
     capsys.readouterr()
-    for extra in ((), ("--temperature", "1")):
-        assert main(["spec-eval", "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma",
-                     "5", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out), *extra]) == 0
-        got = json.loads(out.read_text())
-        assert got["drafter"] == "dspine" and got["lossless"] is (None if extra else True), got
+    for temperature, lossless in (("0", True), ("1", None)):  # greedy: checked against the target's own decode
+        args = ["spec-eval", "--target", str(target_dir), "--draft", str(a), "--gamma", "5", "--temperature",
+                temperature, "--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]
+        assert main(args) == 0
+        report = json.loads(out.read_text())
+        assert (report["drafter"], report["lossless"]) == ("dspine", lossless), report
