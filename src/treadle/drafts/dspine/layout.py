@@ -1,7 +1,7 @@
 """The DSpine draft on disk: SpecForge's ``DSpineDraftModel`` layout (sgl-project/SpecForge
 ``specforge/modeling/draft/dspine.py`` @9aafadfceaeb728209d4b4c6bda221f2c1fed70f, a ``DFlashDraftModel`` subclass
-saved with ``save_pretrained``; ``specforge/algorithms/dspine/providers.py`` and the reference-checkpoint converter
-(its script packaging a reference checkpoint) read and write the same names). Tencent/DSpine's README says vLLM serves it since November
+saved with ``save_pretrained``; ``specforge/algorithms/dspine/providers.py`` and SpecForge's script packaging a
+reference checkpoint read and write the same names). Tencent/DSpine's README says vLLM serves it since November
 2026; vLLM's loader was not readable here, so the names are SpecForge's.
 
 z-lab's DFlash layout (drafts/dflash/layout.py: the Qwen3 config, ``dflash_config.{target_layer_ids, mask_token_id,
