@@ -99,7 +99,8 @@ class DraftConfig(Section):
                                           "over the candidates, added to each slot's loss; unset = 1")
     # lilicorr (its backbone reads the dflash keys above too)
     candidates: int | None = Field(None, ge=1, description="lilicorr: the backbone's top-k candidates per slot the "
-                                   "correlator reranks (a power of two <= 16, what vLLM serves); unset = 8")
+                                   "correlator reranks (a power of two <= 16, what vLLM serves); unset = 8. dspine: "
+                                   "the top-k its predecessor-conditioned walk reranks; unset = 16")
     correlator_layers: int | None = Field(None, ge=1, le=16, description="lilicorr: the correlator's attention "
                                           "layers over the candidate lattice; unset = 2")
     train_backbone: bool | None = Field(None, description="lilicorr: false = only the correlator trains, on the "

@@ -8,6 +8,7 @@ from __future__ import annotations
 from treadle.drafts.dflash.kind import DFLASH
 from treadle.drafts.dflash2.kind import DFLASH2
 from treadle.drafts.dspark.kind import DSPARK
+from treadle.drafts.dspine.kind import DSPINE
 from treadle.drafts.eagle3.kind import EAGLE3
 from treadle.drafts.frozen_kv.kind import FROZEN_KV
 from treadle.drafts.glide.kind import GLIDE
@@ -17,7 +18,7 @@ from treadle.drafts.mtp.kind import MTP
 from treadle.errors import UserError
 
 # drafts/settings.py's order (tests/test_drafts.py)
-KINDS: dict[str, DraftKind] = {k.name: k for k in (GLIDE, EAGLE3, DFLASH, MTP, FROZEN_KV, DSPARK, DFLASH2, LILICORR)}
+KINDS: dict[str, DraftKind] = {k.name: k for k in (GLIDE, EAGLE3, DFLASH, MTP, FROZEN_KV, DSPARK, DFLASH2, LILICORR, DSPINE)}
 
 # The order read_draft_config asks the kinds' readers in: the first config found wins. GLIDE's is treadle's generic
 # reader (glide/model.py): it takes every treadle export by the treadle_draft_kind it records, so a reader after it

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from treadle.drafts.dflash import settings as dflash
 from treadle.drafts.dspark import settings as dspark
+from treadle.drafts.dspine import settings as dspine
 from treadle.drafts.dflash2 import settings as dflash2
 from treadle.drafts.eagle3 import settings as eagle3
 from treadle.drafts.frozen_kv import settings as frozen_kv
@@ -24,7 +25,7 @@ from treadle.drafts.glide import settings as glide
 from treadle.drafts.lilicorr import settings as lilicorr
 from treadle.drafts.mtp import settings as mtp
 
-KINDS = {k.NAME: k for k in (glide, eagle3, dflash, mtp, frozen_kv, dspark, dflash2, lilicorr)}
+KINDS = {k.NAME: k for k in (glide, eagle3, dflash, mtp, frozen_kv, dspark, dflash2, lilicorr, dspine)}
 NAMES = tuple(KINDS)  # draft.kind's accepted values, in this order (what configuration.md and errors list)
 # Unset unless a kind reads them; checked in this order.
 OPTIONAL_KEYS = ("feature_layers", "vocab_size", "init", "ttt_steps", "block_size", "num_layers", "anchors",

@@ -70,7 +70,8 @@ class DFlashDrafter:
         tokens[0, 0] = context_ids[0, -1]
         embeds = model.target.get_input_embeddings()(tokens)
         positions = torch.arange(anchor, anchor + self.block_size, device=embeds.device)[None]
-        hidden = draft(embeds, model.rotary(embeds, positions), self.kv, self.block_mask(anchor, embeds.device))
+        mask = self.block_mask(anchor, embeds.device)
+        hidden = model.draft_blocks(embeds, model.rotary(embeds, positions), self.kv, mask, tokens[None])
         self.forwards += 1
         return hidden
 

@@ -358,8 +358,14 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
         block_pos = (position_ids.gather(1, anchors)[..., None] + torch.arange(bs, device=anchors.device)).flatten(1)
         context = draft.fuse(features)
         kv = draft.context_kv(context, self.rotary(context, position_ids))
-        hidden = draft(embeds, self.rotary(embeds, block_pos), kv, self._block_rule(doc, anchors))
+        hidden = self.draft_blocks(embeds, self.rotary(embeds, block_pos), kv, self._block_rule(doc, anchors), tokens)
         return hidden.view(B, N, bs, -1)
+
+    def draft_blocks(self, embeds: torch.Tensor, rope, kv: list[tuple], mask, tokens: torch.Tensor) -> torch.Tensor:
+        """The draft's forward over blocks of ``tokens`` [B, N, block_size] (``embeds`` their rows [B, Q, d]): the
+        final hidden states [B, Q, d]. A draft that reads the block's tokens themselves (DSpine's anchor code)
+        overrides it; the drafter's one block goes through here too."""
+        return self.draft_model(embeds, rope, kv, mask)
 
     def _block_rule(self, doc: torch.Tensor, anchors: torch.Tensor) -> Rule:
         """Which keys the blocks' rows read (``block_rule``); a draft that sees less context overrides it."""
