@@ -349,7 +349,7 @@ def test_draft_init_imports_deepspec_and_speculators_drafts_and_refuses_the_othe
                                                             "num_key_value_heads", "head_dim", "intermediate_size",
                                                             "rms_norm_eps", "vocab_size", "rope_theta")}
     speculators = {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
-                   "transformer_layer_config": nested, "aux_hidden_state_layer_ids": [0, 2], "block_size": 5,
+                   "transformer_layer_config": nested, "aux_hidden_state_layer_ids": [1, 3], "block_size": 5,
                    "mask_token_id": 511, "markov_rank": 8, "sample_from_anchor": True,
                    "enable_confidence_head": True, "confidence_head_with_markov": True}
     for i, cfg in enumerate((deepspec, speculators)):

@@ -17,6 +17,8 @@ class Mtp(DraftKind):
     settings = settings
     read_config = staticmethod(layout.read_config)
     carried_by_model = True  # MTP pretraining's model export is the checkpoint with its trained layer
+    speculators_missing = ("treadle does not write speculators' MTPDraftModel layout (mtp_layers.0.input_proj, "
+                           "token_/hidden_/final_layernorm); the layer is served from the model's checkpoint")
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_mtp(cfg, data_vocab, data_tokenizer_fingerprint, empty)
