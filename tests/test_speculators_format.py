@@ -98,7 +98,7 @@ def test_a_kind_without_a_speculators_layout_or_a_name_mismatch_is_refused_befor
     from treadle.drafts import speculators_format
     from treadle.drafts.registry import speculators_table
 
-    with pytest.raises(UserError, match=r"draft.kind = 'glide' has no speculators layout; accepted: .*'eagle3'"):
+    with pytest.raises(UserError, match=r"draft.kind = 'glide' has no speculators layout \(.*\); accepted: .*'eagle3'"):
         speculators_table(KINDS["glide"])
     weights = {k[len("draft_model."):]: v for k, v in model.state_dict().items() if k.startswith("draft_model.")}
     weights.pop("fc.weight")
