@@ -82,6 +82,19 @@ SPECULATORS_KEYS = ("speculators_model_type", "speculators_version", "speculator
                     "sliding_window_non_causal", "sample_from_anchor", "target_hidden_size", "architectures")
 
 
+def full_layer_config(layer: dict) -> dict:
+    """``transformer_layer_config`` with the keys speculators leaves out filled in: it saves the config's difference
+    from its class's defaults (``to_diff_dict``), so a missing key is that default (a 28-layer Qwen3 draft states no
+    ``num_hidden_layers``); built as speculators builds it, the class of its ``model_type`` (Qwen3Config without one)."""
+    from transformers import AutoConfig
+
+    try:
+        kwargs = {k: v for k, v in layer.items() if k != "model_type"}
+        return AutoConfig.for_model(layer.get("model_type", "qwen3"), **kwargs).to_dict()
+    except (ValueError, TypeError):
+        return dict(layer)  # a model_type transformers does not know: the layout's checks name what is missing
+
+
 def logit_transform_refusal(draft, target_config) -> str | None:
     """Why a block draft for ``target_config`` has no speculators form: speculators' DFlash family scores the
     verifier's head as it is, and treadle's drafts apply the target's logit transform (soft-cap, scale) to it."""
@@ -145,7 +158,7 @@ class BlockTable:
     def as_layout(self, config: dict, where) -> dict:
         """The engine-layout config.json (the kind's layout module reads it) a speculators-format one states; its
         tensors read as they are. A variant treadle's draft does not compute is refused in one line."""
-        layer = dict(config.get("transformer_layer_config") or {})
+        layer = full_layer_config(config.get("transformer_layer_config") or {})
         anchor = config.get("sample_from_anchor", self.sample_from_anchor)
         if anchor != self.sample_from_anchor:
             raise UserError(f"draft {where}: config.json sample_from_anchor = {anchor!r}; accepted: "
