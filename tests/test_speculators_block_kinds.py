@@ -129,6 +129,12 @@ def test_variants_treadle_does_not_compute_are_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="no candidate selector.*nothing was written"):
         _export_model(tmp_path, headless, "dflash2")
     assert not (tmp_path / "dflash2-headless").exists()
+    from transformers import Gemma2Config
+
+    from treadle.drafts.speculators_format import logit_transform_refusal
+
+    assert "softcap" in logit_transform_refusal(None, Gemma2Config(final_logit_softcapping=30.0))
+    assert logit_transform_refusal(None, model.target.config) is None
     with pytest.raises(UserError, match=r"draft.kind = 'glide' has no speculators layout \(speculators 0.9.0 "):
         registry.speculators_table(registry.kind("glide"))
     with pytest.raises(UserError, match=r"'mtp' has no speculators layout \(treadle does not write"):

@@ -1,6 +1,6 @@
 """The speculators format (vllm-project/speculators, vLLM's draft library): what ``treadle export --to speculators``
-writes and ``draft.init`` reads, for the kinds that carry a ``speculators`` table (``DraftKind.speculators``, e.g.
-drafts/eagle3/speculators.py).
+writes and ``draft.init`` reads, for the kinds that carry a ``speculators`` table (``DraftKind.speculators``:
+drafts/eagle3/speculators.py; the DFlash family's ``BlockTable`` below, one per kind in drafts/<kind>/speculators.py).
 
 Read for this: the speculators 0.9.0 wheel (PyPI, built 2026-10-15): ``speculators/config.py``
 (``SpeculatorModelConfig``: ``speculators_model_type`` picks the model class, ``speculators_version``,
