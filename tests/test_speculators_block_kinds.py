@@ -137,8 +137,8 @@ def test_variants_treadle_does_not_compute_are_refused_in_one_line(tmp_path):
     assert logit_transform_refusal(None, model.target.config) is None
     with pytest.raises(UserError, match=r"draft.kind = 'glide' has no speculators layout \(speculators 0.9.0 "):
         registry.speculators_table(registry.kind("glide"))
-    with pytest.raises(UserError, match=r"'mtp' has no speculators layout \(treadle does not write"):
-        registry.speculators_table(registry.kind("mtp"))
+    with pytest.raises(UserError, match=r"'lilicorr' has no speculators layout \(speculators 0.9.0 "):
+        registry.speculators_table(registry.kind("lilicorr"))
 
 
 def _export_model(tmp_path, model, kind):
