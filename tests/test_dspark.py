@@ -349,7 +349,7 @@ def test_draft_init_imports_deepspec_and_speculators_drafts_and_refuses_the_othe
                                                             "num_key_value_heads", "head_dim", "intermediate_size",
                                                             "rms_norm_eps", "vocab_size", "rope_theta")}
     speculators = {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
-                   "transformer_layer_config": nested, "aux_hidden_state_layer_ids": [0, 2], "block_size": 5,
+                   "transformer_layer_config": nested, "aux_hidden_state_layer_ids": [1, 3], "block_size": 5,
                    "mask_token_id": 511, "markov_rank": 8, "sample_from_anchor": True,
                    "enable_confidence_head": True, "confidence_head_with_markov": True}
     for i, cfg in enumerate((deepspec, speculators)):
@@ -401,6 +401,10 @@ def test_dspark_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_ta
     assert main(["export", str(a), str(tmp_path / "again")]) == 0
     again = load_file(tmp_path / "again" / "model.safetensors")
     assert again.keys() == wa.keys() and all(torch.equal(again[k], wa[k]) for k in wa)
+    spec = tmp_path / "speculators"  # the speculators format (tests/test_speculators_block_kinds.py), same tensors
+    assert main(["export", str(a), "--to", "speculators", str(spec)]) == 0
+    assert json.loads((spec / "config.json").read_text())["speculators_model_type"] == "dspark"
+    assert all(torch.equal(t, wa[k]) for k, t in load_file(spec / "model.safetensors").items())
     c = tmp_path / "c"
     assert main(draft_args(shards, target_dir, c, "--train.max_steps=2", *common, f"--draft.init={a}")) == 0
     assert records(c, "eval_loss")[0] == pytest.approx(records(a, "eval_loss")[6], rel=1e-5)
@@ -418,5 +422,7 @@ def test_dspark_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_ta
     assert json.loads(out.read_text())["lossless"] is True
     assert main([*base, "--temperature", "1"]) == 0
     assert json.loads(out.read_text())["lossless"] is None
+    assert main([*base[:4], str(spec), *base[5:]]) == 0  # spec-eval reads the speculators export as the same draft
+    assert json.loads(out.read_text())["lossless"] is True and json.loads(out.read_text())["tau"] == got["tau"]
     assert main(["spec-eval", "--target", str(target_dir), "--draft", "prompt-lookup", "--num-prompts", "1",
                  "--confidence-threshold", "0.5"]) == 2

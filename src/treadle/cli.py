@@ -288,7 +288,8 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
     export.add_argument("source", help="run directory or checkpoint directory")
     export.add_argument("--to", choices=["auto", "hf", "draft", "speculators"], default="auto",
                         help="auto: what the checkpoint was trained as; hf: a model run; draft: a draft run's draft; "
-                             "speculators: a draft run's draft in the speculators format (eagle3)")
+                             "speculators: a draft run's draft in the speculators format (the kinds it defines: "
+                             "eagle3, dflash, dflash2, dspark, mtp ...)")
     export.add_argument("out", help="output directory")
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                         help="dtype of the floating-point weights written, recorded in config.json (default: fp32, "

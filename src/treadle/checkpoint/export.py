@@ -160,7 +160,7 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
     with atomic_directory(out, command) as tmp:
         tmp.mkdir()
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if extra:
+        if extra and to != "speculators":  # the kind's extra files are its engine layout's (dflash.py, stitched/)
             kind.write_extra(tmp, weights, config, Path(target_dir))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         if (Path(target_dir) / "tokenizer.json").is_file():  # the draft decodes with its target's tokenizer

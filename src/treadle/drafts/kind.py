@@ -12,15 +12,19 @@ from pathlib import Path
 from types import ModuleType
 
 
-def layout_config(draft_dir, is_layout, kind: str) -> dict | None:
+def layout_config(draft_dir, is_layout, kind: str, speculators: ModuleType | None = None) -> dict | None:
     """The config.json of a draft in a kind's consumer layout (``is_layout(config)``), with ``treadle_draft_kind``
-    added to one written elsewhere; None when ``draft_dir`` holds no such config."""
+    added to one written elsewhere; None when ``draft_dir`` holds no such config. ``speculators``: the kind's
+    speculators table (drafts/speculators_format.py), whose ``as_layout`` states a speculators-format config in the
+    kind's layout first."""
     import json
 
     try:
         config = json.loads((Path(draft_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    if isinstance(config, dict) and speculators is not None and speculators.is_layout(config):
+        config = speculators.as_layout(config, draft_dir)
     if not isinstance(config, dict) or not is_layout(config):
         return None
     config.setdefault("treadle_draft_kind", kind)
@@ -44,6 +48,8 @@ class DraftKind:
     carried_by_model = False
     # Its table in the speculators format (drafts/speculators_format.py): export, is_layout, as_<layout>; None: none.
     speculators: ModuleType | None = None
+    # Without one: what is missing, as ``treadle export --to speculators`` refuses the kind.
+    speculators_missing = "speculators 0.9.0 defines no model of this kind"
 
     @property
     def name(self) -> str:

@@ -83,6 +83,7 @@ def speculators_table(found: DraftKind):
     line for a kind speculators does not load."""
     if found.speculators is None:
         accepted = [k.name for k in KINDS.values() if k.speculators is not None]
-        raise UserError(f"treadle export --to speculators: draft.kind = {found.name!r} has no speculators layout; "
-                        f"accepted: a draft of kind {', '.join(map(repr, accepted))} (or --to draft, its own layout)")
+        raise UserError(f"treadle export --to speculators: draft.kind = {found.name!r} has no speculators layout "
+                        f"({found.speculators_missing}); accepted: a draft of kind "
+                        f"{', '.join(map(repr, accepted))} (or --to draft, its own layout)")
     return found.speculators

@@ -7,6 +7,7 @@ from pathlib import Path
 from treadle.drafts.dflash import settings
 from treadle.drafts.dflash.drafter import DFlashDrafter
 from treadle.drafts.dflash import layout as dflash_layout
+from treadle.drafts.dflash import speculators as dflash_speculators
 from treadle.drafts.dflash.model import DFlashModel, build_dflash, load_dflash
 from treadle.drafts.dflash.objective import DFlashObjective, dflash_setup
 from treadle.drafts.kind import DraftKind
@@ -21,6 +22,7 @@ class DFlash(DraftKind):
     objective_class = DFlashObjective
     drafter_class = DFlashDrafter
     layout = dflash_layout  # whose ``export`` writes the consumers' layout
+    speculators = dflash_speculators  # `treadle export --to speculators`, draft.init of that format
 
     def read_config(self, draft_dir) -> dict | None:
         return self.layout.read_config(draft_dir)

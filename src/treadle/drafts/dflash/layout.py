@@ -81,7 +81,9 @@ def is_layout(config: dict) -> bool:
 def read_config(draft_dir) -> dict | None:
     """The config.json of a DFlash draft in this layout (``treadle_draft_kind`` added to one trained elsewhere), or
     None if ``draft_dir`` holds none."""
-    return layout_config(draft_dir, is_layout, "dflash")
+    from treadle.drafts.dflash import speculators  # a speculators-format draft (its table), read as this layout
+
+    return layout_config(draft_dir, is_layout, "dflash", speculators)
 
 
 def to_zlab(layers) -> list[int]:

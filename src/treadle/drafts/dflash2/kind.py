@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from treadle.drafts.dflash2 import layout, settings
+from treadle.drafts.dflash2 import layout, settings, speculators
 from treadle.drafts.dflash2.drafter import DFlash2Drafter
 from treadle.drafts.dflash2.model import build_dflash2, load_dflash2
 from treadle.drafts.dflash2.objective import dflash2_setup
@@ -12,6 +12,7 @@ from treadle.drafts.kind import DraftKind
 class DFlash2(DraftKind):
     settings = settings
     read_config = staticmethod(layout.read_config)
+    speculators = speculators  # `treadle export --to speculators`, draft.init of that format
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_dflash2(cfg, data_vocab, data_tokenizer_fingerprint, empty)

@@ -52,7 +52,9 @@ def is_layout(config: dict) -> bool:
 def read_config(draft_dir) -> dict | None:
     """The config.json of a DFlash2 draft in this layout (``treadle_draft_kind`` added to one trained elsewhere), or
     None."""
-    return layout_config(draft_dir, is_layout, "dflash2")
+    from treadle.drafts.dflash2 import speculators  # a speculators-format draft (its table), read as this layout
+
+    return layout_config(draft_dir, is_layout, "dflash2", speculators)
 
 
 def logit_keys(target_config) -> dict:

@@ -8,6 +8,7 @@ from pathlib import Path
 from treadle.drafts.dflash.kind import DFlash
 from treadle.drafts.dspark import layout as dspark_layout
 from treadle.drafts.dspark import settings
+from treadle.drafts.dspark import speculators as dspark_speculators
 from treadle.drafts.dspark.drafter import DSparkDrafter
 from treadle.drafts.dspark.build import build_dspark, load_dspark
 from treadle.drafts.dspark.model import DSparkModel
@@ -25,6 +26,7 @@ class DSpark(DFlash):
     # Always the Qwen3DSparkModel layout vLLM and SGLang load (dspark/layout.py): no embedding, head or d2t; stages
     # a target shipped (dspark/v4.py) are exported under the checkpoint's own names instead
     layout = dspark_layout
+    speculators = dspark_speculators  # `treadle export --to speculators`, draft.init of that format
     confidence_head = True  # --confidence-threshold: the engines' early stop (drafter.py)
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):

@@ -78,7 +78,9 @@ def is_layout(config: dict) -> bool:
 
 def read_config(draft_dir) -> dict | None:
     """config.json of a DSpark draft (``treadle_draft_kind`` added to one written elsewhere), or None."""
-    return layout_config(draft_dir, is_layout, "dspark")
+    from treadle.drafts.dspark import speculators  # a speculators-format draft (its table), read as this layout
+
+    return layout_config(draft_dir, is_layout, "dspark", speculators)
 
 
 def export(draft, weights: dict, target_config, dtype: torch.dtype, extra: dict) -> tuple[dict, dict]:
@@ -112,11 +114,14 @@ def export(draft, weights: dict, target_config, dtype: torch.dtype, extra: dict)
 
 
 def flattened(config: dict) -> dict:
-    """A speculators-format config with its nested model fields lifted (sglang PR #40630): the top level wins."""
+    """A speculators-format config with its nested model fields lifted (sglang PR #40630): the top level wins. Its
+    ``aux_hidden_state_layer_ids`` are output_hidden_states indices (speculators' DFlash converter adds 1 to z-lab's
+    ids; vllm-project/speculators #753 takes 1 off for SGLang): z-lab's ``target_layer_ids`` are one less."""
     nested = config.get("transformer_layer_config")
     out = {**nested, **config} if isinstance(nested, dict) else dict(config)
-    if "target_layer_ids" not in out and "aux_hidden_state_layer_ids" in out:
-        out["target_layer_ids"] = out["aux_hidden_state_layer_ids"]
+    ids = out.get("aux_hidden_state_layer_ids")
+    if "target_layer_ids" not in out and isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+        out["target_layer_ids"] = [i - 1 for i in ids]
     return out
 
 

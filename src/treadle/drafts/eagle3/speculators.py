@@ -53,10 +53,7 @@ def export(draft, weights: dict, target, dtype, extra: dict) -> tuple[dict, dict
         **{k: eagle[k] for k in TOP},
         "speculators_config": speculators_format.speculators_config(MODEL_TYPE, steps, target_config, training),
     }
-    clash = sorted(config.keys() & extra.keys())
-    if clash:
-        raise UserError(f"eagle3 export to speculators: treadle's metadata keys {clash} would overwrite the format's")
-    return tensors, {**config, **extra}
+    return tensors, speculators_format.with_metadata(config, extra, MODEL_TYPE)
 
 
 def is_layout(config: dict) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from treadle.drafts.kind import DraftKind
-from treadle.drafts.mtp import layout, settings
+from treadle.drafts.mtp import layout, settings, speculators
 from treadle.drafts.mtp.model import build_mtp, load_mtp
 from treadle.drafts.mtp.objective import mtp_setup
 
@@ -17,6 +17,7 @@ class Mtp(DraftKind):
     settings = settings
     read_config = staticmethod(layout.read_config)
     carried_by_model = True  # MTP pretraining's model export is the checkpoint with its trained layer
+    speculators = speculators  # `treadle export --to speculators` (the Qwen families), draft.init of that format
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_mtp(cfg, data_vocab, data_tokenizer_fingerprint, empty)

@@ -289,8 +289,11 @@ def is_alone(config: dict) -> bool:
 
 
 def read_config(draft_dir) -> dict | None:
-    """The config.json of a stand-alone MTP export (``treadle_draft_kind`` added to SGLang's), or None."""
-    return layout_config(draft_dir, is_alone, "mtp")
+    """The config.json of a stand-alone MTP export (``treadle_draft_kind`` added to SGLang's or speculators'), or
+    None."""
+    from treadle.drafts.mtp import speculators
+
+    return layout_config(draft_dir, lambda c: is_alone(c) or speculators.is_layout(c), "mtp")
 
 
 def layer_prefix(model_dir: Path) -> tuple[str, dict]:

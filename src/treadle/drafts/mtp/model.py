@@ -230,11 +230,16 @@ def draft_from_dir(model_dir, target, where: str, config=None) -> MtpDraft:
         from treadle.drafts.glide.model import checked_export
 
         checked_export(model_dir, target, KIND, "an mtp")
-    tensors = layer_tensors(model_dir, prefix, draft.family, where)
-    if not tensors:
-        raise UserError(f"{where} {model_dir} holds no MTP layer ({prefix}*); accepted: an mtp export (draft/ or "
-                        "draft/stitched/ of a run) or a checkpoint that ships its MTP layer")
-    weights = layout.from_checkpoint(tensors, draft.family)
+    from treadle.drafts.mtp import speculators
+
+    if speculators.is_layout(found):  # speculators' MTPDraftModel (treadle's --to speculators or trained there)
+        weights = speculators.import_weights(read_layer(Path(model_dir), "", where), f"{where} {model_dir}")
+    else:
+        tensors = layer_tensors(model_dir, prefix, draft.family, where)
+        if not tensors:
+            raise UserError(f"{where} {model_dir} holds no MTP layer ({prefix}*); accepted: an mtp export (draft/ or "
+                            "draft/stitched/ of a run) or a checkpoint that ships its MTP layer")
+        weights = layout.from_checkpoint(tensors, draft.family)
     mine = draft.state_dict()
     layout.check_names(weights, mine, f"{where} {model_dir}")
     wrong = [k for k in mine if weights[k].shape != mine[k].shape]
