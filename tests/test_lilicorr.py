@@ -229,7 +229,7 @@ def test_config_refusals():
     with pytest.raises(UserError, match=r"draft.gamma = 8 with draft.kind = 'lilicorr' and a block of 8"):
         load_config(None, base + ["--draft.block_size=8", "--draft.gamma=8", "--draft.eval_new_tokens=16"])
     with pytest.raises(UserError, match=r"draft.candidates is set but draft.kind = 'dflash'; accepted: draft.kind = "
-                                        r"'lilicorr'"):
+                                        r"'dspine' or 'lilicorr'"):
         load_config(None, ["--data.train=x", "--draft.kind=dflash", "--draft.target=t", "--draft.candidates=4"])
     assert load_config(None, base + ["--draft.block_size=8"]).draft.kind == "lilicorr"
 

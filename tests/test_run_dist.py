@@ -222,6 +222,11 @@ DSPARK = ["--draft.kind=dspark", "--draft.block_size=5", "--draft.num_layers=2",
 LILICORR = ["--draft.kind=lilicorr", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4",
             "--draft.anchors=4", "--draft.candidates=4"]
 DRAFT_ENGINES["dspark-zero3"] = DRAFT_ENGINES["zero3"] + DSPARK
+# DSpine on ZeRO-3: its injection gates gathered by their own forwards; its transfer codes (a buffer computed from the
+# target's head when the draft is new) read from the target's files, the target being built empty there.
+DSPINE = ["--draft.kind=dspine", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4", "--draft.anchors=4",
+          "--draft.candidates=4"]
+DRAFT_ENGINES["dspine-zero3"] = DRAFT_ENGINES["zero3"] + DSPINE
 DRAFT_ENGINES["lilicorr-fsdp2"] = DRAFT_ENGINES["fsdp2"] + LILICORR
 # The frozen target split over 2 tensor-parallel ranks for its forward (one data-parallel replica: GA 4), the draft
 # whole on both: EAGLE-3 and the block kinds read its hidden states. LiLiCorr also reads the target's embedding (its
@@ -232,7 +237,7 @@ DRAFT_ENGINES["dflash-tp2"] = TP2 + DFLASH
 DRAFT_ENGINES["lilicorr-tp2"] = TP2 + LILICORR
 # Each kind's one-process reference run (GA 4: the global batch of every run above).
 ONE_PROCESS = {"glide": [], "eagle3": EAGLE3, "dflash": DFLASH, "dflash2": DFLASH2, "dspark": DSPARK,
-               "lilicorr": LILICORR}
+               "lilicorr": LILICORR, "dspine": DSPINE}
 
 
 def _kind(name: str) -> str:

@@ -204,6 +204,22 @@ def checked_target(target_dir: Path, data_vocab: int, data_tokenizer_fingerprint
 _BESIDE: list = []
 
 
+def head_rows(target, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the (frozen) target's output head, ``[..., d]``: a copy, so a kind scores a few candidates
+    without the whole-vocabulary product. Under ZeRO-3 the head is partitioned outside its own forward: it is
+    gathered for the read (every rank reads, as every rank runs the draft), the copy outliving the gather."""
+    weight = target.get_output_embeddings().weight
+    if not hasattr(weight, "ds_id"):  # DeepSpeed's mark of a ZeRO-3 parameter
+        return torch.nn.functional.embedding(ids, weight)
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if weight.ds_status == ZeroParamStatus.AVAILABLE:  # whole already (a module using it is running, or persistent):
+        return torch.nn.functional.embedding(ids, weight)  # a gather's exit would free it under that module
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
+        return torch.nn.functional.embedding(ids, weight)
+
+
 @contextlib.contextmanager
 def beside(target) -> Iterator[None]:
     """Kinds built inside the block take ``target`` (a model being trained) as their target: ``draft_target`` hands it

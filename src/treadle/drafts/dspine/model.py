@@ -46,6 +46,7 @@ from treadle.drafts.dflash.model import DFlashDraft, DFlashModel, DFlashOutput, 
 from treadle.drafts.dspine import layout as dspine_layout
 from treadle.drafts.dspine import settings
 from treadle.drafts.glide.model import init_linears
+from treadle.drafts.targets import head_rows
 from treadle.errors import UserError
 from treadle.models.chunked_ce import chunked_rows, model_logits
 from treadle.models.upcast import at_least_fp32
@@ -218,17 +219,17 @@ class DSpineModel(DFlashModel):
         """[..., k] fp32 logits (the target's transform applied) of candidates ``ids`` [..., k] at rows ``before``
         [..., d], each row after its token ``predecessors`` [...]."""
         refined = self.draft_model.refine(before, predecessors)
-        rows = F.embedding(ids, self.target.get_output_embeddings().weight)
+        rows = head_rows(self.target, ids)
         return at_least_fp32(model_logits(self.target.config, torch.einsum("...d,...kd->...k", refined, rows)))
 
     def _slot_terms(self, out: DFlashOutput, labels: torch.Tensor):
         k = self.draft_model.candidates
         if out.logits is not None:
             return _backbone_terms(at_least_fp32(out.logits), at_least_fp32(out.target_logits), labels, k)
-        weight, config = self.target.get_output_embeddings().weight, self.target.config
+        module, config = self.target.get_output_embeddings(), self.target.config
 
-        def terms(h, t, y):
-            head = lambda x: at_least_fp32(model_logits(config, F.linear(x, weight)))  # noqa: E731
+        def terms(h, t, y):  # the head as a module: ZeRO-3 gathers it around each call (chunked_rows' recompute too)
+            head = lambda x: at_least_fp32(model_logits(config, module(x)))  # noqa: E731
             return _backbone_terms(head(h), head(t), y, k)
 
         K = out.hidden.shape[:-1]
@@ -282,7 +283,7 @@ class DSpineModel(DFlashModel):
         """The decode's path through slots 1..k of one block: ``hidden`` / ``before`` [k, d], ``anchor`` the bonus
         token, ``choose(row)`` -> (token, q or None) from a [V] row that is -inf outside the slot's candidates."""
         _, ids, _ = self.slot_top_k(hidden, self.draft_model.candidates)
-        vocab = self.target.get_output_embeddings().weight.shape[0]
+        vocab = self.target.get_output_embeddings().out_features  # the weight's shape is a stub under ZeRO-3
         tokens, qs, previous = [], [], anchor
         for t in range(hidden.shape[0]):
             scores = self.candidate_scores(before[t], ids[t], torch.tensor(previous, device=ids.device))

@@ -54,7 +54,7 @@ class LiLiCorrDrafter(DFlashDrafter):
         if sampler.greedy:
             pick = greedy_walk(start[None], pair[None])[0]
             return Proposal(ids.gather(-1, pick[:, None]).squeeze(-1).tolist())
-        vocab = self.model.target.get_output_embeddings().weight.shape[0]
+        vocab = self.model.target.get_output_embeddings().out_features
         tokens, qs, row = [], [], start
         for s in range(gamma):
             logits = row.new_full((vocab,), float("-inf")).scatter(0, ids[s], row)

@@ -43,6 +43,7 @@ from treadle.drafts.dflash2.model import DFlash2Draft
 from treadle.drafts.glide.model import RMSNorm, init_linears
 from treadle.drafts.lilicorr import layout as lilicorr_layout
 from treadle.drafts.lilicorr import settings
+from treadle.drafts.targets import head_rows
 from treadle.errors import UserError
 from treadle.models.chunked_ce import model_logits
 from treadle.models.upcast import at_least_fp32
@@ -205,9 +206,9 @@ def teacher_scores(model, out, ids: torch.Tensor, tokens: torch.Tensor) -> tuple
         if out.target_logits is not None:
             teacher = out.target_logits
             return teacher.gather(-1, ids), teacher.gather(-1, tokens.clamp_min(0)[..., None]).squeeze(-1)
-        weight, config = model.target.get_output_embeddings().weight, model.target.config
         rows = torch.cat((ids, tokens.clamp_min(0)[..., None]), -1)
-        picked = model_logits(config, (out.teacher_hidden[..., None, :] * weight[rows]).sum(-1))
+        weights = head_rows(model.target, rows)
+        picked = model_logits(model.target.config, (out.teacher_hidden[..., None, :] * weights).sum(-1))
         return picked[..., :-1], picked[..., -1]
 
 
