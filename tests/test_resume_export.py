@@ -15,8 +15,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SHORT = ("--train.max_steps=2", "--checkpoint.every=2", "--train.eval_at_start=false", "--train.eval_every=0")
 FOUR_LAYERS = "{hidden_size=32,intermediate_size=64,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=2}"
-BESIDE = (f"--model.overrides={FOUR_LAYERS}", "--draft.kind=eagle3", "--draft.target=self", "--draft.vocab_size=200", "--draft.eval_prompts=2",
-          "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12")
+BESIDE = (f"--model.overrides={FOUR_LAYERS}", "--draft.kind=eagle3", "--draft.target=self", "--draft.vocab_size=200",
+          "--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12")
 
 
 def files(directory: Path) -> dict[str, bytes]:
