@@ -64,8 +64,10 @@ def test_a_finished_run_whose_export_a_kill_lost_writes_it_from_the_final_checkp
     exported, kept = files(hf), untouched(run)
 
     kill_mid_replace(hf)  # the kill came after step_2 was committed, during the export
+    (run / ".tmp-hf-mine").mkdir()  # not a name treadle writes: kept
     assert again(argv, capsys) == written_again(run, 2, hf)
     assert files(hf) == exported and untouched(run) == kept  # the same export, bit for bit; nothing trained again
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith((".tmp-", ".old-"))) == [".tmp-hf-mine"]
     assert again(argv, capsys) == [f"{finished(run, 2)}: nothing to do"]
     assert files(hf) == exported
 
@@ -100,5 +102,6 @@ def test_a_finished_draft_run_whose_draft_export_a_kill_lost_writes_it(shards, t
 
     kill_mid_replace(draft)
     assert again(argv, capsys) == written_again(run, 2, draft)  # beside: hf/ was whole, draft/ alone is written
+    assert not [p for p in run.iterdir() if p.name.startswith((".tmp-", ".old-"))]
     assert {e: files(e) for e in exports} == exported and untouched(run) == kept
     assert again(argv, capsys) == [f"{finished(run, 2)}: nothing to do"]

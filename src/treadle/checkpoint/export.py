@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -52,6 +53,18 @@ def export_complete(out: Path, step: int) -> bool:
     or an earlier one (a run extended by a larger max_steps): a finished run run again writes it then."""
     marker = marked_whole(Path(out), KIND)
     return marker is not None and marker.get("step") == step
+
+
+def remove_leftovers(out: Path) -> list[Path]:
+    """Remove what a kill inside ``atomic_directory`` left beside ``out``: its temporary directory (half written, or
+    whole but not renamed) and the earlier export renamed aside (``replace_dir``), by the names only they write,
+    ``.tmp-<name>-<8 hex>`` and ``.old-<name>-<8 hex>``. Call it once ``out`` is whole again, with no other writer."""
+    out = Path(out)
+    named = re.compile(rf"^\.(tmp|old)-{re.escape(out.name)}-[0-9a-f]{{8}}$")
+    left = [p for p in out.parent.iterdir() if named.match(p.name) and p.is_dir() and not p.is_symlink()]
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True)
+    return left
 
 
 @contextlib.contextmanager

@@ -40,8 +40,12 @@ class Callback:
     def owed(self, trainer: Trainer) -> list[Path] | None:
         """What of this callback's end-of-run output is missing for the step a finished run ended at (a kill after
         its final checkpoint, before its export landed), on rank 0 (the writer; [] elsewhere); a finished run run
-        again has its ``on_train_end`` write it. None: the callback writes nothing a finished run owes."""
+        again has ``write_owed`` write it. None: the callback writes nothing a finished run owes."""
         return None
+
+    def write_owed(self, trainer: Trainer, missing: list[Path]) -> None:
+        """Write what ``owed`` found missing (``missing``: rank 0's list, [] elsewhere), from the final checkpoint."""
+        self.on_train_end(trainer)
 
     def state_dict(self) -> dict:
         return {}
@@ -269,6 +273,13 @@ class FinalExport(Callback):
         if trainer.engine.rank != 0:
             return []
         return [p for p in self.outputs() if not export_complete(p, trainer.state.step)]
+
+    def write_owed(self, trainer: Trainer, missing: list[Path]) -> None:
+        from treadle.checkpoint.export import remove_leftovers
+
+        super().write_owed(trainer, missing)
+        for path in missing:  # the kill's leftovers: a half-written export, or a whole earlier one set aside
+            remove_leftovers(path)
 
 
 class ExportCallback(FinalExport):

@@ -231,8 +231,8 @@ class Trainer:
 
     def _finish_owed(self) -> None:
         """A finished run run again writes what its end owed from the final checkpoint, and says so in one line."""
-        for cb, _ in self.owed:
-            cb.on_train_end(self)
+        for cb, missing in self.owed:
+            cb.write_owed(self, missing)
         written = ", ".join(str(p) for _, missing in self.owed for p in missing)  # rank 0's: the one that prints
         self.console.print(f"{self._finished_words()}; its export was missing or incomplete, written again from "
                            f"{self.resumed_from}: {written}")
