@@ -89,19 +89,27 @@ def test_a_finished_run_whose_export_a_kill_lost_writes_it_from_the_final_checkp
     assert files(hf) == at_four and untouched(run) == kept
 
 
-@pytest.mark.parametrize("beside", [False, True], ids=["draft-run", "draft-beside"])
-def test_a_finished_draft_run_whose_draft_export_a_kill_lost_writes_it(shards, target_dir, tmp_path, capsys, beside):
-    """A draft run's export is draft/ (DraftExportCallback); a draft beside its model writes hf/, then draft/: a kill
-    between the two leaves hf/ whole and no draft/."""
+def other_runs(shards, target_dir, run) -> dict[str, tuple[list[str], list[str]]]:
+    """Each run whose export is not hf/ alone: (argv, its exports' names), the last the one the kill lost."""
+    return {
+        "draft-run": (draft_args(shards, target_dir, run, *SHORT), ["draft"]),  # DraftExportCallback
+        "draft-beside": (args(shards, run, *SHORT, *BESIDE), ["hf", "draft"]),  # hf/, then draft/: killed between
+        "lora": (args(shards, run, f"--model.path={target_dir}", "--lora.rank=4", "--lora.alpha=8", *SHORT),
+                 ["adapter"]),  # AdapterExportCallback
+    }
+
+
+@pytest.mark.parametrize("kind", ["draft-run", "draft-beside", "lora"])
+def test_a_finished_run_whose_draft_or_adapter_export_a_kill_lost_writes_it(shards, target_dir, tmp_path, capsys,
+                                                                             kind):
     run = tmp_path / "run"
-    argv = args(shards, run, *SHORT, *BESIDE) if beside else draft_args(shards, target_dir, run, *SHORT)
+    argv, names = other_runs(shards, target_dir, run)[kind]
     assert main(argv) == 0
-    draft = run / "draft"
-    exports = [run / "hf", draft] if beside else [draft]
+    exports = [run / name for name in names]
     exported, kept = {e: files(e) for e in exports}, untouched(run)
 
-    kill_mid_replace(draft)
-    assert again(argv, capsys) == written_again(run, 2, draft)  # beside: hf/ was whole, draft/ alone is written
-    assert not [p for p in run.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+    kill_mid_replace(exports[-1])
+    assert again(argv, capsys) == written_again(run, 2, exports[-1])  # beside: hf/ was whole, draft/ alone was lost
     assert {e: files(e) for e in exports} == exported and untouched(run) == kept
+    assert not [p for p in run.iterdir() if p.name.startswith((".tmp-", ".old-"))]
     assert again(argv, capsys) == [f"{finished(run, 2)}: nothing to do"]
