@@ -124,12 +124,16 @@ def _files(directory: Path) -> dict[str, int]:
     return out
 
 
-def write_marker(directory: Path, kind: str, command: str, files: list[str] | None = None) -> None:
+def write_marker(directory: Path, kind: str, command: str, files: list[str] | None = None,
+                 step: int | None = None) -> None:
     """Record in ``directory`` that treadle ``command`` wrote its ``kind`` output there, naming each file
-    with its size (``files``: these; default every file in it). Write it last: it vouches for the rest."""
+    with its size (``files``: these; default every file in it), and the training step it holds (``step``: a run's
+    export). Write it last: it vouches for the rest."""
     directory = Path(directory)
     listed = _files(directory) if files is None else {f: (directory / f).lstat().st_size for f in files}
     record = {"written_by": f"treadle {command}", "version": _version(), "kind": kind, "files": listed}
+    if step is not None:
+        record["step"] = step
     write_atomic(directory / MARKER, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
@@ -142,6 +146,15 @@ def read_marker(directory: Path) -> dict | None:
     ok = (isinstance(record, dict) and str(record.get("written_by", "")).startswith("treadle ")
           and isinstance(record.get("kind"), str) and isinstance(record.get("files"), dict))
     return record if ok else None
+
+
+def marked_whole(directory: Path, kind: str) -> dict | None:
+    """The marker of ``directory`` when it holds treadle's ``kind`` output whole: every file the marker lists, at
+    its size, and no other (None otherwise: absent, another kind, a file missing, truncated or added)."""
+    marker = read_marker(directory)
+    if marker is None or marker["kind"] != kind or _files(Path(directory)) != marker["files"]:
+        return None
+    return marker
 
 
 def _foreign(path: Path, kind: str, ours: Callable[[Path], bool] | None, file: bool) -> str | None:

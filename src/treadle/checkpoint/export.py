@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from treadle.errors import UserError
-from treadle.fsutil import claim_output, default_modes, replace_dir, write_marker
+from treadle.fsutil import claim_output, default_modes, marked_whole, replace_dir, write_marker
 from treadle.quiet import hf_quiet
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,12 +47,33 @@ def claim_export(out: Path, flag: str = "OUT") -> None:
     claim_output(Path(out), flag, KIND, ours=unmarked_export)
 
 
+def export_complete(out: Path, step: int) -> bool:
+    """Whether ``out`` holds treadle's whole export of the training step ``step`` (its marker names the step and every
+    file at its size). A kill after a run's final checkpoint, before its export was renamed into place, leaves none,
+    or an earlier one (a run extended by a larger max_steps): a finished run run again writes it then."""
+    marker = marked_whole(Path(out), KIND)
+    return marker is not None and marker.get("step") == step
+
+
+def remove_leftovers(out: Path) -> list[Path]:
+    """Remove what a kill inside ``atomic_directory`` left beside ``out``: its temporary directory (half written, or
+    whole but not renamed) and the earlier export renamed aside (``replace_dir``), by the names only they write,
+    ``.tmp-<name>-<8 hex>`` and ``.old-<name>-<8 hex>``. Call it once ``out`` is whole again, with no other writer."""
+    out = Path(out)
+    named = re.compile(rf"^\.(tmp|old)-{re.escape(out.name)}-[0-9a-f]{{8}}$")
+    left = [p for p in out.parent.iterdir() if named.match(p.name) and p.is_dir() and not p.is_symlink()]
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True)
+    return left
+
+
 @contextlib.contextmanager
-def atomic_directory(out: Path, command: str) -> Iterator[Path]:
+def atomic_directory(out: Path, command: str, step: int | None = None) -> Iterator[Path]:
     """Yield a temporary sibling of ``out`` to fill; it replaces ``out`` only if the block succeeds.
 
     A reader sees the old directory or the new one, never half of one; ``out`` is replaced only when it
-    holds treadle's own earlier export, and the new one gets the marker that says so.
+    holds treadle's own earlier export, and the new one gets the marker that says so (with the training ``step``
+    it holds, where known: what ``export_complete`` reads).
     """
     claim_export(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +81,7 @@ def atomic_directory(out: Path, command: str) -> Iterator[Path]:
     try:
         yield tmp
         default_modes(tmp)
-        write_marker(tmp, KIND, command)
+        write_marker(tmp, KIND, command, step=step)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -88,17 +110,17 @@ def state_tokenizer_ids(directory: Path, tokenizer_dir: Path) -> None:
 
 def export_hf(model: PreTrainedModel, state_dict: dict, tokenizer_dir: Path | None, out: Path,
               dtype: str = "fp32", enabled: bool = True, command: str = "train", chat_template: str | None = None,
-              into: Callable[[Path, torch.dtype], None] | None = None) -> Path:
+              into: Callable[[Path, torch.dtype], None] | None = None, step: int | None = None) -> Path:
     """``chat_template`` (Jinja): what an SFT run rendered conversations with; the exported tokenizer gets it
     (transformers writes chat_template.jinja), so ``apply_chat_template`` gives the ids training saw. ``into``: what
     adds weights the model's checkpoint carries beside its module's (a draft beside it: ``DraftKind.into_model``),
-    called on the directory before it replaces ``out``."""
+    called on the directory before it replaces ``out``. ``step``: the training step the weights are, for the marker."""
     out = Path(out)
     if not enabled:
         return out
     torch_dtype = _torch_dtype(dtype)
     state_dict = {k: v.detach().to("cpu", torch_dtype).contiguous() for k, v in state_dict.items()}
-    with atomic_directory(out, command) as tmp, hf_quiet():
+    with atomic_directory(out, command, step) as tmp, hf_quiet():
         # Training disables the KV cache for packed sequences; an exported model is for inference.
         saved = model.config.use_cache, model.config.dtype
         model.config.use_cache = True
@@ -157,7 +179,7 @@ def export_draft(model, state_dict: dict, out: Path, target_dir: Path, identity:
     else:
         weights, config = kind.export(draft, weights, model.target.config, torch_dtype, dtype, meta)
     out = Path(out)
-    with atomic_directory(out, command) as tmp:
+    with atomic_directory(out, command, step) as tmp:
         tmp.mkdir()
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if extra and to != "speculators":  # the kind's extra files are its engine layout's (dflash.py, stitched/)
@@ -192,7 +214,7 @@ def export_adapter(adapters, state_dict: dict, out: Path, step: int | None = Non
     config.inference_mode = True  # as PEFT's own save_pretrained writes it
     config.base_model_name_or_path = base_name or absolute_base(config.base_model_name_or_path)
     out = Path(out)
-    with atomic_directory(out, command) as tmp:
+    with atomic_directory(out, command, step) as tmp:
         tmp.mkdir()
         config.save_pretrained(str(tmp))
         save_file(weights, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -321,7 +343,7 @@ def export_checkpoint(source: str | Path, out: Path, dtype: str = "fp32", to: st
     tokenizer = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
     return export_hf(model, model.state_dict(), tokenizer if tokenizer and tokenizer.is_dir() else None, out,
                      dtype=dtype, command="export", chat_template=meta.get("chat_template"),
-                     into=into)
+                     into=into, step=train_state["train"]["step"])
 
 
 def beside_draft(cfg, model, vocab_size: int) -> tuple:

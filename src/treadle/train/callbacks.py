@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +36,16 @@ class Callback:
 
     def on_stop(self, trainer: Trainer) -> None:
         """The run stops early but resumably (signal, time limit): only what resuming needs."""
+
+    def owed(self, trainer: Trainer) -> list[Path] | None:
+        """What of this callback's end-of-run output is missing for the step a finished run ended at (a kill after
+        its final checkpoint, before its export landed), on rank 0 (the writer; [] elsewhere); a finished run run
+        again has ``write_owed`` write it. None: the callback writes nothing a finished run owes."""
+        return None
+
+    def write_owed(self, trainer: Trainer, missing: list[Path]) -> None:
+        """Write what ``owed`` found missing (``missing``: rank 0's list, [] elsewhere), from the final checkpoint."""
+        self.on_train_end(trainer)
 
     def state_dict(self) -> dict:
         return {}
@@ -247,7 +258,31 @@ class CheckpointCallback(Callback):
         self._save(trainer)
 
 
-class ExportCallback(Callback):
+class FinalExport(Callback):
+    """A callback whose ``on_train_end`` writes the run's exports (``outputs``, each with the step in its marker)."""
+
+    out_dir: Path
+
+    def outputs(self) -> list[Path]:
+        """The directories ``on_train_end`` writes."""
+        return [Path(self.out_dir)]
+
+    def owed(self, trainer: Trainer) -> list[Path]:
+        from treadle.checkpoint.export import export_complete
+
+        if trainer.engine.rank != 0:
+            return []
+        return [p for p in self.outputs() if not export_complete(p, trainer.state.step)]
+
+    def write_owed(self, trainer: Trainer, missing: list[Path]) -> None:
+        from treadle.checkpoint.export import remove_leftovers
+
+        super().write_owed(trainer, missing)
+        for path in missing:  # the kill's leftovers: a half-written export, or a whole earlier one set aside
+            remove_leftovers(path)
+
+
+class ExportCallback(FinalExport):
     """At the end, a Hugging Face model directory that ``from_pretrained`` loads, its tokenizer carrying the chat
     template an SFT run rendered conversations with (``chat_template``, Jinja); ``into``: ``export_hf``'s."""
 
@@ -261,7 +296,8 @@ class ExportCallback(Callback):
         from treadle.checkpoint.export import export_hf
 
         export_hf(trainer.engine.module, trainer.engine.export_state_dict(), self.tokenizer_dir, self.out_dir,
-                  enabled=trainer.engine.rank == 0, chat_template=self.chat_template, into=self.into)
+                  enabled=trainer.engine.rank == 0, chat_template=self.chat_template, into=self.into,
+                  step=trainer.state.step)
 
 
 class AdapterExportCallback(ExportCallback):

@@ -229,6 +229,9 @@ class BesideExportCallback(ExportCallback):
         super().__init__(hf.out_dir, hf.tokenizer_dir, hf.chat_template, kind(cfg.kind).into_model(draft.draft))
         self.draft, self.draft_dir, self.cfg = draft, out_dir, cfg
 
+    def outputs(self) -> list[Path]:
+        return [Path(self.out_dir), Path(self.draft_dir)]
+
     def on_train_end(self, trainer: Trainer) -> None:
         super().on_train_end(trainer)
         if trainer.engine.rank == 0:

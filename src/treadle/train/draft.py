@@ -17,7 +17,7 @@ from treadle.config import DraftConfig
 from treadle.metrics.agreement import rates
 from treadle.errors import UserError
 from treadle.speculative.acceptance import chain_acceptance, degenerate_target_warning, lookup_tau
-from treadle.train.callbacks import Callback, EvalCallback
+from treadle.train.callbacks import Callback, EvalCallback, FinalExport
 from treadle.train.step import StepResult
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class AcceptanceCallback(EvalCallback):
                 "acceptance_rounds": got["rounds"], "acceptance_s": round(time.perf_counter() - t0, 3)}
 
 
-class DraftExportCallback(Callback):
+class DraftExportCallback(FinalExport):
     """At the end, the draft alone: ``<output_dir>/draft`` (see ``export_draft``)."""
 
     def __init__(self, out_dir: Path, target_dir: Path, identity: dict, cfg: DraftConfig):

@@ -117,7 +117,8 @@ def write_features(cfg, out: Path, dtype: str = "bf16", shard_samples: int = 0, 
     from treadle.drafts.registry import build_draft
     from treadle.models.hf import greedy_continuations
     from treadle.train.draft import eval_prompts
-    from treadle.train.run import _open_data, checked_config, seed_everything
+    from treadle.train.run import checked_config, seed_everything
+    from treadle.train.run_data import open_data
 
     cfg = checked_config(cfg)
     if not cfg.draft.kind:
@@ -138,7 +139,7 @@ def write_features(cfg, out: Path, dtype: str = "bf16", shard_samples: int = 0, 
     joined = info.world_size > 1
     try:
         seed_everything(cfg.train.seed)
-        data = distributed.on_main(_open_data, cfg) or _open_data(cfg)
+        data = distributed.on_main(open_data, cfg) or open_data(cfg)
         live = cfg.draft.model_copy(update={"features": None})  # this command runs the target
         model, target_dir, identity = build_draft(live, data.train.vocab_size, data.train.tokenizer_fingerprint)
         model = model.to(info.device).eval()

@@ -23,13 +23,9 @@ from treadle.checkpoint.manager import CheckpointManager
 from treadle.checkpoint.remote import RemotePath
 from treadle.checkpoint.remote_manager import RemoteCheckpointManager
 from treadle.checkpoint.validate import run_state
-from treadle.config import Config, SourceConfig, _explain, explicit_tree, parse_duration
-from treadle.data.holdout import Interleaved
+from treadle.config import Config, _explain, explicit_tree, parse_duration
 from treadle.data.loader import StepLoader, check_token_ids, eval_batches
-from treadle.data.mixture import Mixture, Phase
-from treadle.data.packed import IGNORE_INDEX, ExampleDataset, PackedDataset
-from treadle.data.shards import read_meta
-from treadle.data.sources import OpenedSource, file_tokenizer, open_source, resolve
+from treadle.data.packed import IGNORE_INDEX
 from treadle.distributed import init_distributed
 from treadle.engine import build_engine, builds_empty, read_deepspeed_config, resolve_engine
 from treadle.engine.context_parallel import apply_context_parallel, check_model, split_model_config
@@ -50,7 +46,7 @@ from treadle.models.hf import (build_model, compile_layers, count_parameters, fr
 from treadle.train.cotrain import BesideExportCallback, beside_setup
 from treadle.train.callbacks import (AdapterExportCallback, Callback, CheckpointCallback, EvalCallback, ExportCallback,
                                     MetricsCallback)
-from treadle.drafts.features.run import attach_store, is_speculators_store, refuse_unstorable, speculators_samples
+from treadle.drafts.features.run import attach_store, refuse_unstorable
 from treadle.drafts.registry import build_draft, kind
 from treadle.train.adapters import describe_adapters, draft_lora_adapters, lora_adapters
 from treadle.models.lora import quantized_compute_dtype
@@ -61,6 +57,7 @@ from treadle.engine.optim import build_schedule
 from treadle.train.resilience import (FaultInjectionCallback, HealthCheckCallback, NanGuardCallback, ShutdownWatcher,
                                       elastic_callbacks)
 from treadle.train.profiling import ProfilerCallback
+from treadle.train.run_data import RunData, check_shard_token_ids, open_data
 from treadle.train.rundir import (
     check_checkpoint_owner,
     check_output_dir,
@@ -73,7 +70,7 @@ from treadle.train.rundir import (
 from treadle.train.step import loss_sum
 from treadle.train.trainer import Trainer
 from treadle.train.user_callbacks import load_callbacks
-from treadle.tokenizer import RunTokenizer, tokenizer_fingerprint
+from treadle.tokenizer import RunTokenizer
 
 
 @dataclass
@@ -104,88 +101,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-@dataclass
-class RunData:
-    """The run's opened sources, their mixture, and the validation set."""
-
-    sources: list[OpenedSource]
-    mixture: Mixture
-    val: PackedDataset | ExampleDataset | Interleaved | None
-    tokenizer_dir: Path | None  # exported with the model
-
-    @property
-    def train(self):  # the first source: what a single-source run trains on (its meta, vocab, tokenizer)
-        return self.sources[0].dataset
-
-    @property
-    def chat_template(self) -> str | None:
-        """The Jinja the SFT sources' conversations were rendered with (one data.chat_template, one tokenizer)."""
-        return next((o.dataset.meta.get("chat_template_text") for o in self.sources if o.kind == "sft"), None)
-
-
-def _recorded_tokenizer(shard_dir: Path) -> str | None:
-    """The tokenizer a shard directory's meta.json names (a broken meta.json is one line naming it)."""
-    return read_meta(shard_dir).get("tokenizer_dir")
-
-
-def _check_token_ids(data: RunData, vocab_size: int) -> None:
-    """Every shard's recorded largest token id is below the model's vocabulary, before anything is written.
-
-    Shards without the record (older treadle, other tools) are checked by the loader, micro-batch by micro-batch.
-    """
-    datasets = [o.dataset for o in data.sources] + ([data.val] if data.val is not None else [])
-    for shard in (s for ds in datasets for s in ds.shards):
-        if shard.max_token_id is not None and shard.max_token_id >= vocab_size:
-            raise UserError(
-                f"shard directory {shard.path}: its largest token id is {shard.max_token_id} (meta.json max_token_id), "
-                f"but the model's vocab_size is {vocab_size}; accepted: token ids below {vocab_size} (data tokenized "
-                "with the model's tokenizer, or a model whose vocabulary covers them)"
-            )
-
-
-def _open_data(cfg: Config) -> RunData:
-    """Every source opened (data files tokenized into the cache on first use), checked to share one tokenizer; with
-    speculators' offline data as ``draft.features``, that data alone (it holds its own tokens)."""
-    d = cfg.data
-    if is_speculators_store(cfg):
-        train = speculators_samples(cfg)
-        return RunData([OpenedSource("train", train, "speculators")], Mixture.single("train"), None, train.tokenizer_dir)
-    specs = d.sources or [SourceConfig(name="train", path=d.train)]
-    key = (lambda i: f"data.sources[{i}] ({specs[i].name})") if d.sources else (lambda i: "data.train")
-    paths = [resolve(s.path, "train", key(i)) for i, s in enumerate(specs)]  # (shard dirs, data files) each
-    # Data files are tokenized with data.tokenizer, else the target's / model's, else the shards', else the built-in.
-    recorded = next((_recorded_tokenizer(p) for dirs, _ in paths for p in dirs), None)
-    frozen_target = cfg.draft.target if cfg.draft.frozen_target else None  # 'self' names no directory
-    tokenizer = file_tokenizer(d.tokenizer, [frozen_target, cfg.model.path, recorded])
-    opened = [open_source(s.name, s.path, "train", s.format, s.text_field, d.seq_len, d, tokenizer, key(i), paths[i],
-                          d.val_fraction) for i, s in enumerate(specs)]
-    if d.val_fraction:  # the sources' held-out documents replace data.val
-        held = [o.held_out for o in opened]
-        val = held[0] if len(held) == 1 else Interleaved(held)
-    else:
-        val = open_source("val", d.val, "val", "auto", "text", d.seq_len, d, tokenizer, "data.val").dataset if d.val else None
-    first = opened[0].dataset
-    for name, ds in [(o.name, o.dataset) for o in opened[1:]] + [("data.val", val)]:
-        if ds is not None and ds.tokenizer_fingerprint != first.tokenizer_fingerprint:
-            raise UserError(f"{name} was tokenized with another tokenizer (fingerprint {ds.tokenizer_fingerprint}) than "
-                            f"{opened[0].name} ({first.tokenizer_fingerprint}); accepted: data of one tokenizer")
-    base = [s.weight for s in specs]
-    phases = [Phase(p.start_step, tuple(p.weights.get(s.name, w) for s, w in zip(specs, base)), p.lr_scale) for p in d.phases]
-    mixture = Mixture([s.name for s in specs], base, phases, d.temperature)
-    return RunData(opened, mixture, val, _tokenizer_dir(cfg, first))
-
-
-def _tokenizer_dir(cfg: Config, train) -> Path | None:
-    """The tokenizer exported with the model: the configured one, else the one the data was made with."""
-    if cfg.data.tokenizer == "auto":
-        recorded = Path(train.tokenizer_dir) if train.tokenizer_dir else None
-        return recorded if recorded is not None and recorded.is_dir() else None
-    path = Path(cfg.data.tokenizer)
-    if tokenizer_fingerprint(path) != train.tokenizer_fingerprint:
-        raise UserError(f"data.tokenizer {path} is not the tokenizer the training data was made with (fingerprint {train.tokenizer_fingerprint})")
-    return path
 
 
 @dataclass
@@ -224,7 +139,7 @@ class ModelSetup:
 def _model_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSetup:
     tokenizer = RunTokenizer.from_meta(meta)
     model = build_model(cfg.model, meta["vocab_size"], empty=empty, tokenizer=tokenizer)
-    _check_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
+    check_shard_token_ids(data, model.config.vocab_size)  # model.overrides may set it, model.path brings its own
     adapters = None
     if cfg.lora.rank is not None:  # before the chunked head replaces lm_head (a modules_to_save head stays unchunked)
         adapters = lora_adapters(cfg, model, meta)
@@ -265,7 +180,7 @@ def _draft_setup(cfg: Config, data: RunData, meta: dict, empty: bool) -> ModelSe
     if cfg.draft.features:
         refuse_unstorable(cfg, "draft.features")
     model, target_dir, identity = build_draft(cfg.draft, train_ds.vocab_size, train_ds.tokenizer_fingerprint, empty)
-    _check_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
+    check_shard_token_ids(data, model.target.config.vocab_size)  # before eval prompts are cut from the data
     meta["target_fingerprint"] = identity["config_fingerprint"]
     # Adapters on the trained draft of draft.init (frozen, as the target), before the objective holds its modules.
     adapters = draft_lora_adapters(cfg, model, meta) if cfg.lora.rank is not None else None
@@ -422,7 +337,7 @@ def _assemble(cfg: Config, live: bool | None, user_callbacks: Sequence[Callback]
     ckpt_dir = checkpoint_dir(cfg, engine_name)  # an object store: reachable, writable (one line if not)
     distributed.on_main(check_checkpoint_owner, cfg, ckpt_dir)  # another run's: refused before recover() clears
     # Rank 0 tokenizes data files into the cache; the others then find them there.
-    data = distributed.on_main(_open_data, cfg) or _open_data(cfg)
+    data = distributed.on_main(open_data, cfg) or open_data(cfg)
     train_ds, val_ds, tokenizer_dir = data.train, data.val, data.tokenizer_dir
 
     manager = RemoteCheckpointManager if isinstance(ckpt_dir, RemotePath) else CheckpointManager

@@ -81,6 +81,7 @@ class Trainer:
         self.loss_fn = loss_fn  # what a step minimizes; callbacks may swap it for one step (fault injection)
         self.eval_loss_fn = eval_loss_fn or loss_fn  # what evaluation reports as eval_loss
         self.resumed_from: Path | None = None
+        self.owed: list[tuple[Callback, list[Path]]] = []  # a finished run's missing exports (``_owed``)
         self.stop_reason: str | None = None
         self.stop_asked: str | None = None  # a callback's request_stop, seen after the step's callbacks
         self.last_step_seconds = 0.0
@@ -93,7 +94,9 @@ class Trainer:
 
     def fit(self) -> TrainState:
         """Train to max_steps, or until a signal / the time limit asks to stop (``stop_reason``)."""
-        if self.finished:  # no callback runs: the run's end (final eval, export) happened when it finished
+        if self.finished:  # no callback runs: the run's end (final eval, export) happened when it finished,
+            if self.owed:  # unless a kill came between its final checkpoint and its export
+                self._finish_owed()
             return self.state
         self.console.start(self.state.step)
         self.shutdown.install()
@@ -205,11 +208,34 @@ class Trainer:
         for group, values in zip(self.engine.optimizer.param_groups, configured):
             group.update(values)
         self.resumed_from = path
-        if self.finished:  # a finished run run again (docs/checkpoints.md): this line is all it prints
-            self.console.print(f"treadle: {self.cfg.train.output_dir} finished at step {self.state.step} "
-                               f"(train.max_steps = {self.max_steps}): nothing to do")
-        else:
+        if not self.finished:
             self.console.print(f"resumed from {path} at step {self.state.step}")
+            return
+        self.owed = self._owed()
+        if not self.owed:  # a finished run run again (docs/checkpoints.md): this line is all it prints
+            self.console.print(f"{self._finished_words()}: nothing to do")
+
+    def _finished_words(self) -> str:
+        return (f"treadle: {self.cfg.train.output_dir} finished at step {self.state.step} "
+                f"(train.max_steps = {self.max_steps})")
+
+    def _owed(self) -> list[tuple[Callback, list[Path]]]:
+        """The end-of-run outputs a finished run lacks (a kill after its final checkpoint, before its export landed):
+        rank 0's verdict, callback by callback, on every rank (writing one may be collective)."""
+        owed = []
+        for cb in self.callbacks:
+            missing = cb.owed(self)
+            if missing is not None and self.engine.any_rank(bool(missing)):
+                owed.append((cb, missing))
+        return owed
+
+    def _finish_owed(self) -> None:
+        """A finished run run again writes what its end owed from the final checkpoint, and says so in one line."""
+        for cb, missing in self.owed:
+            cb.write_owed(self, missing)
+        written = ", ".join(str(p) for _, missing in self.owed for p in missing)  # rank 0's: the one that prints
+        self.console.print(f"{self._finished_words()}; its export was missing or incomplete, written again from "
+                           f"{self.resumed_from}: {written}")
 
     @property
     def finished(self) -> bool:
