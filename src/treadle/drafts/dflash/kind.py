@@ -25,7 +25,7 @@ class DFlash(DraftKind):
     speculators = dflash_speculators  # `treadle export --to speculators`, draft.init of that format
 
     def read_config(self, draft_dir) -> dict | None:
-        return self.layout.read_config(draft_dir)
+        return self.layout.read_config(draft_dir, self.speculators)
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_dflash(cfg, data_vocab, data_tokenizer_fingerprint, empty, self.model_class)

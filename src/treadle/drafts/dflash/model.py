@@ -42,6 +42,7 @@ from transformers.activations import ACT2FN
 from treadle.drafts.kind import init_dir
 from treadle.drafts.dflash import layout as dflash_layout
 from treadle.drafts.dflash import settings
+from treadle.drafts.dflash import speculators as dflash_speculators
 from treadle.drafts.eagle3.model import draft_rotary, draft_shape
 from treadle.drafts.glide.model import (
     WHOLE, RMSNorm, checked_export, document_ids, init_linears, rotate, sdpa, target_mask,
@@ -171,6 +172,7 @@ class BlockDraftHooks:
 
     kind = KIND
     layout = dflash_layout  # the module that writes and reads its z-lab layout
+    speculators = dflash_speculators  # its speculators table (None: speculators has no class for the kind)
     settings = settings  # the module whose block_size / num_layers give the [draft] keys' defaults
 
     @classmethod
@@ -523,7 +525,8 @@ def draft_from_layout(draft_dir, target, where: str, draft_class=None) -> DFlash
     from treadle.models.finite import check_tensors
 
     draft_class = draft_class or DFlashDraft
-    config = draft_class.layout.read_config(draft_dir)
+    table = draft_class.speculators  # a speculators-format draft read as the layout, for a kind speculators has
+    config = draft_class.layout.read_config(draft_dir, *([table] if table else []))
     if config is None:
         raise UserError(f"{where} {draft_dir} is not a {draft_class.layout_name()}")
     if "target" in config:

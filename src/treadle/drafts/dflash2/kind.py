@@ -11,8 +11,10 @@ from treadle.drafts.kind import DraftKind
 
 class DFlash2(DraftKind):
     settings = settings
-    read_config = staticmethod(layout.read_config)
     speculators = speculators  # `treadle export --to speculators`, draft.init of that format
+
+    def read_config(self, draft_dir) -> dict | None:  # its layout, or speculators' (the table passed in)
+        return layout.read_config(draft_dir, speculators)
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_dflash2(cfg, data_vocab, data_tokenizer_fingerprint, empty)

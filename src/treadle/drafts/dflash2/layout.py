@@ -20,6 +20,8 @@ block_size}`` in z-lab's layer convention, the same tensor names, no embedding o
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import math
 
 import torch
@@ -49,11 +51,11 @@ def is_layout(config: dict) -> bool:
     return ARCHITECTURE in (config.get("architectures") or ()) and "dflash_config" in config
 
 
-def read_config(draft_dir) -> dict | None:
+def read_config(draft_dir, speculators: ModuleType | None = None) -> dict | None:
     """The config.json of a DFlash2 draft in this layout (``treadle_draft_kind`` added to one trained elsewhere), or
     None."""
-    from treadle.drafts.dflash2 import speculators  # a speculators-format draft (its table), read as this layout
-
+    # ``speculators``: the kind's speculators table (its speculators.py, which reads this module: passed in,
+    # not imported), so a speculators-format draft is read as this layout too.
     return layout_config(draft_dir, is_layout, "dflash2", speculators)
 
 

@@ -57,6 +57,7 @@ from treadle.data.packed import IGNORE_INDEX
 from treadle.drafts.dflash.model import DFlashDraft, DFlashLayer, DFlashModel, DFlashOutput, build_dflash, load_dflash
 from treadle.drafts.dflash2 import layout as dflash2_layout
 from treadle.drafts.dflash2 import settings
+from treadle.drafts.dflash2 import speculators as dflash2_speculators
 from treadle.errors import UserError
 from treadle.models.upcast import at_least_fp32
 
@@ -166,6 +167,7 @@ class DFlash2Draft(DFlashDraft):
 
     kind = KIND
     layout = dflash2_layout
+    speculators = dflash2_speculators
 
     def __init__(self, target_config, feature_layers, num_layers: int = settings.dflash.NUM_LAYERS,
                  block_size: int = settings.dflash.BLOCK_SIZE, mask_token_id: int | None = None,

@@ -30,6 +30,8 @@ than DeepSpec's vanilla one, or a draft without its confidence head.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import re
 
 import torch
@@ -76,10 +78,10 @@ def is_layout(config: dict) -> bool:
             or stages)
 
 
-def read_config(draft_dir) -> dict | None:
+def read_config(draft_dir, speculators: ModuleType | None = None) -> dict | None:
     """config.json of a DSpark draft (``treadle_draft_kind`` added to one written elsewhere), or None."""
-    from treadle.drafts.dspark import speculators  # a speculators-format draft (its table), read as this layout
-
+    # ``speculators``: the kind's speculators table (its speculators.py, which reads this module: passed in,
+    # not imported), so a speculators-format draft is read as this layout too.
     return layout_config(draft_dir, is_layout, "dspark", speculators)
 
 

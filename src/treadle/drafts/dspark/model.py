@@ -34,6 +34,7 @@ from treadle.drafts.dflash.model import (
 )
 from treadle.drafts.dspark import layout as dspark_layout
 from treadle.drafts.dspark import settings
+from treadle.drafts.dspark import speculators as dspark_speculators
 from treadle.drafts.glide.model import document_ids
 from treadle.models.chunked_ce import chunked_rows
 from treadle.models.upcast import at_least_fp32
@@ -65,6 +66,7 @@ class DSparkDraft(DFlashDraft):
 
     kind = KIND
     layout = dspark_layout  # the Qwen3DSparkModel layout, not z-lab's
+    speculators = dspark_speculators
     settings = settings  # DSpark's defaults (block 7)
 
     @classmethod

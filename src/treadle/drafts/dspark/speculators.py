@@ -20,9 +20,7 @@ ENGINE_KEYS = ("target_layer_ids", "mask_token_id", "num_anchors", "draft_vocab_
 
 
 def refusal(draft, target_config) -> str | None:
-    from treadle.drafts.dspark.v4 import DSparkStages
-
-    if isinstance(draft, DSparkStages):
+    if getattr(draft, "found", None) is not None:  # dspark/v4.py's DSparkStages (not imported: v4 reads this table)
         return "the draft is the DSpark stages a DeepSeek-V4 target carries; speculators has no class for them"
     return logit_transform_refusal(draft, target_config)
 

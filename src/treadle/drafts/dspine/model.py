@@ -118,6 +118,7 @@ class DSpineDraft(DFlashDraft):
 
     kind = KIND
     layout = dspine_layout
+    speculators = None  # speculators 0.9.0 has no DSpine class
     settings = settings
 
     def __init__(self, target_config, feature_layers, num_layers: int = settings.dflash.NUM_LAYERS,

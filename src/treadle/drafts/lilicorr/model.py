@@ -241,6 +241,7 @@ class LiLiCorrDraft(BlockDraftHooks, nn.Module):
 
     kind = KIND
     layout = lilicorr_layout
+    speculators = None  # speculators 0.9.0 has no LiLiCorr class
 
     def __init__(self, target_config, feature_layers, num_layers: int = dflash_settings.NUM_LAYERS,
                  block_size: int = dflash_settings.BLOCK_SIZE, mask_token_id: int | None = None,

@@ -15,9 +15,11 @@ STITCHED = "stitched"  # the export's subdirectory holding the target checkpoint
 
 class Mtp(DraftKind):
     settings = settings
-    read_config = staticmethod(layout.read_config)
     carried_by_model = True  # MTP pretraining's model export is the checkpoint with its trained layer
     speculators = speculators  # `treadle export --to speculators` (the Qwen families), draft.init of that format
+
+    def read_config(self, draft_dir) -> dict | None:  # its layout, or speculators' (the table passed in)
+        return layout.read_config(draft_dir, speculators)
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_mtp(cfg, data_vocab, data_tokenizer_fingerprint, empty)

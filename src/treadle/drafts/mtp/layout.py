@@ -43,6 +43,8 @@ is the most common silent failure: speculators #1131).
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import json
 import re
 import shutil
@@ -288,12 +290,11 @@ def is_alone(config: dict) -> bool:
         a.endswith("NextN") for a in config.get("architectures") or ())
 
 
-def read_config(draft_dir) -> dict | None:
+def read_config(draft_dir, speculators: ModuleType | None = None) -> dict | None:
     """The config.json of a stand-alone MTP export (``treadle_draft_kind`` added to SGLang's or speculators'), or
     None."""
-    from treadle.drafts.mtp import speculators
-
-    return layout_config(draft_dir, lambda c: is_alone(c) or speculators.is_layout(c), "mtp")
+    # ``speculators``: mtp/speculators.py (which reads this module: passed in, not imported)
+    return layout_config(draft_dir, lambda c: is_alone(c) or bool(speculators and speculators.is_layout(c)), "mtp")
 
 
 def layer_prefix(model_dir: Path) -> tuple[str, dict]:
