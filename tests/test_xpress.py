@@ -185,3 +185,155 @@ def test_config_refusals():
     with pytest.raises(UserError, match=r"lora.rank with draft.kind = 'xpress': adapters on its refiner"):
         load_config(None, base + ["--draft.init=x", "--lora.rank=4"])
     assert load_config(None, base).draft.kind == "xpress"
+
+
+def test_xpress_run_trains_resumes_exports_inits_and_decodes(shards, eagle3_target_dir, tmp_path, capsys):
+    """A run (exact resume), its export in speculators' layout (``--to speculators`` writes the same), a run from that
+    export (draft.init), and spec-eval decoding it losslessly, greedy and sampled."""
+    target_dir = eagle3_target_dir
+    a, b, c = (tmp_path / n for n in "abc")
+    common = ("--draft.loss=mix", "--optim.lr=1e-2", "--draft.anchors=4", *BLOCK)
+    assert main(draft_args(shards, target_dir, a, "--train.max_steps=4", "--checkpoint.every=2", *common)) == 0
+    assert main(draft_args(shards, target_dir, b, "--train.max_steps=4", *common,
+                           f"--checkpoint.resume={a / 'checkpoints' / 'step_2'}")) == 0
+    la, lb = records(a), records(b)
+    assert [la[s] for s in (3, 4)] == [lb[s] for s in (3, 4)]
+    assert records(a, "refined_loss") and records(a, "consistency_loss") and records(a, "eal")
+    wa, wb = load_file(a / "draft" / "model.safetensors"), load_file(b / "draft" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
+    config = json.loads((a / "draft" / "config.json").read_text())
+    assert config["treadle_draft_kind"] == "xpress" and config["speculators_model_type"] == "xpress"
+    assert config["architectures"] == ["XPressSpeculator"] and config["sample_from_anchor"] is False
+    assert (config["block_size"], config["aux_hidden_state_layer_ids"], config["num_jacobi_passes"]) == (6, [1, 3], 6)
+    assert config["speculators_config"]["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 5}]
+    assert any(n.startswith("refiner_head.") for n in wa) and not wa.keys() & {"embed_tokens.weight", "lm_head.weight"}
+    assert main(["export", str(a), "--to", "speculators", str(tmp_path / "spec")]) == 0
+    spec = load_file(tmp_path / "spec" / "model.safetensors")
+    assert spec.keys() == wa.keys() and all(torch.equal(spec[n], wa[n]) for n in wa)
+    assert main(draft_args(shards, target_dir, c, "--train.max_steps=2", *common,
+                           f"--draft.init={tmp_path / 'spec'}")) == 0
+    assert records(c, "eval_loss")[0] == pytest.approx(records(a, "eval_loss")[4], rel=1e-5)
+    out = tmp_path / "spec.json"
+    capsys.readouterr()
+    for extra in ((), ("--temperature", "1")):
+        assert main(["spec-eval", "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma",
+                     "5", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out), *extra]) == 0
+        got = json.loads(out.read_text())
+        assert got["drafter"] == "xpress" and got["lossless"] is (None if extra else True), got
+
+
+@pytest.fixture
+def exported(tmp_path):
+    """(XPressModel, target dir, export dir): a sharp random XPress draft of a saved 4-layer target, exported in
+    speculators' layout as a run's export writes it."""
+    from treadle.checkpoint.export import export_draft
+    from treadle.drafts.targets import target_identity
+
+    model = xpress(block_size=5)
+    target_dir = tmp_path / "target"
+    model.target.save_pretrained(target_dir)
+    out = tmp_path / "export"
+    export_draft(model, model.state_dict(), out, target_dir, target_identity(target_dir, model.target),
+                 DraftConfig(kind="xpress", target=str(target_dir)), step=0, to="speculators")
+    return model, target_dir, out
+
+
+def test_a_draft_trained_elsewhere_in_speculators_layout_imports_and_bad_ones_are_refused(exported, tmp_path):
+    """A speculators-layout XPress directory without treadle's keys (as speculators saves one: its verifier's
+    embedding and head beside, extra config keys) loads as the draft it was; a reduced vocabulary, the other slot
+    convention, a missing refiner tensor or a missing mask token are refused in one line."""
+    model, target_dir, out = exported
+    config = json.loads((out / "config.json").read_text())
+    foreign = {k: v for k, v in config.items() if k not in ("treadle_draft_kind", "target", "target_config",
+                                                            "training")}
+    tensors = load_file(out / "model.safetensors")
+    H, V = TARGET["hidden_size"], model.target.config.vocab_size
+    shipped = {**tensors, "embed_tokens.weight": torch.zeros(V, H), "verifier_lm_head.weight": torch.zeros(V, H)}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text(json.dumps(foreign))
+    save_file(shipped, str(elsewhere / "model.safetensors"))
+    from treadle.drafts.registry import load_draft, read_draft_config
+
+    assert read_draft_config(elsewhere)["treadle_draft_kind"] == "xpress"
+    loaded = load_draft(elsewhere, model.target).draft_model
+    assert loaded.jacobi_passes == 6 and loaded.refiner_head.rank == 16
+    for (name, want), (_, got) in zip(model.draft_model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(want, got), name
+    bad = [({**foreign, "draft_vocab_size": 256}, shipped, "draft_vocab_size = 256"),
+           ({**foreign, "sample_from_anchor": True}, shipped, "sample_from_anchor = true"),
+           ({k: v for k, v in foreign.items() if k != "mask_token_id"}, shipped, "no mask_token_id"),
+           (foreign, {k: v for k, v in shipped.items() if k != "refiner_head.mix_l"}, r"missing \['refiner_head.mix_l'"),
+           (foreign, {**shipped, "d2t": torch.zeros(V, dtype=torch.long)}, "reduced draft vocabulary")]
+    for cfg, weights, message in bad:
+        (elsewhere / "config.json").write_text(json.dumps(cfg))
+        save_file(weights, str(elsewhere / "model.safetensors"))
+        with pytest.raises(UserError, match=message) as got:
+            load_draft(elsewhere, model.target)
+        assert "\n" not in str(got.value)
+
+
+# speculators' side, run in its own process: its loader on the export, then one block anchored at the last input
+# token through its modules (eager attention, the whole context visible) and its refiner's Jacobi passes.
+LOADER = """
+import sys, torch
+from safetensors.torch import load_file, save_file
+from speculators import SpeculatorModel, SpeculatorModelConfig
+out, inputs = sys.argv[1], load_file(sys.argv[2])
+config = SpeculatorModelConfig.from_pretrained(out)
+config.transformer_layer_config._attn_implementation = "eager"  # its flex-attention default compiles on the CPU
+model = SpeculatorModel.from_pretrained(out, config=config).eval()
+block, before, positions = inputs["block"], inputs["before"], inputs["positions"]
+with torch.no_grad():
+    context = model.hidden_norm(model.fc(inputs["aux"]))
+    x = model.embed_tokens(block)
+    rope = model.rotary_emb(x, positions)
+    for layer in model.layers:
+        x = layer(hidden_states=x, target_hidden=context, attention_mask=None, position_ids=positions,
+                  position_embeddings=rope)
+    hidden = model.norm(x)
+    base = model.lm_head(hidden)
+    head = model.refiner_head
+    # speculators 0.9.0's from_pretrained leaves this non-persistent buffer uninitialized (transformers 5 builds the
+    # model on the meta device and fills what the file holds; no file can hold it): set it as its constructor does
+    head.causal_tril.copy_(torch.ones_like(head.causal_tril).tril())
+    cache = head.hidden_cache(hidden)
+    pick = base.argmax(-1)
+    for _ in range(config.num_jacobi_passes):
+        pick[:, 0] = block[:, 0]
+        refined = base + head.block_bias(torch.cat([before, pick[:, :-1]], 1), hcache=cache)
+        pick = refined.argmax(-1)
+save_file({"logits": refined[0].contiguous()}, sys.argv[3])
+print(type(model).__name__, type(config).__name__)
+"""
+
+
+@pytest.mark.skipif(_runnable() is not None, reason=_runnable() or "")
+def test_speculators_own_loader_loads_the_export_and_its_jacobi_block_agrees(exported, tmp_path):
+    """speculators 0.9.0's ``from_pretrained`` opens the export as ``XPressDraftModel`` (the backbone and refiner from
+    the file, embedding and head from the verifier it names) and its modules' block, refined by its head over the
+    recorded number of Jacobi passes, gives the served logits treadle's drafter proposes from."""
+    model, target_dir, out = exported
+    T, draft = 9, model.draft_model
+    ids = torch.randint(0, 500, (1, T), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), capture_features(model.target, draft.feature_layers) as tap:
+        model.target(input_ids=ids[:, :-1])
+        features = tap.take()
+    drafter = XPressDrafter(model)
+    drafter.reset(ids[:, :-1])
+    with torch.no_grad():
+        drafter._absorb(ids, TargetState(None, features))
+        ours = drafter.block_logits(ids)
+    block = torch.full((1, draft.block_size), draft.mask_token_id)
+    block[0, 0] = ids[0, -1]
+    inputs = {"aux": features.contiguous(), "block": block, "before": ids[:, -2:-1].contiguous(),
+              "positions": torch.arange(T - 1 + draft.block_size)[None]}
+    save_file(inputs, str(tmp_path / "inputs.safetensors"))
+    env = {**os.environ, "PYTHONPATH": str(SPECULATORS)}
+    run = subprocess.run([sys.executable, "-c", LOADER, str(out), str(tmp_path / "inputs.safetensors"),
+                          str(tmp_path / "theirs.safetensors")], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-2:] == ["XPressDraftModel", "XPressSpeculatorConfig"]
+    theirs = load_file(str(tmp_path / "theirs.safetensors"))["logits"]
+    torch.testing.assert_close(theirs[1:], ours, rtol=0, atol=1e-4)
+    assert not torch.equal(theirs[1:].argmax(-1), model.draft_logits(drafter.block_states(ids))[0, 1:].argmax(-1))

@@ -30,6 +30,9 @@ BASE_WEIGHT = 0.6
 CE_WEIGHT = 0.1
 TV_WEIGHT = 0.9
 
+# The block's shape keys: DFlash's getters and defaults (block 16, 5 layers: speculators' XPress recipe too).
+block_size, num_layers, slot_gamma = dflash.block_size, dflash.num_layers, dflash.slot_gamma
+
 
 def check(draft) -> None:
     dflash.check(draft)
