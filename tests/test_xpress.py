@@ -12,7 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.helpers import TARGET, assert_greedy_lossless, draft_args, records
+from tests.helpers import (
+    TARGET, assert_greedy_lossless, assert_sampling_exact, assert_spec_eval_decodes, block_draft_rounds,
+    chunked_and_whole, draft_args, records,
+)
+from tests.test_lilicorr import batch_of  # two packed rows over 8 tokens, a gap in the labels
 from tests.test_speculators_format import SPECULATORS, _runnable
 from treadle.cli import main
 from treadle.config import DraftConfig
@@ -23,7 +27,6 @@ from treadle.drafts.xpress.drafter import XPressDrafter
 from treadle.drafts.xpress.model import XPressDraft, XPressModel, jacobi
 from treadle.drafts.xpress.objective import XPressObjective
 from treadle.errors import UserError
-from treadle.models.hf import greedy_continuations
 from treadle.speculative.decode import TargetState, speculative_generate
 from treadle.speculative.sampling import Sampler
 
@@ -48,29 +51,18 @@ def test_training_tau_sim_and_the_drafter_run_the_same_jacobi_passes():
     the refiner's Jacobi passes over the training forward's block anchored at the bonus, its greedy proposal their
     argmax, tau_sim's guesses the same; the passes change the proposal somewhere (the refiner is not a no-op), and
     changing tokens after an anchor moves nothing of its block."""
-    model, prompt_len = xpress().double(), 6
-    torch.manual_seed(2)
-    text = greedy_continuations(model.target, torch.randint(0, 512, (1, prompt_len)), 10)
+    model, prompt_len, gamma = xpress().double(), 6, 5
+    drafter = XPressDrafter(model)
+    (text, positions, features), rounds = block_draft_rounds(model, drafter, prompt_len)
     L = text.shape[1]
-    positions = torch.arange(L)[None]
-    with torch.no_grad(), capture_features(model.target, model.draft_model.feature_layers) as tap:
-        model.target(input_ids=text, position_ids=positions)
-        features = tap.take()
-    anchors = torch.arange(prompt_len, L)[None]
     with torch.no_grad():
-        out = model(text, positions, anchors)
+        out = model(text, positions, torch.arange(prompt_len, L)[None])
         blocks = torch.cat((out.anchor_hidden[:, :, None], out.hidden), 2)
         served = model.served(blocks, text[:, prompt_len:], text[:, prompt_len - 1:-1])
-        guesses = model.chain_guesses(text, 5, chunk=3)
+        guesses = model.chain_guesses(text, gamma, chunk=3)
     assert not torch.equal(served.argmax(-1), model.draft_logits(blocks).argmax(-1))
-    drafter = XPressDrafter(model)
-    drafter.reset(text[:, :prompt_len])
-    given, gamma = 0, 5
-    for s in range(prompt_len, L):
-        n = s - prompt_len
+    for s, n in rounds:
         with torch.no_grad():
-            drafter._absorb(text[:, : s + 1], TargetState(None, features[:, given:s]))
-            given = s
             logits = drafter.block_logits(text[:, : s + 1])
         torch.testing.assert_close(logits.double(), served[0, n, 1:].float().double(), atol=1e-5, rtol=0)
         proposal = drafter.propose(text[:, : s + 1], TargetState(None, features[:, s:s]), gamma, Sampler()).tokens
@@ -108,42 +100,23 @@ def test_the_mixer_is_causal_and_the_passes_reach_a_fixed_point_by_the_block():
     assert torch.equal(passes[-1][:, 1:], seq[:, 1:]) and torch.equal(passes[4], passes[5])
 
 
-def test_xpress_speculative_decoding_is_lossless():
-    """Greedy: the target's own continuation at every gamma up to block_size - 1; gamma = block_size is refused."""
+@pytest.mark.usefixtures("one_thread")
+def test_xpress_decoding_is_exact_greedy_and_sampled():
+    """Greedy: the target's own continuation at every gamma up to block_size - 1 (gamma = block_size refused).
+    Sampled (block 3, a confident draft and refiner far from the target and from uniform, every slot drawn from the
+    last Jacobi pass's row): the chi-square test against the target's exact distribution."""
     model = xpress()
     prompt, _ = assert_greedy_lossless(model, XPressDrafter)
     with pytest.raises(ValueError, match="block_size - 1 = 5"):
         speculative_generate(model.target, XPressDrafter(model), prompt, gamma=6, max_new_tokens=8)
-
-
-@pytest.mark.usefixtures("one_thread")
-def test_xpress_sampled_verification_has_the_targets_distribution():
-    """tests/test_spec_sampling.py's chi-square test with an XPress drafter (block 3, every slot drawn from the last
-    Jacobi pass's row)."""
-    from tests.test_spec_sampling import (
-        RUNS, chi_square, critical, exact_distribution, sampling_noise_tv, speculative_counts, tiny, total_variation,
-    )
+    from tests.test_spec_sampling import tiny
 
     target = tiny(0)
     torch.manual_seed(1)
-    model = XPressModel(target, XPressDraft(target.config, (1,), 1, 3, 3, rank=4)).eval()
-    for p in model.draft_model.parameters():  # a confident draft and refiner, far from the target and uniform
+    sampled = XPressModel(target, XPressDraft(target.config, (1,), 1, 3, 3, rank=4)).eval()
+    for p in sampled.draft_model.parameters():
         torch.nn.init.normal_(p, std=1.0)
-    sampler = Sampler(1.0, 1.0, torch.Generator().manual_seed(0))
-    dist = exact_distribution(target, sampler)
-    counts = speculative_counts(target, XPressDrafter(model), sampler, RUNS, gamma=2)
-    stat, dof = chi_square(counts, dist, RUNS)
-    assert stat < critical(dof), (stat, dof)
-    assert total_variation(counts, dist, RUNS) < 2 * sampling_noise_tv(dist, RUNS)
-
-
-def batch_of(seed=0, T=24, vocab=8):
-    torch.manual_seed(seed)
-    ids = torch.randint(0, vocab, (2, T))
-    labels = torch.cat((ids[:, 1:], torch.full((2, 1), -100)), 1)
-    labels[0, 5:9] = -100
-    positions = torch.cat((torch.arange(T // 2), torch.arange(T // 2)))[None].expand(2, -1)
-    return {"input_ids": ids, "position_ids": positions, "labels": labels, "order_position": torch.tensor([3, 4])}
+    assert_sampling_exact(target, XPressDrafter(sampled))
 
 
 def test_the_objective_is_the_recipes_terms_and_chunked_equals_whole():
@@ -155,19 +128,8 @@ def test_the_objective_is_the_recipes_terms_and_chunked_equals_whole():
     model = xpress(vocab=8, std=0.5).double().train()
     batch = batch_of()
     cfg = DraftConfig(kind="xpress", target="t", block_size=6, num_layers=2, loss="mix")
-    got = {}
-    for chunk in (0, 7):
-        model.loss_chunk_tokens = chunk
-        model.zero_grad()
-        loss, side = XPressObjective(cfg, 24, 512)(model, batch)
-        loss.sum().backward()
-        got[chunk] = (loss.detach(), side, {n: p.grad.clone() for n, p in model.draft_model.named_parameters()})
-    (l0, s0, g0), (l1, s1, g1) = got[0], got[7]
-    assert torch.allclose(l0, l1, rtol=1e-10) and s0.keys() == s1.keys()
-    assert all(torch.allclose(s0[k].double(), s1[k].double(), rtol=1e-10) for k in s0), s0
-    assert all(torch.allclose(g0[n], g1[n], rtol=1e-8, atol=1e-12) for n in g0)
+    l0, s0, g0 = chunked_and_whole(model, XPressObjective(cfg, 24, 512), batch)
     assert g0["refiner_head.readout.weight"].abs().sum() > 0 and g0["refiner_head.mix_l"].abs().sum() > 0
-    model.loss_chunk_tokens = 0
     base, _ = DFlashObjective(cfg.model_copy(update={"kind": "dflash"}), 24, 512)(model, batch)
     refiner = s0["refined_loss"] + s0["consistency_loss"]
     assert float(s0["refined_loss"]) > 0 and float(s0["consistency_loss"]) > 0
@@ -213,13 +175,8 @@ def test_xpress_run_trains_resumes_exports_inits_and_decodes(shards, eagle3_targ
     assert main(draft_args(shards, target_dir, c, "--train.max_steps=2", *common,
                            f"--draft.init={tmp_path / 'spec'}")) == 0
     assert records(c, "eval_loss")[0] == pytest.approx(records(a, "eval_loss")[4], rel=1e-5)
-    out = tmp_path / "spec.json"
     capsys.readouterr()
-    for extra in ((), ("--temperature", "1")):
-        assert main(["spec-eval", "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma",
-                     "5", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out), *extra]) == 0
-        got = json.loads(out.read_text())
-        assert got["drafter"] == "xpress" and got["lossless"] is (None if extra else True), got
+    assert_spec_eval_decodes(target_dir, a, "xpress", tmp_path / "spec.json")
 
 
 @pytest.fixture
@@ -263,7 +220,8 @@ def test_a_draft_trained_elsewhere_in_speculators_layout_imports_and_bad_ones_ar
     bad = [({**foreign, "draft_vocab_size": 256}, shipped, "draft_vocab_size = 256"),
            ({**foreign, "sample_from_anchor": True}, shipped, "sample_from_anchor = true"),
            ({k: v for k, v in foreign.items() if k != "mask_token_id"}, shipped, "no mask_token_id"),
-           (foreign, {k: v for k, v in shipped.items() if k != "refiner_head.mix_l"}, r"missing \['refiner_head.mix_l'"),
+           (foreign, {k: v for k, v in shipped.items() if k != "refiner_head.mix_l"},
+            r"missing \['refiner_head.mix_l'"),
            (foreign, {**shipped, "d2t": torch.zeros(V, dtype=torch.long)}, "reduced draft vocabulary")]
     for cfg, weights, message in bad:
         (elsewhere / "config.json").write_text(json.dumps(cfg))

@@ -39,7 +39,7 @@ KIND = "xpress"
 
 
 class Refiner(nn.Module):
-    """The refiner head; parameter names are speculators' ``XPressRefinerHead``'s (its table writes them as they are)."""
+    """The refiner head; its parameter names are speculators' ``XPressRefinerHead``'s (the layout keeps them)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, block_size: int, rank: int, mlp_ratio: int, std: float):
         super().__init__()
@@ -89,18 +89,8 @@ class XPressDraft(DFlashDraft):
                                     getattr(target_config, "initializer_range", 0.02))
 
     layout = xpress_layout  # speculators' XPressSpeculator layout, its only one (xpress/speculators.py)
-
-    @classmethod
-    def run_options(cls, cfg) -> dict:
-        return {}
-
-    @classmethod
-    def layout_name(cls) -> str:
-        return f"XPress draft in speculators' layout (config.json with speculators_model_type = {xpress_layout.MODEL_TYPE!r})"
-
-    @classmethod
-    def layout_spec(cls, config: dict, target_config, where) -> dict:
-        return xpress_layout.read_spec(config, target_config, where)
+    layout_name = staticmethod(xpress_layout.layout_name)
+    layout_spec = staticmethod(xpress_layout.read_spec)
 
     def refiner_keys(self) -> dict:
         """The refiner's shape as speculators' config states it."""

@@ -56,6 +56,11 @@ def read_config(draft_dir) -> dict | None:
     return layout_config(draft_dir, is_layout, MODEL_TYPE)
 
 
+def layout_name() -> str:
+    """What a directory in this layout holds, as the refusal of one that is not names it."""
+    return f"{TITLE} draft in speculators' layout (config.json with speculators_model_type = {MODEL_TYPE!r})"
+
+
 def layout_export(draft, weights: dict, target_config, dtype, extra: dict) -> tuple[dict, dict]:
     """(tensors, config.json) of ``draft`` in the layout, from its state dict in treadle's names (export dtype)."""
     tensors, zlab = dflash_layout.export(draft, weights, target_config, dtype, {}, table=names(draft))
