@@ -58,7 +58,7 @@ def test_training_tau_sim_and_the_drafter_run_the_same_jacobi_passes():
     with torch.no_grad():
         out = model(text, positions, torch.arange(prompt_len, L)[None])
         blocks = torch.cat((out.anchor_hidden[:, :, None], out.hidden), 2)
-        served = model.served(blocks, text[:, prompt_len:], text[:, prompt_len - 1:-1])
+        served = model.served(blocks, text[:, prompt_len:])
         guesses = model.chain_guesses(text, gamma, chunk=3)
     assert not torch.equal(served.argmax(-1), model.draft_logits(blocks).argmax(-1))
     for s, n in rounds:
@@ -91,11 +91,11 @@ def test_the_mixer_is_causal_and_the_passes_reach_a_fixed_point_by_the_block():
     moved = refiner(summary, later)
     assert torch.equal(bias[:, :3], moved[:, :3]) and not torch.equal(bias[:, 3], moved[:, 3])
     base = model.draft_logits(hidden)
-    anchor, before = torch.tensor([5, 6]), torch.tensor([7, 8])
-    passes = [r.argmax(-1) for r in jacobi(refiner, base, summary, anchor, before, 6)]
+    anchor = torch.tensor([5, 6])
+    passes = [r.argmax(-1) for r in jacobi(refiner, base, summary, anchor, 6)]
     seq = torch.zeros(2, 5, dtype=torch.long)
     for k in range(1, 5):
-        prev = torch.cat((before[:, None], anchor[:, None], seq[:, 1:-1]), -1)
+        prev = torch.cat((anchor[:, None], anchor[:, None], seq[:, 1:-1]), -1)
         seq[:, k] = (base + refiner(summary, prev))[:, k].argmax(-1)
     assert torch.equal(passes[-1][:, 1:], seq[:, 1:]) and torch.equal(passes[4], passes[5])
 
@@ -241,7 +241,7 @@ out, inputs = sys.argv[1], load_file(sys.argv[2])
 config = SpeculatorModelConfig.from_pretrained(out)
 config.transformer_layer_config._attn_implementation = "eager"  # its flex-attention default compiles on the CPU
 model = SpeculatorModel.from_pretrained(out, config=config).eval()
-block, before, positions = inputs["block"], inputs["before"], inputs["positions"]
+block, positions = inputs["block"], inputs["positions"]
 with torch.no_grad():
     context = model.hidden_norm(model.fc(inputs["aux"]))
     x = model.embed_tokens(block)
@@ -259,7 +259,8 @@ with torch.no_grad():
     pick = base.argmax(-1)
     for _ in range(config.num_jacobi_passes):
         pick[:, 0] = block[:, 0]
-        refined = base + head.block_bias(torch.cat([before, pick[:, :-1]], 1), hcache=cache)
+        # the anchor stands in for its own predecessor at slot 0, as vLLM serves XPress
+        refined = base + head.block_bias(torch.cat([block[:, :1], pick[:, :-1]], 1), hcache=cache)
         pick = refined.argmax(-1)
 save_file({"logits": refined[0].contiguous()}, sys.argv[3])
 print(type(model).__name__, type(config).__name__)
@@ -284,8 +285,7 @@ def test_speculators_own_loader_loads_the_export_and_its_jacobi_block_agrees(exp
         ours = drafter.block_logits(ids)
     block = torch.full((1, draft.block_size), draft.mask_token_id)
     block[0, 0] = ids[0, -1]
-    inputs = {"aux": features.contiguous(), "block": block, "before": ids[:, -2:-1].contiguous(),
-              "positions": torch.arange(T - 1 + draft.block_size)[None]}
+    inputs = {"aux": features.contiguous(), "block": block, "positions": torch.arange(T - 1 + draft.block_size)[None]}
     save_file(inputs, str(tmp_path / "inputs.safetensors"))
     env = {**os.environ, "PYTHONPATH": str(SPECULATORS)}
     run = subprocess.run([sys.executable, "-c", LOADER, str(out), str(tmp_path / "inputs.safetensors"),

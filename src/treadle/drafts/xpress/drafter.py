@@ -20,6 +20,4 @@ class XPressDrafter(DFlashDrafter):
     def block_logits(self, context_ids: torch.Tensor) -> torch.Tensor:
         """The served logits [block_size - 1, V] of slots 1.. of the block anchored at the last token."""
         blocks = self.block_states(context_ids)[None]  # [1, 1, block, d]
-        anchor = context_ids[:, -1:]
-        before = context_ids[:, -2:-1] if context_ids.shape[1] > 1 else anchor
-        return self.model.served(blocks, anchor, before)[0, 0, 1:].float()
+        return self.model.served(blocks, context_ids[:, -1:])[0, 0, 1:].float()

@@ -10,9 +10,12 @@ vLLM PR #54448 describes serving it:
     bias_k  = readout(c_k + MLP(c_k))                  SwiGLU MLP in the bottleneck, a projection to the vocabulary
     logits_k = base_k + bias_k
 
-``prev_k`` is the token before slot k: the token before the anchor at slot 0 (the anchor itself at the start of a
-document), the anchor at slot 1, then the tokens the block proposes. The slots follow DFlash's convention (slot k
-guesses the token at anchor + k; slot 0 is never scored), speculators' ``sample_from_anchor = false``.
+``prev_k`` is the token before slot k: the anchor at slot 1, then the tokens the block proposes; slot 0 (the
+anchor's own row, never scored, reaching the drafts through the mixer's first column) reads the anchor too, as vLLM
+PR #54448 serves it (``xpress/speculator.py``: the anchor's predecessor is not in reach of its drafter, so the anchor
+stands in for it); speculators' trainer feeds the token before the anchor there, and treadle trains what the engine
+serves. The slots follow DFlash's convention (slot k guesses the token at anchor + k; slot 0 is never scored),
+speculators' ``sample_from_anchor = false``.
 
 Jacobi passes (what decode serves): start from the backbone's argmax, then ``passes`` times set slot 0 to the anchor,
 feed the refiner the previous pass's argmax as ``prev`` and take the refined argmax; the last pass's logits are the
@@ -107,13 +110,12 @@ class XPressOutput(DFlashOutput):
     refined_ce: torch.Tensor | None = None
 
 
-def jacobi(refiner: Refiner, base: torch.Tensor, summary: torch.Tensor, anchor: torch.Tensor, before: torch.Tensor,
-           passes: int):
+def jacobi(refiner: Refiner, base: torch.Tensor, summary: torch.Tensor, anchor: torch.Tensor, passes: int):
     """The refined logits [..., block, V] of each of ``passes`` Jacobi passes (yielded in turn) over blocks whose
-    backbone logits are ``base`` [..., block, V]; ``anchor`` / ``before`` [...]: the anchor and the token before it."""
+    backbone logits are ``base`` [..., block, V] and whose anchors are ``anchor`` [...]."""
     pick = base.detach().argmax(-1)
     for _ in range(passes):
-        prev = torch.cat((before[..., None], anchor[..., None], pick[..., 1:-1]), -1)
+        prev = torch.cat((anchor[..., None], anchor[..., None], pick[..., 1:-1]), -1)
         refined = base + refiner(summary, prev).to(base.dtype)
         yield refined
         pick = refined.detach().argmax(-1)
@@ -137,24 +139,16 @@ class XPressModel(DFlashModel):
         """The backbone's logits [..., block, V] of blocks' every slot (the shared head, the target's transform)."""
         return self.draft_logits(blocks)
 
-    def anchor_tokens(self, input_ids: torch.Tensor, anchors: torch.Tensor,
-                      doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, N] the anchors' tokens, [B, N] the token before each in its document, else the anchor's own)."""
-        anchor = input_ids.gather(1, anchors)
-        before = (anchors - 1).clamp_min(0)
-        inside = (anchors >= 1) & (doc.gather(1, before) == doc.gather(1, anchors))
-        return anchor, torch.where(inside, input_ids.gather(1, before), anchor)
-
-    def served(self, blocks: torch.Tensor, anchor: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    def served(self, blocks: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """The logits [..., block, V] decode proposes from: the last of the draft's Jacobi passes."""
         refiner = self.draft_model.refiner_head
         base = self.slot_logits(blocks)
         out = base
-        for out in jacobi(refiner, base, refiner.summary(blocks), anchor, before, self.draft_model.jacobi_passes):
+        for out in jacobi(refiner, base, refiner.summary(blocks), anchor, self.draft_model.jacobi_passes):
             pass
         return out
 
-    def _block_terms(self, blocks, teacher, tf_prev, anchor, before, scored, teacher_is_hidden: bool):
+    def _block_terms(self, blocks, teacher, tf_prev, anchor, scored, teacher_is_hidden: bool):
         """Per block and slot 1.. (first dimension: blocks): the refiner's teacher-forced loss, its free-running
         rounds' mean loss, its teacher-forced CE on the target's argmax and whether the served argmax is the
         target's (what ``head_scores`` computes, a chunk of blocks at a time)."""
@@ -166,11 +160,11 @@ class XPressModel(DFlashModel):
         summary = refiner.summary(blocks)
         tf = (base + refiner(summary, tf_prev).to(base.dtype))[:, 1:]
         refined = refiner_loss(tf, teacher)
-        rounds = [refiner_loss(r[:, 1:], teacher) for r in jacobi(refiner, base, summary, anchor, before,
+        rounds = [refiner_loss(r[:, 1:], teacher) for r in jacobi(refiner, base, summary, anchor,
                                                                    settings.CONSISTENCY_PASSES)]
         with torch.no_grad():
             last = base
-            for last in jacobi(refiner, base, summary, anchor, before, self.draft_model.jacobi_passes):
+            for last in jacobi(refiner, base, summary, anchor, self.draft_model.jacobi_passes):
                 pass
             hit = last[:, 1:].argmax(-1) == teacher.argmax(-1)
             ce = -F.log_softmax(at_least_fp32(tf), -1).gather(-1, teacher.argmax(-1, keepdim=True)).squeeze(-1)
@@ -183,14 +177,14 @@ class XPressModel(DFlashModel):
         out = XPressOutput(**{f.name: getattr(out, f.name) for f in fields(out)})
         blocks = torch.cat((out.anchor_hidden[:, :, None], out.hidden), 2)
         B, N, S, _ = blocks.shape
-        anchor, before = self.anchor_tokens(input_ids, anchors, doc)
+        anchor = input_ids.gather(1, anchors)
         rows = (anchors[..., None] + torch.arange(S - 1, device=anchors.device)).clamp_max(input_ids.shape[1] - 1)
-        tf_prev = torch.cat((before[..., None], input_ids.gather(1, rows.flatten(1)).view(B, N, S - 1)), -1)
+        tf_prev = torch.cat((anchor[..., None], input_ids.gather(1, rows.flatten(1)).view(B, N, S - 1)), -1)
         scored = (slot_labels != -100) if slot_labels is not None else torch.ones(B, N, S - 1, dtype=torch.bool,
                                                                                   device=blocks.device)
         teacher_is_hidden = out.target_logits is None
         teacher = out.teacher_hidden if teacher_is_hidden else out.target_logits
-        flat = [x.flatten(0, 1) for x in (blocks, teacher, tf_prev, anchor, before, scored.to(blocks.dtype))]
+        flat = [x.flatten(0, 1) for x in (blocks, teacher, tf_prev, anchor, scored.to(blocks.dtype))]
 
         def terms(*chunk):
             return self._block_terms(*chunk, teacher_is_hidden=teacher_is_hidden)
@@ -203,5 +197,4 @@ class XPressModel(DFlashModel):
 
     def block_guesses(self, texts, anchors, blocks, features, doc, gamma: int) -> torch.Tensor:
         """tau_sim's guesses: the served Jacobi argmax of slots 1..gamma."""
-        anchor, before = self.anchor_tokens(texts, anchors, doc)
-        return self.served(blocks, anchor, before)[:, :, 1 : gamma + 1].argmax(-1)
+        return self.served(blocks, texts.gather(1, anchors))[:, :, 1 : gamma + 1].argmax(-1)
