@@ -4,6 +4,7 @@ distribution-correct sampled decoding, the objective (its terms, chunked = whole
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -30,6 +31,9 @@ from treadle.errors import UserError
 from treadle.speculative.decode import TargetState, speculative_generate
 from treadle.speculative.sampling import Sampler
 
+# vLLM's xpress_head.* names (qwen3_xpress.py @15ba199f: XPressRefinerHead.HYBRID_KEY_MAP's checkpoint side).
+VLLM_HEAD = {"w1.weight", "down_h.weight", "down_g.weight", "in_proj.weight", "mix.L", "mlp.gate_proj.weight",
+             "mlp.up_proj.weight", "mlp.down_proj.weight", "w2.weight"}
 BLOCK = ("--draft.kind=xpress", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4")
 
 
@@ -150,8 +154,9 @@ def test_config_refusals():
 
 
 def test_xpress_run_trains_resumes_exports_inits_and_decodes(shards, eagle3_target_dir, tmp_path, capsys):
-    """A run (exact resume), its export in speculators' layout (``--to speculators`` writes the same), a run from that
-    export (draft.init), and spec-eval decoding it losslessly, greedy and sampled."""
+    """A run (exact resume) exporting vLLM's Qwen3XPressModel layout (the names and keys its loader reads), the same
+    draft in speculators' layout (``--to speculators``), a run from that export (draft.init), and spec-eval decoding
+    the run's export losslessly, greedy and sampled."""
     target_dir = eagle3_target_dir
     a, b, c = (tmp_path / n for n in "abc")
     common = ("--draft.loss=mix", "--optim.lr=1e-2", "--draft.anchors=4", *BLOCK)
@@ -163,15 +168,22 @@ def test_xpress_run_trains_resumes_exports_inits_and_decodes(shards, eagle3_targ
     assert records(a, "refined_loss") and records(a, "consistency_loss") and records(a, "eal")
     wa, wb = load_file(a / "draft" / "model.safetensors"), load_file(b / "draft" / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
-    config = json.loads((a / "draft" / "config.json").read_text())
-    assert config["treadle_draft_kind"] == "xpress" and config["speculators_model_type"] == "xpress"
-    assert config["architectures"] == ["XPressSpeculator"] and config["sample_from_anchor"] is False
-    assert (config["block_size"], config["aux_hidden_state_layer_ids"], config["num_jacobi_passes"]) == (6, [1, 3], 6)
-    assert config["speculators_config"]["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 5}]
-    assert any(n.startswith("refiner_head.") for n in wa) and not wa.keys() & {"embed_tokens.weight", "lm_head.weight"}
+    config = json.loads((a / "draft" / "config.json").read_text())  # vLLM's Qwen3XPressModel layout
+    assert config["treadle_draft_kind"] == "xpress" and config["architectures"] == ["Qwen3XPressModel"]
+    assert config["dflash_config"]["target_layer_ids"] == [0, 2] and "auto_map" not in config
+    assert {k: config[k] for k in config if k.startswith("xpress_")} == {
+        "xpress_block_size": 6, "xpress_rank": 256, "xpress_mlp_hidden": 512, "xpress_num_passes": 6}
+    assert {n[len("xpress_head."):] for n in wa if n.startswith("xpress_head.")} == VLLM_HEAD
+    assert not wa.keys() & {"embed_tokens.weight", "lm_head.weight", "d2t", "t2d"}
     assert main(["export", str(a), "--to", "speculators", str(tmp_path / "spec")]) == 0
     spec = load_file(tmp_path / "spec" / "model.safetensors")
-    assert spec.keys() == wa.keys() and all(torch.equal(spec[n], wa[n]) for n in wa)
+    sconfig = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert sconfig["speculators_model_type"] == "xpress" and sconfig["architectures"] == ["XPressSpeculator"]
+    assert (sconfig["block_size"], sconfig["aux_hidden_state_layer_ids"], sconfig["sample_from_anchor"]) == (
+        6, [1, 3], False)
+    assert sconfig["speculators_config"]["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 5}]
+    assert len(spec) == len(wa) and torch.equal(spec["refiner_head.mix_l"], wa["xpress_head.mix.L"])
+    assert torch.equal(spec["refiner_head.readout.weight"], wa["xpress_head.w2.weight"])
     assert main(draft_args(shards, target_dir, c, "--train.max_steps=2", *common,
                            f"--draft.init={tmp_path / 'spec'}")) == 0
     assert records(c, "eval_loss")[0] == pytest.approx(records(a, "eval_loss")[4], rel=1e-5)
@@ -180,9 +192,9 @@ def test_xpress_run_trains_resumes_exports_inits_and_decodes(shards, eagle3_targ
 
 
 @pytest.fixture
-def exported(tmp_path):
+def exported(tmp_path, request):
     """(XPressModel, target dir, export dir): a sharp random XPress draft of a saved 4-layer target, exported in
-    speculators' layout as a run's export writes it."""
+    speculators' layout or (``draft``) vLLM's, as treadle's export writes them."""
     from treadle.checkpoint.export import export_draft
     from treadle.drafts.targets import target_identity
 
@@ -191,21 +203,24 @@ def exported(tmp_path):
     model.target.save_pretrained(target_dir)
     out = tmp_path / "export"
     export_draft(model, model.state_dict(), out, target_dir, target_identity(target_dir, model.target),
-                 DraftConfig(kind="xpress", target=str(target_dir)), step=0, to="speculators")
+                 DraftConfig(kind="xpress", target=str(target_dir)), step=0, to=getattr(request, "param", "speculators"))
     return model, target_dir, out
 
 
-def test_a_draft_trained_elsewhere_in_speculators_layout_imports_and_bad_ones_are_refused(exported, tmp_path):
-    """A speculators-layout XPress directory without treadle's keys (as speculators saves one: its verifier's
-    embedding and head beside, extra config keys) loads as the draft it was; a reduced vocabulary, the other slot
-    convention, a missing refiner tensor or a missing mask token are refused in one line."""
+@pytest.mark.parametrize("exported", ["speculators", "draft"], indirect=True)
+def test_a_draft_trained_elsewhere_imports_and_bad_ones_are_refused(exported, tmp_path):
+    """An XPress directory in speculators' or vLLM's layout without treadle's keys (as the trainer saves one, copies
+    of the verifier's embedding and head beside) loads as the draft it was; a reduced vocabulary, the other slot
+    convention, a missing refiner tensor, a missing mask token or an MLP width off the rank are refused in one
+    line."""
     model, target_dir, out = exported
     config = json.loads((out / "config.json").read_text())
     foreign = {k: v for k, v in config.items() if k not in ("treadle_draft_kind", "target", "target_config",
                                                             "training")}
     tensors = load_file(out / "model.safetensors")
     H, V = TARGET["hidden_size"], model.target.config.vocab_size
-    shipped = {**tensors, "embed_tokens.weight": torch.zeros(V, H), "verifier_lm_head.weight": torch.zeros(V, H)}
+    head = "verifier_lm_head.weight" if "speculators_model_type" in config else "lm_head.weight"
+    shipped = {**tensors, "embed_tokens.weight": torch.zeros(V, H), head: torch.zeros(V, H)}
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "config.json").write_text(json.dumps(foreign))
@@ -217,12 +232,16 @@ def test_a_draft_trained_elsewhere_in_speculators_layout_imports_and_bad_ones_ar
     assert loaded.jacobi_passes == 6 and loaded.refiner_head.rank == 16
     for (name, want), (_, got) in zip(model.draft_model.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(want, got), name
-    bad = [({**foreign, "draft_vocab_size": 256}, shipped, "draft_vocab_size = 256"),
-           ({**foreign, "sample_from_anchor": True}, shipped, "sample_from_anchor = true"),
-           ({k: v for k, v in foreign.items() if k != "mask_token_id"}, shipped, "no mask_token_id"),
-           (foreign, {k: v for k, v in shipped.items() if k != "refiner_head.mix_l"},
-            r"missing \['refiner_head.mix_l'"),
+    mixer = next(n for n in tensors if n.endswith(("mix_l", "mix.L")))
+    bad = [(foreign, {k: v for k, v in shipped.items() if k != mixer}, rf"missing \['{re.escape(mixer)}'"),
            (foreign, {**shipped, "d2t": torch.zeros(V, dtype=torch.long)}, "reduced draft vocabulary")]
+    if "speculators_model_type" in foreign:
+        bad += [({**foreign, "draft_vocab_size": 256}, shipped, "draft_vocab_size = 256"),
+                ({**foreign, "sample_from_anchor": True}, shipped, "sample_from_anchor = true"),
+                ({k: v for k, v in foreign.items() if k != "mask_token_id"}, shipped, "no mask_token_id")]
+    else:
+        bad += [({**foreign, "xpress_mlp_hidden": 20}, shipped, "xpress_mlp_hidden = 20 is not a multiple"),
+                ({**foreign, "vocab_size": 256}, shipped, "vocab_size = 256 does not fit")]
     for cfg, weights, message in bad:
         (elsewhere / "config.json").write_text(json.dumps(cfg))
         save_file(weights, str(elsewhere / "model.safetensors"))

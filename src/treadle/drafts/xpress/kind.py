@@ -1,12 +1,12 @@
-"""XPress as a draft kind (drafts/kind.py): DFlash's kind with XPress's classes; its layout is speculators' (the
-kind's own export and its ``speculators`` table are the same writer)."""
+"""XPress as a draft kind (drafts/kind.py): DFlash's kind with XPress's classes; its export is vLLM's
+Qwen3XPressModel layout (xpress/layout.py), its ``speculators`` table speculators' XPressSpeculator one."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from treadle.drafts.dflash.kind import DFlash
-from treadle.drafts.xpress import settings, speculators
+from treadle.drafts.xpress import layout, settings, speculators
 from treadle.drafts.xpress.drafter import XPressDrafter
 from treadle.drafts.xpress.model import XPressModel
 from treadle.drafts.xpress.objective import XPressObjective
@@ -17,19 +17,19 @@ class XPress(DFlash):
     model_class = XPressModel
     objective_class = XPressObjective
     drafter_class = XPressDrafter
-    layout = speculators
-    speculators = speculators  # `treadle export --to speculators` writes what the run's export writes
+    layout = layout
+    speculators = speculators  # `treadle export --to speculators`
 
     def max_gamma(self, config: dict) -> int | None:
-        return speculators.drafts_per_block(config)
+        return layout.drafts_per_block(config)
 
     def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
-        """Always speculators' XPressSpeculator layout (xpress/speculators.py)."""
-        return speculators.layout_export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
+        """Always vLLM's Qwen3XPressModel layout (xpress/layout.py)."""
+        return layout.export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
 
     def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
                     target_dir: Path | None = None) -> None:
-        """None: no remote code opens this layout (speculators' package and vLLM do)."""
+        """None: no remote code opens this layout (vLLM's model class does)."""
 
 
 XPRESS = XPress()

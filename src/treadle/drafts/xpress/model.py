@@ -34,7 +34,7 @@ from torch import nn
 
 from treadle.drafts.dflash.model import DFlashDraft, DFlashModel, DFlashOutput
 from treadle.drafts.xpress import settings
-from treadle.drafts.xpress import speculators as xpress_layout
+from treadle.drafts.xpress import layout as xpress_layout
 from treadle.models.chunked_ce import chunked_rows
 from treadle.models.upcast import at_least_fp32
 
@@ -91,7 +91,7 @@ class XPressDraft(DFlashDraft):
         self.refiner_head = Refiner(self.shape.hidden_size, target_config.vocab_size, block_size, rank, mlp_ratio,
                                     getattr(target_config, "initializer_range", 0.02))
 
-    layout = xpress_layout  # speculators' XPressSpeculator layout, its only one (xpress/speculators.py)
+    layout = xpress_layout  # vLLM's Qwen3XPressModel layout, speculators' read too (xpress/layout.py)
     layout_name = staticmethod(xpress_layout.layout_name)
     layout_spec = staticmethod(xpress_layout.read_spec)
 

@@ -1,6 +1,6 @@
-"""The XPress draft on disk: speculators' ``XPressSpeculator`` layout, XPress's only one (its run's ``draft/``,
-``treadle export`` and ``--to speculators`` write it; ``draft.init`` and spec-eval read it), and its table in the
-speculators format (drafts/speculators_format.py).
+"""The XPress draft in speculators' ``XPressSpeculator`` layout: its table in the speculators format
+(drafts/speculators_format.py: ``treadle export --to speculators`` writes it; ``draft.init`` and spec-eval read it,
+xpress/layout.py dispatching).
 
 Read for this: speculators 0.9.0 (PyPI wheel built 2026-10-15, the package ``make test-oldest`` unpacks):
 ``speculators/models/xpress/config.py`` (``XPressSpeculatorConfig``: DFlash's fields plus ``sample_from_anchor``
@@ -11,7 +11,7 @@ false = slot 0 the anchor, ``xpress_rank``, ``xpress_mlp_ratio``, ``num_jacobi_p
 draft layers, ``aux_hidden_state_layer_ids``, ``mask_token_id``, ``block_size``, ``draft_vocab_size``; tensors
 ``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj`` / ``{q,k}_norm``,
 ``layers.{i}.mlp.{gate,up,down}_proj``, ``layers.{i}.{input,post_attention}_layernorm``: z-lab's DFlash names,
-drafts/dflash/layout.py). vLLM PR #54448 (open) serves this layout.
+drafts/dflash/layout.py).
 
 - ``config.json``: ``speculators_model_type = "xpress"``, ``architectures = ["XPressSpeculator"]``, the draft layers'
   Qwen3 config in ``transformer_layer_config`` (treadle's DFlash export config minus its z-lab keys: the rotary the
@@ -20,7 +20,7 @@ drafts/dflash/layout.py). vLLM PR #54448 (open) serves this layout.
   indices (vLLM's aux-layer convention: the input of decoder layer i; the verifier's layer count itself is the last
   layer's output), and ``speculators_config`` (one greedy proposal of block_size - 1 drafts, the verifier).
 - ``model.safetensors``: the backbone under z-lab's names and ``refiner_head.*`` under speculators'. No embedding
-  and no head: speculators' ``from_pretrained`` (DFlash's ``load_verifier_weights``) and vLLM take the verifier's.
+  and no head: speculators' ``from_pretrained`` (DFlash's ``load_verifier_weights``) takes the verifier's.
 
 Every name is checked both ways, as for DFlash: a name left over or missing is refused.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 from treadle.drafts import speculators_format
 from treadle.drafts.dflash import layout as dflash_layout
 from treadle.drafts.dflash.model import check_feature_layers
-from treadle.drafts.kind import layout_config
 from treadle.errors import UserError
 
 MODEL_TYPE = "xpress"
@@ -50,15 +49,6 @@ def names(draft) -> dict[str, str]:
 
 def is_layout(config: dict) -> bool:
     return speculators_format.is_format(config) and config["speculators_model_type"] == MODEL_TYPE
-
-
-def read_config(draft_dir) -> dict | None:
-    return layout_config(draft_dir, is_layout, MODEL_TYPE)
-
-
-def layout_name() -> str:
-    """What a directory in this layout holds, as the refusal of one that is not names it."""
-    return f"{TITLE} draft in speculators' layout (config.json with speculators_model_type = {MODEL_TYPE!r})"
 
 
 def layout_export(draft, weights: dict, target_config, dtype, extra: dict) -> tuple[dict, dict]:
@@ -92,8 +82,10 @@ def export(draft, weights: dict, target, dtype, extra: dict) -> tuple[dict, dict
     return layout_export(draft, weights, target.config, dtype, extra)
 
 
-def _int(config: dict, key: str, default: int, where) -> int:
-    value = config.get(key, default)
+def positive(config: dict, key: str, default: int, where) -> int:
+    """``config[key]`` (``default`` when absent or null), refused in one line unless a positive integer."""
+    value = config.get(key)
+    value = default if value is None else value
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise UserError(f"draft {where}: config.json {key} = {value!r}; accepted: a positive integer")
     return value
@@ -122,12 +114,12 @@ def read_spec(config: dict, target_config, where) -> dict:
     if mask is None:
         raise UserError(f"draft {where}: config.json has no mask_token_id; accepted: the target-embedding row the "
                         "draft was trained with")
-    return {"feature_layers": tuple(layers), "num_layers": _int(layer, "num_hidden_layers", 1, where),
-            "block_size": _int(config, "block_size", 8, where),
+    return {"feature_layers": tuple(layers), "num_layers": positive(layer, "num_hidden_layers", 1, where),
+            "block_size": positive(config, "block_size", 8, where),
             "mask_token_id": dflash_layout.mask_token_id({"mask_token_id": mask}, where),
-            "rank": _int(config, "xpress_rank", settings.RANK, where),
-            "mlp_ratio": _int(config, "xpress_mlp_ratio", settings.MLP_RATIO, where),
-            "jacobi_passes": _int(config, "num_jacobi_passes", settings.JACOBI_PASSES, where)}
+            "rank": positive(config, "xpress_rank", settings.RANK, where),
+            "mlp_ratio": positive(config, "xpress_mlp_ratio", settings.MLP_RATIO, where),
+            "jacobi_passes": positive(config, "num_jacobi_passes", settings.JACOBI_PASSES, where)}
 
 
 def import_weights(tensors: dict, draft, where) -> dict:
