@@ -203,7 +203,8 @@ def exported(tmp_path, request):
     model.target.save_pretrained(target_dir)
     out = tmp_path / "export"
     export_draft(model, model.state_dict(), out, target_dir, target_identity(target_dir, model.target),
-                 DraftConfig(kind="xpress", target=str(target_dir)), step=0, to=getattr(request, "param", "speculators"))
+                 DraftConfig(kind="xpress", target=str(target_dir)), step=0,
+                 to=getattr(request, "param", "speculators"))
     return model, target_dir, out
 
 
