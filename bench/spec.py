@@ -135,6 +135,9 @@ COST_8B = {
     # LiLiCorr at 8B: DFlash's, plus a 2-layer correlator over 7 x 8 candidates (counted as two width-d attention +
     # MLP blocks: an upper bound, the PR's correlator is narrower).
     "lilicorr": 2 * _LAYER_8B + 5 * _D * _D + _D * _V + 2 * (4 * _D * _D + 2 * 4 * _D * _D),
+    # XPress at 8B: DFlash's, plus the refiner's two d -> 256 projections and its 256 x V readout, read once per
+    # Jacobi pass (6; the predecessor table is one row per slot).
+    "xpress": 2 * _LAYER_8B + 5 * _D * _D + _D * _V + 2 * _D * 256 + 6 * 256 * _V,
     # An independent draft for an 8B target: a Llama-3.2-1B-like model (16 layers of d 2048, tied 128k head).
     "lm": 16 * (2048 * (2 * 2048 + 2 * 512) + 3 * 2048 * 8192) + 2048 * _V,
     # An MTP module at 8B: eh_proj (2d -> d), one decoder layer of the target's (counted dense: a shipped MoE one
@@ -289,6 +292,9 @@ RECIPES = [
            lambda run, target: exported_drafter(run / "draft", target), "lilicorr", gamma=FRONTIER_GAMMA),
     Recipe("lilicorr-conv", _block_args("lilicorr", DFLASH_BLOCK, "--draft.conv_group_size=16"),
            lambda run, target: exported_drafter(run / "draft", target), "lilicorr", gamma=FRONTIER_GAMMA),
+    # XPress (issue 50): DFlash's backbone and the causal refiner, 6 Jacobi passes (speculators' recipe).
+    Recipe("xpress", _block_args("xpress", DFLASH_BLOCK),
+           lambda run, target: exported_drafter(run / "draft", target), "xpress", gamma=FRONTIER_GAMMA),
     Recipe("lm", _lm_args, lambda run, target: ModelDrafter(load_causal_lm(run / "hf", "lm draft"), name="lm"), "lm"),
     Recipe("prompt-lookup", None, lambda run, target: PromptLookupDrafter(), "prompt-lookup"),
     # MTP heads (a target with an MTP layout: --suite mtp). mtp: a new module trained against the frozen target,
@@ -322,7 +328,7 @@ SUITES = {
     # frontier: every block kind and EAGLE-3 on one contract (the module docstring): regenerated data for all,
     # sampled at T = 1, chains of 7 greedy and at T = 1.
     "frontier": dict(target_config=BENCH_TARGET, target="runs/bench-target", out="runs/bench-spec-frontier",
-                     only="eagle3,dflash,dflash2,dspark,lilicorr", modes="chain,t1", gamma=FRONTIER_GAMMA,
+                     only="eagle3,dflash,dflash2,dspark,lilicorr,xpress", modes="chain,t1", gamma=FRONTIER_GAMMA,
                      regen_all=True, regen_temperature=1.0),
 }
 # What a flag is when neither it nor the suite nor --quick sets it.
@@ -436,7 +442,7 @@ def draft_step_params(recipe: Recipe, drafter, target) -> int:
         return sum(p.numel() for p in drafter.model.draft_model.parameters()) + target.get_output_embeddings().weight.numel()
     if recipe.family == "eagle3":
         return sum(p.numel() for p in drafter.model.draft_model.parameters())  # own head; the embedding is one row
-    if recipe.family in ("dflash", "dflash2", "dspark", "lilicorr"):
+    if recipe.family in ("dflash", "dflash2", "dspark", "lilicorr", "xpress"):
         # its layers and fc (and the kind's own heads), and the target's head it scores the block with
         return sum(p.numel() for p in drafter.model.draft_model.parameters()) + target.get_output_embeddings().weight.numel()
     if recipe.family == "lm":

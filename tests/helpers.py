@@ -157,3 +157,83 @@ def assert_greedy_lossless(model, drafter_cls, gammas=(1, 3, 5), new_tokens: int
         got = speculative_generate(model.target, drafter_cls(model), prompt, gamma=gamma, max_new_tokens=new_tokens)
         assert got.tokens == want, gamma
     return prompt, want
+
+
+def block_draft_rounds(model, drafter, prompt_len: int = 6, new_tokens: int = 10, seed: int = 2):
+    """A block draft's text and drafter, decode round by round: (text [1, L], positions, the target's features
+    [1, L, n * d]), then a generator of (s, n): the drafter has absorbed the features of tokens < s and its next
+    proposal's block is anchored at token s (the n-th anchor from prompt_len), as the decode loop hands them over."""
+    import torch
+
+    from treadle.drafts.targets import capture_features
+    from treadle.models.hf import greedy_continuations
+    from treadle.speculative.decode import TargetState
+
+    torch.manual_seed(seed)
+    text = greedy_continuations(model.target, torch.randint(0, 512, (1, prompt_len)), new_tokens)
+    positions = torch.arange(text.shape[1])[None]
+    with torch.no_grad(), capture_features(model.target, model.draft_model.feature_layers) as tap:
+        model.target(input_ids=text, position_ids=positions)
+        features = tap.take()
+
+    def rounds():
+        drafter.reset(text[:, :prompt_len])
+        given = 0
+        for s in range(prompt_len, text.shape[1]):
+            with torch.no_grad():
+                drafter._absorb(text[:, : s + 1], TargetState(None, features[:, given:s]))
+            given = s
+            yield s, s - prompt_len
+
+    return (text, positions, features), rounds()
+
+
+def assert_sampling_exact(target, drafter, gamma: int = 2):
+    """tests/test_spec_sampling.py's chi-square test of speculative sampling with ``drafter`` against ``target``'s
+    exact distribution (its seeded runs), and the total variation within twice the sampling noise."""
+    import torch
+
+    from tests.test_spec_sampling import (
+        RUNS, chi_square, critical, exact_distribution, sampling_noise_tv, speculative_counts, total_variation,
+    )
+    from treadle.speculative.sampling import Sampler
+
+    sampler = Sampler(1.0, 1.0, torch.Generator().manual_seed(0))
+    dist = exact_distribution(target, sampler)
+    counts = speculative_counts(target, drafter, sampler, RUNS, gamma=gamma)
+    stat, dof = chi_square(counts, dist, RUNS)
+    assert stat < critical(dof), (stat, dof)
+    assert total_variation(counts, dist, RUNS) < 2 * sampling_noise_tv(dist, RUNS)
+
+
+def chunked_and_whole(model, objective, batch, chunk: int = 7):
+    """(loss, side sums, gradients of the draft's parameters) of ``objective`` on ``batch`` with the whole logits,
+    after asserting model.loss_chunk_tokens = ``chunk`` gives the same (float64 model)."""
+    import torch
+
+    got = []
+    for tokens in (0, chunk):
+        model.loss_chunk_tokens = tokens
+        model.zero_grad()
+        loss, side = objective(model, batch)
+        loss.sum().backward()
+        got.append((loss.detach(), side, {n: p.grad.clone() for n, p in model.draft_model.named_parameters()
+                                          if p.grad is not None}))
+    model.loss_chunk_tokens = 0
+    (l0, s0, g0), (l1, s1, g1) = got
+    assert torch.allclose(l0, l1, rtol=1e-10) and s0.keys() == s1.keys()
+    assert all(torch.allclose(s0[k].double(), s1[k].double(), rtol=1e-10) for k in s0), s0
+    assert g0.keys() == g1.keys() and all(torch.allclose(g0[n], g1[n], rtol=1e-8, atol=1e-12) for n in g0)
+    return got[0]
+
+
+def assert_spec_eval_decodes(target_dir, draft_dir, drafter: str, out, gamma: int = 5):
+    """``treadle spec-eval`` on a draft run or export: its ``drafter``, lossless greedy, and sampled at T = 1."""
+    from treadle.cli import main
+
+    for extra in ((), ("--temperature", "1")):
+        assert main(["spec-eval", "--target", str(target_dir), "--draft", str(draft_dir), "--num-prompts", "2",
+                     "--gamma", str(gamma), "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out),
+                     *extra]) == 0
+        got = json.loads(out.read_text())
+        assert got["drafter"] == drafter and got["lossless"] is (None if extra else True), got

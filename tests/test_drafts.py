@@ -34,6 +34,7 @@ def test_each_kind_reads_its_own_layout_in_the_stated_order(tmp_path):
                "dflash2": {"architectures": ["DFlash2DraftModel"], **dflash_like},
                "lilicorr": {"architectures": ["LiLiCorrDraftModel"], **dflash_like},
                "dspine": {"architectures": ["DSpineDraftModel"], **dflash_like},
+               "xpress": {"speculators_model_type": "xpress", "speculators_config": {}},
                None: {"architectures": ["Qwen3ForCausalLM"]},  # a model, not a draft
                "treadle": {"architectures": ["DFlashDraftModel"], **dflash_like, "treadle_draft_kind": "lilicorr"},
                "first": {"architectures": ["DFlashDraftModel"], **dflash_like, "model_type": "gemma4_assistant"}}
@@ -46,7 +47,7 @@ def test_each_kind_reads_its_own_layout_in_the_stated_order(tmp_path):
         assert (read and read["treadle_draft_kind"]) == expected, name
     assert registry.read_draft_config(tmp_path / "absent") is None
     assert [k.name for k in registry.READ_ORDER] == ["frozen_kv", "mtp", "glide", "eagle3", "dflash", "dspark",
-                                                     "dflash2", "lilicorr", "dspine"]
+                                                     "dflash2", "lilicorr", "dspine", "xpress"]
 
 
 def test_a_kind_key_is_refused_without_its_kind():
@@ -56,13 +57,12 @@ def test_a_kind_key_is_refused_without_its_kind():
 
     with pytest.raises(UserError, match=r"draft.init is set but draft.kind = None; accepted: draft.kind = 'dflash' or "
                                         r"'dflash2' or 'dspark' or 'dspine' or 'eagle3' or 'frozen_kv' or 'glide' "
-                                        r"or 'lilicorr' "
-                                        r"or 'mtp', or leave it unset"):
+                                        r"or 'lilicorr' or 'mtp' or 'xpress', or leave it unset"):
         load_config(None, ["--data.train=x", "--draft.init=x"])
     with pytest.raises(UserError, match=r"draft.layout = 'longspec' with draft.kind = 'eagle3'"):
         load_config(None, ["--data.train=x", "--draft.kind=eagle3", "--draft.target=t", "--draft.layout=longspec"])
     with pytest.raises(UserError, match=r"draft.block_size is set but draft.kind = 'eagle3'; accepted: draft.kind = "
-                                        r"'dflash' or 'dflash2' or 'dspark' or 'dspine' or 'lilicorr', "
+                                        r"'dflash' or 'dflash2' or 'dspark' or 'dspine' or 'lilicorr' or 'xpress', "
                                         r"or leave it unset"):
         load_config(None, ["--data.train=x", "--draft.kind=eagle3", "--draft.target=t", "--draft.block_size=8"])
     with pytest.raises(UserError, match=r"draft.gamma = 8 with draft.kind = 'dflash' and a block of 8"):
@@ -94,7 +94,7 @@ def test_every_block_kind_refuses_context_parallelism_in_one_line():
     from treadle.config import load_config
     from treadle.errors import UserError
 
-    for kind in ("dflash", "dflash2", "dspark", "lilicorr", "dspine"):
+    for kind in ("dflash", "dflash2", "dspark", "lilicorr", "dspine", "xpress"):
         with pytest.raises(UserError, match=rf"distributed.context_parallel = 2 with draft.kind = '{kind}'.*accepted: "
                                             r"context_parallel = 1") as got:
             load_config(None, ["--data.train=x", f"--draft.kind={kind}", "--draft.target=t",

@@ -94,7 +94,7 @@ def test_family_drafts_eagle3_everywhere_and_glide_where_it_can_read_the_cache(f
 BLOCK_KINDS = {"dflash": [], "dflash2": ["--draft.conv_group_size=8", "--draft.selector_rank=8",
                                          "--draft.selector_top_k=4"],
                "dspark": ["--draft.markov_rank=8"], "lilicorr": ["--draft.candidates=4"],
-               "dspine": ["--draft.candidates=4"]}
+               "dspine": ["--draft.candidates=4"], "xpress": []}
 DOC, ANCHOR, GAMMA = 12, 5, 3  # two 12-token documents per row, one block anchored at token 5 of each
 
 

@@ -39,7 +39,8 @@ KINDS = {"glide": ("--model.loss_chunk_tokens=64",), "eagle3": ("--draft.kind=ea
          "dflash2": ("--draft.kind=dflash2", "--draft.block_size=6", "--draft.num_layers=2", "--draft.selector_top_k=4",
                      "--draft.selector_rank=16"),
          "lilicorr": ("--draft.kind=lilicorr", "--draft.block_size=6", "--draft.num_layers=2", "--draft.candidates=4"),
-         "dspine": ("--draft.kind=dspine", "--draft.block_size=6", "--draft.num_layers=2", "--draft.candidates=4")}
+         "dspine": ("--draft.kind=dspine", "--draft.block_size=6", "--draft.num_layers=2", "--draft.candidates=4"),
+         "xpress": ("--draft.kind=xpress", "--draft.block_size=6", "--draft.num_layers=2")}
 
 
 def features_args(shards, target, out, *extra):

@@ -74,7 +74,7 @@ def test_a_draft_target_with_nan_is_refused(bad_target):
         build_draft(cfg.draft, 512, None)
 
 
-@pytest.mark.parametrize("kind", ["glide", "eagle3", "dflash", "dspark", "lilicorr"])
+@pytest.mark.parametrize("kind", ["glide", "eagle3", "dflash", "dspark", "lilicorr", "xpress"])
 def test_a_draft_init_with_nan_is_refused_and_so_is_its_export_at_spec_eval(kind, target_dir, eagle3_target_dir,
                                                                              tmp_path):
     from treadle.checkpoint.export import export_draft

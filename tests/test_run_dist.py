@@ -228,6 +228,12 @@ DSPINE = ["--draft.kind=dspine", "--draft.block_size=6", "--draft.num_layers=2",
           "--draft.candidates=4"]
 DRAFT_ENGINES["dspine-zero3"] = DRAFT_ENGINES["zero3"] + DSPINE
 DRAFT_ENGINES["lilicorr-fsdp2"] = DRAFT_ENGINES["fsdp2"] + LILICORR
+# XPress on both (its refiner in the root unit on fsdp2; on ZeRO-3 gathered by its own forwards, the Jacobi passes'
+# too).
+XPRESS = ["--draft.kind=xpress", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4",
+          "--draft.anchors=4"]
+DRAFT_ENGINES["xpress-fsdp2"] = DRAFT_ENGINES["fsdp2"] + XPRESS
+DRAFT_ENGINES["xpress-zero3"] = DRAFT_ENGINES["zero3"] + XPRESS
 # The frozen target split over 2 tensor-parallel ranks for its forward (one data-parallel replica: GA 4), the draft
 # whole on both: EAGLE-3 and the block kinds read its hidden states. LiLiCorr also reads the target's embedding (its
 # candidates' rows) and head, which TP leaves whole.
@@ -237,7 +243,7 @@ DRAFT_ENGINES["dflash-tp2"] = TP2 + DFLASH
 DRAFT_ENGINES["lilicorr-tp2"] = TP2 + LILICORR
 # Each kind's one-process reference run (GA 4: the global batch of every run above).
 ONE_PROCESS = {"glide": [], "eagle3": EAGLE3, "dflash": DFLASH, "dflash2": DFLASH2, "dspark": DSPARK,
-               "lilicorr": LILICORR, "dspine": DSPINE}
+               "lilicorr": LILICORR, "dspine": DSPINE, "xpress": XPRESS}
 
 
 def _kind(name: str) -> str:
@@ -309,7 +315,7 @@ def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, 
                                              backend="gloo"), draft=True)
     message, written = res["glide-tp2"]
     why = "draft.kind = 'glide'" if compat.FSDP2_TRAINS_DRAFTS else "needs torch >= 2.13"  # the first refusal met
-    alternatives = "'eagle3', 'dflash', 'dflash2', 'dspark' or 'lilicorr'"  # every kind that reads hidden states
+    alternatives = "'eagle3', 'dflash', 'dflash2', 'dspark', 'lilicorr' or 'xpress'"  # the kinds reading hidden states
     assert why in message and (not compat.FSDP2_TRAINS_DRAFTS or "per-head K/V" in message and alternatives in message)
     assert "\n" not in message and not written
     for name in DRAFT_ENGINES:
@@ -322,7 +328,8 @@ def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, 
         accuracies = {"eagle3": ("acc_1", "acc_3"), "dflash": ("acc_1", "acc_5", "eal"),
                       "dflash2": ("acc_1", "acc_5", "eal", "selector_ce"),
                       "dspark": ("acc_1", "acc_5", "eal", "confidence_bce"),
-                      "lilicorr": ("acc_1", "acc_5", "eal", "lattice_ce", "lattice_penalty")}.get(kind, ())
+                      "lilicorr": ("acc_1", "acc_5", "eal", "lattice_ce", "lattice_penalty"),
+                      "xpress": ("acc_1", "acc_5", "eal", "refined_loss", "consistency_loss")}.get(kind, ())
         for key in ("loss", "draft_kl", "eval_loss", "eval_acc_1", "tau_sim", "grad_norm") + accuracies:
             a, b = records(ref, key), records(run, key)
             atol = KL_ATOL if key in ("loss", "draft_kl") else 0.0  # draft.loss = "kl": the loss is a KL too

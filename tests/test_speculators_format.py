@@ -94,7 +94,7 @@ def test_draft_init_and_spec_eval_read_the_speculators_export_as_the_draft_it_wa
 def test_a_kind_without_a_speculators_layout_or_a_name_mismatch_is_refused_before_writing(exported, tmp_path):
     model, target, out = exported
     accepted = [k for k, kind in KINDS.items() if kind.speculators is not None]
-    assert {"eagle3", "dflash", "dflash2", "dspark"} <= set(accepted) and "glide" not in accepted
+    assert {"eagle3", "dflash", "dflash2", "dspark", "xpress"} <= set(accepted) and "glide" not in accepted
     from treadle.drafts import speculators_format
     from treadle.drafts.registry import speculators_table
 

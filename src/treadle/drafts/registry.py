@@ -15,10 +15,12 @@ from treadle.drafts.glide.kind import GLIDE
 from treadle.drafts.kind import DraftKind
 from treadle.drafts.lilicorr.kind import LILICORR
 from treadle.drafts.mtp.kind import MTP
+from treadle.drafts.xpress.kind import XPRESS
 from treadle.errors import UserError
 
 # drafts/settings.py's order (tests/test_drafts.py)
-KINDS: dict[str, DraftKind] = {k.name: k for k in (GLIDE, EAGLE3, DFLASH, MTP, FROZEN_KV, DSPARK, DFLASH2, LILICORR, DSPINE)}
+KINDS: dict[str, DraftKind] = {k.name: k for k in (GLIDE, EAGLE3, DFLASH, MTP, FROZEN_KV, DSPARK, DFLASH2, LILICORR,
+                                                   DSPINE, XPRESS)}
 
 # The order read_draft_config asks the kinds' readers in: the first config found wins. GLIDE's is treadle's generic
 # reader (glide/model.py): it takes every treadle export by the treadle_draft_kind it records, so a reader after it

@@ -24,8 +24,10 @@ from treadle.drafts.frozen_kv import settings as frozen_kv
 from treadle.drafts.glide import settings as glide
 from treadle.drafts.lilicorr import settings as lilicorr
 from treadle.drafts.mtp import settings as mtp
+from treadle.drafts.xpress import settings as xpress
 
-KINDS = {k.NAME: k for k in (glide, eagle3, dflash, mtp, frozen_kv, dspark, dflash2, lilicorr, dspine)}
+KINDS = {k.NAME: k for k in (glide, eagle3, dflash, mtp, frozen_kv, dspark, dflash2, lilicorr, dspine,
+                             xpress)}
 NAMES = tuple(KINDS)  # draft.kind's accepted values, in this order (what configuration.md and errors list)
 # Unset unless a kind reads them; checked in this order.
 OPTIONAL_KEYS = ("feature_layers", "vocab_size", "init", "ttt_steps", "block_size", "num_layers", "anchors",

@@ -139,8 +139,8 @@ def check_target(model: nn.Module, tp: int, draft_kind: str) -> None:
     if draft_kind == "glide":
         raise UserError(f"distributed.tensor_parallel = {tp} with draft.kind = 'glide': GLIDE reads the target's "
                         "per-head K/V, which tensor parallelism splits over the ranks; accepted: tensor_parallel = 1, "
-                        "or draft.kind = 'eagle3', 'dflash', 'dflash2', 'dspark' or 'lilicorr' (they read hidden "
-                        "states, whole on every rank)")
+                        "or draft.kind = 'eagle3', 'dflash', 'dflash2', 'dspark', 'lilicorr' or 'xpress' (they read "
+                        "hidden states, whole on every rank)")
     why = _why_not(model, tp)
     if why is not None:
         raise UserError(f"distributed.tensor_parallel = {tp}: the target: {why}; accepted: tensor_parallel = 1 for "

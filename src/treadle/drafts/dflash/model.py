@@ -289,6 +289,9 @@ class DFlashOutput:
     # With a chunked loss: the target's final hidden states at index anchor + k - 1 [B, N, K, d], what its logits at
     # a few ids are computed from (``target_logits`` is never whole then).
     teacher_hidden: torch.Tensor | None = None
+    # The draft's final hidden state of slot 0 (the anchor's row) [B, N, d]: a head over the whole block (XPress's
+    # refiner) reads it beside ``hidden``.
+    anchor_hidden: torch.Tensor | None = None
 
 
 def _slot_scores(hidden: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, config):
@@ -395,7 +398,8 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
         if self.loss_chunk_tokens and slot_labels is not None:
             # Both heads a chunk of rows at a time (here, inside forward: a sharding engine holds the head's weight).
             target_hidden, features = self._target_forward(input_ids, position_ids, hidden=True, reads=reads)
-            hidden = self._blocks(input_ids, position_ids, features, anchors, doc)[:, :, 1:]
+            blocks = self._blocks(input_ids, position_ids, features, anchors, doc)
+            hidden = blocks[:, :, 1:]
             teacher = target_hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, target_hidden.shape[-1]))
             weight, config, chunk = self.target.get_output_embeddings().weight, self.target.config, self.loss_chunk_tokens
             ce, kl, hit, top = chunked_rows(lambda h, t, y: _slot_scores(h, t, weight, y, config),
@@ -407,7 +411,7 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
                     target_ce = chunked_rows(lambda t, y: _target_ce(t, weight, y, config),
                                              [target_hidden.flatten(0, -2), labels.flatten()], chunk)[0].sum()
             out = DFlashOutput(None, None, target_ce, ce.view(B, N, K), kl.view(B, N, K), hit.view(B, N, K),
-                               top.view(B, N, K), hidden, teacher.view(B, N, K, -1))
+                               top.view(B, N, K), hidden, teacher.view(B, N, K, -1), blocks[:, :, 0])
         else:
             target_logits, features = self._target_forward(input_ids, position_ids, reads=reads)
             hidden = self._blocks(input_ids, position_ids, features, anchors, doc)
@@ -415,7 +419,7 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
             target_ce = (row_cross_entropy(target_logits, labels).sum() if labels is not None
                          else target_logits.new_zeros(()))
             out = DFlashOutput(self.draft_logits(hidden[:, :, 1:]), teacher.view(B, N, K, -1), target_ce,
-                               hidden=hidden[:, :, 1:])
+                               hidden=hidden[:, :, 1:], anchor_hidden=hidden[:, :, 0])
         return self.head_scores(out, input_ids, anchors, doc, features, slot_labels)
 
     # ------------------------------------------------------------------ hooks for a head on the slots' candidates
@@ -438,6 +442,12 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
         (a head walks its candidates instead, each slot after the text's tokens before it: what the decode proposes
         wherever the chain has been accepted up to that slot)."""
         return self.draft_logits(hidden).argmax(-1)
+
+    def block_guesses(self, texts: torch.Tensor, anchors: torch.Tensor, blocks: torch.Tensor, features: torch.Tensor,
+                      doc: torch.Tensor, gamma: int) -> torch.Tensor:
+        """``slot_guesses`` of slots 1..gamma from the blocks' every slot [N, n, block_size, d] (a head over the whole
+        block, XPress's refiner, reads the anchor's row and the slots past gamma too)."""
+        return self.slot_guesses(texts, anchors, blocks[:, :, 1 : gamma + 1], features, doc)
 
     def slot_top_k(self, hidden: torch.Tensor, k: int, logits: torch.Tensor | None = None):
         """(logits [..., k], ids [..., k], log-normalizer [...]) of the k best tokens at slots with final hidden
@@ -468,8 +478,8 @@ class DFlashModel(FusedFeatureReads, DraftRunModel):
         slots = []  # per anchor chunk: [N, n, gamma] guesses of slots 1..gamma
         for first in range(0, L, chunk):
             anchors = torch.arange(first, min(L, first + chunk), device=texts.device).expand(N, -1)
-            hidden = self._blocks(texts, positions, features, anchors, doc)[:, :, 1 : gamma + 1]
-            slots.append(self.slot_guesses(texts, anchors, hidden, features, doc))
+            blocks = self._blocks(texts, positions, features, anchors, doc)
+            slots.append(self.block_guesses(texts, anchors, blocks, features, doc, gamma))
         guess = torch.cat(slots, dim=1)  # [N, L, gamma]: anchor a's slot k guesses token a + k
         out = []
         for k in range(1, gamma + 1):  # entry i = a + k - 1
