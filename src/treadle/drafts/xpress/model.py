@@ -92,6 +92,7 @@ class XPressDraft(DFlashDraft):
                                     getattr(target_config, "initializer_range", 0.02))
 
     layout = xpress_layout  # vLLM's Qwen3XPressModel layout, speculators' read too (xpress/layout.py)
+    speculators = None  # no table passed in: the layout reads speculators' format itself
     layout_name = staticmethod(xpress_layout.layout_name)
     layout_spec = staticmethod(xpress_layout.read_spec)
 
