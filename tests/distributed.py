@@ -2,13 +2,15 @@
 
     results = run_distributed(check_something, world_size=2, tmp=str(tmp_path))
 
-``fn(rank, world_size, **kwargs)`` runs in each spawned process, inside a gloo process
+``fn(rank, world_size, **kwargs)`` runs in each rank's process, inside a gloo process
 group made by ``treadle.distributed.init_distributed`` (the project's own launch path,
 with the environment torchrun would set). ``fn`` must be a module-level function (it is
-pickled by name) and return something picklable. Every launch costs several seconds
-(interpreter + torch + transformers imports per rank): make each one check a lot.
-A script (not pytest) that calls this needs an ``if __name__ == "__main__":`` guard, or
-the spawned ranks re-run it.
+pickled by name) and return something picklable. The ranks are forked from a server that
+has imported torch, transformers and treadle once (tests/preloaded.py): each is a new
+process with the caller's environment, working directory and sys.path, its stdout and
+stderr copied to the caller's. Every launch still costs a few seconds (the process group,
+the model): make each one check a lot. A script (not pytest) that calls this needs an
+``if __name__ == "__main__":`` guard, or the ranks re-run it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import faulthandler
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -27,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
+
+from tests import preloaded
 
 # After the first rank fails, the others usually fail on their own within moments (a
 # collective loses its peer); their errors are collected for this long, then they are killed.
@@ -39,7 +44,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout: float, result_dir: str, kwargs: dict) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout: float, result_dir: str, env: dict,
+           kwargs: dict) -> None:
+    preloaded.enter(env, f"{result_dir}/rank{rank}.stdout", f"{result_dir}/rank{rank}.stderr")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # 2 cores, 2 ranks: more threads per rank only make them fight
@@ -61,6 +68,16 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, timeout: float, 
         faulthandler.cancel_dump_traceback_later()
     with open(Path(result_dir) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
+
+
+def _copy_output(result_dir: Path, world_size: int) -> None:
+    """The ranks' stdout and stderr onto the caller's (pytest shows them with a failure, as with spawned ranks)."""
+    for rank in range(world_size):
+        for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            path = result_dir / f"rank{rank}.{name}"
+            if path.is_file() and path.stat().st_size:
+                stream.write(path.read_text(errors="replace"))
+        sys.stdout.flush()
 
 
 class DistributedTestError(RuntimeError):
@@ -90,9 +107,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout: float 
     """
     with tempfile.TemporaryDirectory(prefix="treadle-dist-") as tmp:
         result_dir = Path(tmp)
+        preloaded.context()  # the forkserver, started with its modules preloaded (once a session)
         context = mp.start_processes(
-            _entry, args=(fn, world_size, free_port(), timeout, str(result_dir), kwargs),
-            nprocs=world_size, join=False, start_method="spawn",
+            _entry, args=(fn, world_size, free_port(), timeout, str(result_dir), dict(os.environ), kwargs),
+            nprocs=world_size, join=False, start_method="forkserver",
         )
         processes = context.processes
         deadline = time.monotonic() + timeout
@@ -117,4 +135,5 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout: float 
                 if p.is_alive():
                     p.kill()
                 p.join(5)
+            _copy_output(result_dir, world_size)
         return [pickle.loads((result_dir / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]

@@ -54,6 +54,12 @@ def moe_args(shards, out, *extra):
     ]
 
 
+# spec-eval with one timed pass (its default, 3, times both phases three times for a speed spread): the tests that
+# call it check tau, acceptance and losslessness, computed from the first pass alone; tests/test_spec_decode.py checks
+# --repeats itself.
+SPEC_EVAL = ("spec-eval", "--repeats", "1")
+
+
 def records(run_dir, key="loss"):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r[key] for r in lines if key in r}

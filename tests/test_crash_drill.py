@@ -8,14 +8,14 @@ the uninterrupted run's, bit for bit, and no kill may leave a corrupt checkpoint
 import json
 import os
 import random
-import subprocess
-import sys
 import time
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from tests.helpers import args
+from tests.preloaded import start_treadle
 from treadle.cli import main
 
 DETERMINISTIC = ("step", "loss", "lr", "grad_norm", "tokens", "eval_loss", "eval_tokens", "event")
@@ -52,7 +52,8 @@ def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(shards, tmp_
     ref = tmp_path / "ref"
     assert main(args(shards, ref, *common)) == 0
 
-    cmd_for = lambda run: [sys.executable, "-m", "treadle", *args(shards, run, *common)]  # noqa: E731
+    # Each attempt a process of its own (forked from one that has imported treadle: tests/preloaded.py), which
+    # SIGKILL ends with no chance to clean up, as it ends `python -m treadle`.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     killed, rounds = 0, 0
     while killed < kills:  # a round is one run driven to completion through kills; then it is compared
@@ -61,21 +62,22 @@ def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(shards, tmp_
         metrics = run / "metrics.jsonl"
         while True:
             seen = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-            proc = subprocess.Popen(cmd_for(run), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+            err = tmp_path / f"attempt{rounds}.err"
+            proc = start_treadle(args(shards, run, *common), Path.cwd(), env, Path(os.devnull), err)
             if killed < kills:
                 # Once this attempt is training (a new metrics line), kill it at a random moment:
                 # mid-step, mid-eval, mid-checkpoint or mid-export.
-                while proc.poll() is None and not new_lines(metrics, seen):
+                while proc.exitcode is None and not new_lines(metrics, seen):
                     time.sleep(0.02)
                 time.sleep(rng.uniform(0.0, 1.0))
-                if proc.poll() is None:
+                if proc.exitcode is None:
                     proc.kill()
-                    proc.wait()
+                    proc.join()
                     killed += 1
                     assert_checkpoints_sound(run)
                     continue
-            _, err = proc.communicate(timeout=600)
-            assert proc.returncode == 0, err
+            proc.join(600)
+            assert proc.exitcode == 0, err.read_text()
             break
         assert metric_rows(run) == metric_rows(ref), f"round {rounds} diverged"
         # A kill mid-export left its temporary directory (or the old export set aside): the run finishing removed it.

@@ -240,7 +240,7 @@ def launched_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def launched(launched_dir) -> tuple[list[dict], dict]:
     tmp = str(launched_dir)
-    results = run_distributed(check_deepspeed, world_size=2, timeout=120, tmp=tmp)
+    results = run_distributed(check_deepspeed, world_size=2, timeout=300, tmp=tmp)  # 120 s: too short when loaded
     command = universal_command(Path(tmp) / "zero2").split()
     subprocess.run([sys.executable, *command[1:]], check=True, capture_output=True, timeout=120)
     one_rank = run_distributed(resume_on_one_rank, world_size=1, timeout=120, tmp=tmp)[0]

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.helpers import TARGET, assert_greedy_lossless, draft_args, records
+from tests.helpers import SPEC_EVAL, TARGET, assert_greedy_lossless, draft_args, records
 from treadle.cli import main
 from treadle.drafts.dflash import layout
 from treadle.drafts.dflash.drafter import DFlashDrafter
@@ -288,12 +288,12 @@ def test_dflash_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_ta
     # spec-eval decodes losslessly with the export; sampled verification runs.
     out = tmp_path / "spec.json"
     capsys.readouterr()
-    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma", "5",
+    assert main([*SPEC_EVAL, "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma", "5",
                  "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "dflash" and 1.0 <= got["tau"] <= 6.0
     assert got["draft_forwards_per_round"] == 1.0 and got["device"] == "cpu"  # one forward drafts the block
-    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma", "5",
+    assert main([*SPEC_EVAL, "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma", "5",
                  "--prompt-len", "8", "--max-new-tokens", "12", "--temperature", "1", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["lossless"] is None
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.helpers import TARGET, assert_greedy_lossless, draft_args, records
+from tests.helpers import SPEC_EVAL, TARGET, assert_greedy_lossless, draft_args, records
 from treadle.cli import main
 from treadle.drafts.dflash.model import DFlashDraft, DFlashModel
 from treadle.drafts.dflash2 import layout
@@ -298,7 +298,7 @@ def test_dflash2_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_t
                            "--draft.selector_top_k=8", f"--draft.init={a}")) == 2
     assert "draft.selector_top_k = 8 but draft.init" in capsys.readouterr().err
     out = tmp_path / "spec.json"
-    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma", "5",
+    assert main([*SPEC_EVAL, "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma", "5",
                  "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "dflash2" and got["draft_forwards_per_round"] == 1.0

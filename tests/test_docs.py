@@ -17,15 +17,21 @@ one of:
   output: every one must appear in the command's stdout + stderr, in order (``...`` stands for anything).
 
 Commands run in a temporary directory per page (``configs`` and ``examples`` link to the repository's), all with one
-``TREADLE_CACHE`` that starts empty in this module. README.md's commands run first, once (module fixture), and leave
-the tiny ``runs/demo`` (target) and ``runs/demo-draft`` (GLIDE draft) that the pages after it copy into their
-directory. To fit in a few minutes on 2 cores, commands are shortened by appending exactly:
+``TREADLE_CACHE`` that starts empty in this module. README.md's commands run first, once (module fixture), each in a
+fresh interpreter (``python -m treadle``, as a shell runs ``treadle``), and leave the tiny ``runs/demo`` (target) and
+``runs/demo-draft`` (GLIDE draft) that the pages after it copy into their directory. The other pages' ``treadle``
+commands run ``treadle.cli.main`` in a process forked from one that has imported torch, transformers and treadle
+(tests/preloaded.py: a new process each, its own environment and exit code, without ~3 s of imports each);
+``torchrun`` lines start the real launcher. To fit in a few minutes on 2 cores, commands are shortened by appending
+exactly:
 
 - ``treadle train`` (also under torchrun): ``TRAIN_SHORT`` below (2 steps of 2 sequences, one eval batch, fp32, no
   compile, one thread; ``seq_len`` stays the page's, so SFT examples still fit); and ``TINY_MODEL`` (hidden 32,
   4 layers: the shallowest target with three distinct EAGLE-3 features an engine serves) when the run builds its model from a preset (no ``model.path``, not a draft run), and ``DRAFT_SHORT``
   (2 acceptance prompts of 8 tokens, 12 new) in a draft run or a run with a draft beside its model.
-- ``treadle spec-eval``: ``--num-prompts 2 --prompt-len 16 --max-new-tokens 8 --threads 1``.
+- ``treadle spec-eval``: ``--num-prompts 2 --prompt-len 16 --max-new-tokens 8 --threads 1 --repeats 1`` (one timed
+  pass: the pages' spec-evals are checked for running losslessly, not for their speed spread; tests/test_spec_decode.py
+  checks ``--repeats``).
 - ``treadle generate``: ``--max-new-tokens 8``.
 - ``treadle features``: ``DRAFT_SHORT`` (a store holds the acceptance texts of the draft run it serves).
 - ``treadle samples``: ``--n 40`` (40 rows per file, not 2,000).
@@ -46,6 +52,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.preloaded import run_treadle
+
 REPO = Path(__file__).resolve().parents[1]
 NOT_DOCS = {"architecture.md", "benchmarks.md", "configuration.md"}
 PAGES = [REPO / "README.md"] + sorted(p for p in (REPO / "docs").glob("*.md") if p.name not in NOT_DOCS)
@@ -58,7 +66,8 @@ TRAIN_SHORT = ["--train.max_steps=2", "--train.micro_batch_size=2", "--train.gra
 TINY_MODEL = ["--model.overrides={hidden_size=32,intermediate_size=64,num_hidden_layers=4,num_attention_heads=4,"
               "num_key_value_heads=2}"]
 DRAFT_SHORT = ["--draft.eval_prompts=2", "--draft.eval_prompt_len=8", "--draft.eval_new_tokens=12"]
-APPENDED = {"spec-eval": ["--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "8", "--threads", "1"],
+APPENDED = {"spec-eval": ["--num-prompts", "2", "--prompt-len", "16", "--max-new-tokens", "8", "--threads", "1",
+                          "--repeats", "1"],
             "generate": ["--max-new-tokens", "8"], "samples": ["--n", "40"]}
 
 
@@ -362,14 +371,28 @@ def _to_python(argv: list[str], cwd: Path) -> list[str]:
             *_shortened(argv[i + 2:], cwd)]
 
 
-def _check_console(b: Block, cwd: Path, env: dict) -> list[str]:
+def _run(argv: list[str], cwd: Path, env: dict, fresh: bool, shorten: bool = True,
+         timeout: float = 600) -> subprocess.CompletedProcess:
+    """A page's command line as run here (the module docstring), shortened unless not ``shorten``: ``treadle ...``
+    in a fresh interpreter (``python -m treadle``) when ``fresh``, else forked from one that has imported treadle
+    (tests/preloaded.py); ``torchrun ...`` always a fresh launcher."""
+    if argv[0] == "treadle":
+        words = _shortened(argv[1:], cwd) if shorten else argv[1:]
+        if not fresh:
+            return run_treadle(words, cwd, env, timeout)
+        full = [sys.executable, "-m", "treadle", *words]
+    else:
+        full = _to_python(argv, cwd)
+    return subprocess.run(full, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _check_console(b: Block, cwd: Path, env: dict, fresh: bool = False) -> list[str]:
     problems = []
     steps = re.split(r"^\$ ", b.text, flags=re.M)[1:]
     for step in steps:
         cmd, *expected = step.rstrip("\n").split("\n")
         argv = shlex.split(cmd)
-        proc = subprocess.run([sys.executable, "-m", "treadle", *argv[1:]], cwd=cwd, env=env, capture_output=True,
-                              text=True, timeout=300)
+        proc = _run(argv, cwd, env, fresh, shorten=False, timeout=300)
         output, pos = (proc.stdout + proc.stderr).splitlines(), 0
         for want in expected:
             if want.strip() == "...":
@@ -383,14 +406,15 @@ def _check_console(b: Block, cwd: Path, env: dict) -> list[str]:
     return problems
 
 
-def run_page(page: Path, cwd: Path, env: dict) -> list[str]:
-    """Run a page's bash and console blocks in order; return what went wrong (empty: all passed)."""
+def run_page(page: Path, cwd: Path, env: dict, fresh: bool = False) -> list[str]:
+    """Run a page's bash and console blocks in order; return what went wrong (empty: all passed). ``fresh``: each
+    treadle command in a new interpreter, as a user's shell starts it (else forked from a preloaded one: ``_run``)."""
     problems, timings = [], []
     for b in fenced_blocks(page):
         if b.marker is not None:
             continue
         if b.lang == "console":
-            problems += _check_console(b, cwd, env)
+            problems += _check_console(b, cwd, env, fresh)
         if b.lang != "bash":
             continue
         for argv in commands(b):
@@ -398,7 +422,7 @@ def run_page(page: Path, cwd: Path, env: dict) -> list[str]:
                 continue  # checked in test_every_block_is_run_or_says_why_not
             full = _to_python(argv, cwd)
             t0 = time.perf_counter()
-            proc = subprocess.run(full, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+            proc = _run(argv, cwd, env, fresh)
             timings.append(f"{time.perf_counter() - t0:5.1f} s  {shlex.join(argv)}")
             if proc.returncode != 0:
                 problems.append(f"{b}: `{shlex.join(argv)}` exited {proc.returncode}\n  ran: {shlex.join(full)}\n"
@@ -425,7 +449,7 @@ def cache(tmp_path_factory):
 def readme_run(tmp_path_factory, cache):
     """README.md's commands, run once: they leave runs/demo and runs/demo-draft for the pages after it."""
     cwd = _workspace(tmp_path_factory.mktemp("readme"))
-    return cwd, run_page(REPO / "README.md", cwd, _env(cache))
+    return cwd, run_page(REPO / "README.md", cwd, _env(cache), fresh=True)
 
 
 def test_readme_commands_run(readme_run):

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.helpers import TARGET, assert_greedy_lossless, draft_args, records
+from tests.helpers import SPEC_EVAL, TARGET, assert_greedy_lossless, draft_args, records
 from treadle.cli import main
 from treadle.drafts.dspark import layout
 from treadle.drafts.dspark.drafter import DSparkDrafter, kept_drafts
@@ -412,7 +412,7 @@ def test_dspark_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_ta
                            "--draft.markov_rank=4")) == 2
     out = tmp_path / "spec.json"
     capsys.readouterr()
-    base = ["spec-eval", "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma", "5",
+    base = [*SPEC_EVAL, "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma", "5",
             "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]
     assert main(base) == 0
     got = json.loads(out.read_text())

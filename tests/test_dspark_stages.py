@@ -363,7 +363,7 @@ def test_a_dspark_run_fine_tunes_the_stages_and_stitches_them_back(shards, v4_ta
     """``draft.kind = "dspark"`` on a target that ships stages trains them (the loss falls), exports them under the
     checkpoint's names and stitches them into a copy of the target (every tensor not trained byte for byte), and
     spec-eval decodes the stitched checkpoint losslessly."""
-    from tests.helpers import draft_args, records
+    from tests.helpers import SPEC_EVAL, draft_args, records
     from treadle.cli import main
 
     run, resumed = tmp_path / "run", tmp_path / "resumed"
@@ -408,7 +408,7 @@ def test_a_dspark_run_fine_tunes_the_stages_and_stitches_them_back(shards, v4_ta
         assert (run / "draft" / "stitched" / name).read_bytes() == (v4_target / name).read_bytes()
     out = tmp_path / "spec.json"
     capsys.readouterr()
-    assert main(["spec-eval", "--target", str(v4_target), "--draft", str(run / "draft" / "stitched"), "--num-prompts",
+    assert main([*SPEC_EVAL, "--target", str(v4_target), "--draft", str(run / "draft" / "stitched"), "--num-prompts",
                  "2", "--gamma", "3", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "dspark-stages"

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.helpers import TARGET, draft_args, records
+from tests.helpers import SPEC_EVAL, TARGET, draft_args, records
 from treadle.cli import main
 from treadle.drafts.eagle3.model import Eagle3Draft, Eagle3Model, default_feature_layers, frequent_tokens, load_eagle3
 from treadle.drafts.glide.model import document_ids, ttt_mask
@@ -315,13 +315,13 @@ def test_eagle3_run_trains_exports_and_decodes(shards, eagle3_target_dir, tmp_pa
     # spec-eval decodes losslessly with it.
     out = tmp_path / "spec.json"
     capsys.readouterr()
-    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
+    assert main([*SPEC_EVAL, "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
                  "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "eagle3" and 1.0 <= got["tau"] <= 5.0
     assert got["draft_forwards_per_round"] == 4.0  # one draft forward per token of the gamma-4 chain
     # Sampled verification: the reduced head's q rows live on the draft's tokens of the target vocabulary.
-    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
+    assert main([*SPEC_EVAL, "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
                  "--prompt-len", "8", "--max-new-tokens", "12", "--temperature", "1", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is None and 1.0 <= got["tau"] <= 5.0
@@ -391,7 +391,7 @@ def test_an_eagle3_run_starts_from_a_draft_in_the_eagle_layout(shards, eagle3_ta
     # spec-eval measures the draft trained elsewhere against its target, losslessly.
     out = tmp_path / "spec.json"
     for draft_dir in (foreign, speculators):
-        assert main(["spec-eval", "--target", str(target_dir), "--draft", str(draft_dir), "--num-prompts", "1",
+        assert main([*SPEC_EVAL, "--target", str(target_dir), "--draft", str(draft_dir), "--num-prompts", "1",
                      "--prompt-len", "8", "--max-new-tokens", "8", "--json", str(out)]) == 0
         got = json.loads(out.read_text())
         assert got["drafter"] == "eagle3" and got["lossless"] is True

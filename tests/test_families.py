@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.families import FAMILIES, GLIDE_REFUSED, build_family
-from tests.helpers import EXACT, KL_ATOL, records, save_target
+from tests.helpers import EXACT, KL_ATOL, SPEC_EVAL, records, save_target
 from treadle.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,7 +62,7 @@ def draft_family_args(shards, target, out, kind):
 
 def spec_eval_is_lossless(target, run, tmp_path, kind):
     out = tmp_path / f"spec-{kind}.json"
-    assert main(["spec-eval", "--target", str(target), "--draft", str(run), "--num-prompts", "2", "--prompt-len", "8",
+    assert main([*SPEC_EVAL, "--target", str(target), "--draft", str(run), "--num-prompts", "2", "--prompt-len", "8",
                  "--max-new-tokens", "8", "--threads", "1", "--json", str(out)]) == 0, kind
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == kind and 1.0 <= got["tau"], got

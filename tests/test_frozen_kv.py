@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from tests.helpers import (assert_chunked_unroll_equals_whole, draft_args, record_accepted_rounds, records,
-                           save_target)
+from tests.helpers import (SPEC_EVAL, assert_chunked_unroll_equals_whole, draft_args, record_accepted_rounds,
+                           records, save_target)
 from treadle.cli import main
 from treadle.drafts.frozen_kv.model import FrozenKvDraft, FrozenKvModel, new_assistant, store_layers
 from treadle.errors import UserError
@@ -311,7 +311,7 @@ def test_frozen_kv_run_trains_resumes_exports_and_runs_in_transformers_generate(
         build_frozen_kv(Cfg, 512, None)
     # spec-eval decodes losslessly with the export.
     out = tmp_path / "spec.json"
-    assert main(["spec-eval", "--target", str(gemma_target), "--draft", str(export), "--num-prompts", "1",
+    assert main([*SPEC_EVAL, "--target", str(gemma_target), "--draft", str(export), "--num-prompts", "1",
                  "--gamma", "2", "--prompt-len", "8", "--max-new-tokens", "8", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "frozen_kv" and 1.0 <= got["tau"] <= 3.0

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-from tests.helpers import TARGET, draft_args, records
+from tests.helpers import SPEC_EVAL, TARGET, draft_args, records
 from treadle.cli import main
 from treadle.drafts.glide.model import (
     GlideDraft, GlideModel, anchored_positions, attention_mask, capture_last_kv, document_ids,
@@ -317,7 +317,7 @@ def test_draft_run_trains_only_the_draft_and_exports_it(shards, target_dir, tmp_
 
     # spec-eval takes the run directory as --draft and decodes losslessly with it.
     out = tmp_path / "spec.json"
-    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
+    assert main([*SPEC_EVAL, "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
                  "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "glide" and got["gamma"] == 4
@@ -388,7 +388,7 @@ def test_a_looping_target_is_named_degenerate_once_and_natural_text_is_not(shard
         (loops_on_7 / f.name).write_bytes(f.read_bytes())
     capsys.readouterr()
     result = tmp_path / "spec.json"
-    assert main(["spec-eval", "--target", str(loops_on_7), "--draft", str(run), "--num-prompts", "2", "--prompt-len",
+    assert main([*SPEC_EVAL, "--target", str(loops_on_7), "--draft", str(run), "--num-prompts", "2", "--prompt-len",
                  "8", "--max-new-tokens", "12", "--json", str(result)]) == 0
     got = json.loads(result.read_text())
     assert got["prompt_lookup_tau"] == 5.0 and got["generated_tokens"] == 24
@@ -397,6 +397,6 @@ def test_a_looping_target_is_named_degenerate_once_and_natural_text_is_not(shard
     assert (f"reaches tau 5.00 of at most 5 on them; the draft's tau: {got['tau']:.2f}), so a tau near its ceiling"
             in err)
     # natural text: the random target's continuations do not loop, and spec-eval says nothing
-    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2", "--prompt-len",
+    assert main([*SPEC_EVAL, "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2", "--prompt-len",
                  "8", "--max-new-tokens", "12", "--json", str(result)]) == 0
     assert json.loads(result.read_text())["prompt_lookup_tau"] < 3 and "degenerate" not in capsys.readouterr().err

@@ -284,7 +284,7 @@ def test_what_longspec_cannot_run_is_refused_in_one_line():
 def test_a_longspec_layout_run_exports_loads_evaluates_and_restarts(shards, target_dir, tmp_path, capsys):
     """End to end: a run of layout longspec writes LongSpec's directory in draft/; spec-eval measures it losslessly;
     draft.init starts a run from it (the run, or LongSpec's .pth alone); a layout other than the init's is one line."""
-    from tests.helpers import draft_args
+    from tests.helpers import SPEC_EVAL, draft_args
     from treadle.cli import main
     from treadle.config import load_config
     from treadle.train.run import build_trainer
@@ -294,7 +294,7 @@ def test_a_longspec_layout_run_exports_loads_evaluates_and_restarts(shards, targ
     layer = LongSpecGlideLayer(AutoConfig.from_pretrained(run / "draft"))
     layer.load_state_dict(torch.load(run / "draft" / "draft_model_weights.pth", weights_only=True), strict=True)
     out = tmp_path / "spec.json"
-    assert main(["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
+    assert main([*SPEC_EVAL, "--target", str(target_dir), "--draft", str(run), "--num-prompts", "2",
                  "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "glide"

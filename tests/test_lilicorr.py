@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.helpers import TARGET, assert_greedy_lossless, draft_args, records
+from tests.helpers import SPEC_EVAL, TARGET, assert_greedy_lossless, draft_args, records
 from treadle.cli import main
 from treadle.config import DraftConfig
 from treadle.drafts.dflash.model import DFlashDraft
@@ -410,7 +410,7 @@ def test_lilicorr_run_trains_resumes_exports_inits_and_decodes(shards, eagle3_ta
     out = tmp_path / "spec.json"
     capsys.readouterr()
     for extra in ((), ("--temperature", "1")):
-        assert main(["spec-eval", "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma",
+        assert main([*SPEC_EVAL, "--target", str(target_dir), "--draft", str(a), "--num-prompts", "2", "--gamma",
                      "5", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out), *extra]) == 0
         got = json.loads(out.read_text())
         assert got["drafter"] == "lilicorr" and got["lossless"] is (None if extra else True), got

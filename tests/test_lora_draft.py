@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import draft_args, records
+from tests.helpers import SPEC_EVAL, draft_args, records
 from treadle.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,7 +26,7 @@ LORA = ("--lora.rank=4", "--lora.alpha=8", "--optim.lr=5e-2")
 
 
 def _spec_eval(target, draft, out, *extra) -> dict:
-    assert main(["spec-eval", "--target", str(target), "--draft", str(draft), "--num-prompts", "2", "--gamma", "4",
+    assert main([*SPEC_EVAL, "--target", str(target), "--draft", str(draft), "--num-prompts", "2", "--gamma", "4",
                  "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out), *extra]) == 0
     return json.loads(out.read_text())
 

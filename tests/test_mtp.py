@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.helpers import (assert_chunked_unroll_equals_whole, draft_args, record_accepted_rounds, records,
-                           save_target)
+from tests.helpers import (SPEC_EVAL, assert_chunked_unroll_equals_whole, draft_args, record_accepted_rounds,
+                           records, save_target)
 from treadle.cli import main
 from treadle.drafts.mtp import layout
 from treadle.drafts.mtp.model import MtpDraft, MtpModel, draft_from_dir, load_mtp
@@ -200,7 +200,7 @@ def test_mtp_run_trains_resumes_exports_and_runs_in_transformers_generate(shards
         assert all(torch.equal(got.state_dict()[k], mine[k]) for k in mine)
     # spec-eval decodes losslessly with the stand-alone export (the drafter replays the module along the chain).
     out = tmp_path / "spec.json"
-    assert main(["spec-eval", "--target", str(ds_target), "--draft", str(a / "draft"), "--num-prompts", "2",
+    assert main([*SPEC_EVAL, "--target", str(ds_target), "--draft", str(a / "draft"), "--num-prompts", "2",
                  "--gamma", "2", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["lossless"] is True and got["drafter"] == "mtp" and 1.0 <= got["tau"] <= 3.0

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.helpers import draft_args, records, save_target
+from tests.helpers import SPEC_EVAL, draft_args, records, save_target
 from treadle.cli import main
 from treadle.drafts.mtp.model import MtpModel, build_mtp, draft_from_dir, load_mtp
 from treadle.errors import UserError
@@ -183,7 +183,7 @@ def test_qwen3_next_run_exports_the_documented_layout_and_decodes_losslessly(sha
     # spec-eval with the export: greedy output equals the target's (lossless by construction of the decode loop).
     # A hybrid target is refused in one line: the loop cannot crop a Gated-DeltaNet layer's state (module docstring).
     out = tmp_path / "spec.json"
-    code = main(["spec-eval", "--target", str(target_dir), "--draft", str(a / "draft"), "--num-prompts", "2",
+    code = main([*SPEC_EVAL, "--target", str(target_dir), "--draft", str(a / "draft"), "--num-prompts", "2",
                  "--gamma", "2", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)])
     if layer_types == HYBRID:
         assert code == 2 and not out.exists()
