@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 # What every treadle command and rank imports anyway; a module that fails to import is skipped by the server.
@@ -98,3 +100,42 @@ def run_treadle(argv: list[str], cwd: Path, env: dict, timeout: float) -> subpro
             proc.join()
             raise subprocess.TimeoutExpired(["treadle", *argv], timeout, out.read_text(), err.read_text())
         return subprocess.CompletedProcess(["treadle", *argv], proc.exitcode, out.read_text(), err.read_text())
+
+
+class Forked:
+    """``subprocess.Popen`` of ``[sys.executable, "-m", "treadle", *argv]`` as far as the tests use it (``pid``,
+    ``returncode``, ``poll``, ``wait``, ``kill``, ``send_signal``, ``communicate``: text), its child forked by
+    ``start_treadle``. ``merge``: stderr into stdout (``stderr=subprocess.STDOUT``)."""
+
+    def __init__(self, argv: list[str], env: dict, cwd: Path | None = None, merge: bool = False):
+        folder = Path(tempfile.mkdtemp(prefix="treadle-cli-"))
+        weakref.finalize(self, shutil.rmtree, folder, True)
+        self._out, self._err = folder / "stdout", folder / ("stdout" if merge else "stderr")
+        self._out.touch()
+        self._err.touch()
+        self._merge = merge
+        self._proc = start_treadle(argv, Path.cwd() if cwd is None else cwd, env, self._out, self._err)
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"treadle (pid {self.pid})", timeout)
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        self.wait(timeout)
+        return self._out.read_text(), None if self._merge else self._err.read_text()

@@ -98,17 +98,11 @@ def _killed(argv: list[str], out) -> None:
     """``treadle features`` in a process of its own, SIGKILLed once it has written its first shard."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
-    from pathlib import Path
+    from tests.preloaded import Forked
 
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "treadle", *argv], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = Forked(argv, {**os.environ, "OMP_NUM_THREADS": "1"})  # a process of its own, forked with treadle imported
     while proc.poll() is None and not list(out.glob("train-*.safetensors")):
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)

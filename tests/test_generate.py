@@ -4,14 +4,13 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.preloaded import Forked
 from treadle.data import generate, generation_batches
 from treadle.cli import main
 from treadle.data.sft import encode_prompt, load_tokenizer
@@ -114,9 +113,8 @@ def test_interrupted_run_resumes_with_complete_accounting(target_dir, prompts, r
     out = tmp_path / "out.jsonl"
 
     # A real SIGTERM to a real run, as soon as its first batch is on disk.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "treadle", *argv(target_dir, path, out)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # (a process of its own, forked from one that has imported treadle: tests/preloaded.py)
+    proc = Forked(argv(target_dir, path, out), {**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
     deadline = time.monotonic() + 60
     while not (out.exists() and b"\n" in out.read_bytes()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
