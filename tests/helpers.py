@@ -238,7 +238,7 @@ def assert_spec_eval_decodes(target_dir, draft_dir, drafter: str, out, gamma: in
     from treadle.cli import main
 
     for extra in ((), ("--temperature", "1")):
-        assert main(["spec-eval", "--target", str(target_dir), "--draft", str(draft_dir), "--num-prompts", "2",
+        assert main([*SPEC_EVAL, "--target", str(target_dir), "--draft", str(draft_dir), "--num-prompts", "2",
                      "--gamma", str(gamma), "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out),
                      *extra]) == 0
         got = json.loads(out.read_text())

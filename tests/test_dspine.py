@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.helpers import TARGET, assert_greedy_lossless, draft_args, records
+from tests.helpers import SPEC_EVAL, TARGET, assert_greedy_lossless, draft_args, records
 from treadle.cli import main
 from treadle.drafts.dspine.drafter import DSpineDrafter
 from treadle.drafts.dspine.model import DSpineDraft, DSpineModel, transfer_space
@@ -140,7 +140,7 @@ def test_dspine_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_ta
     out = tmp_path / "spec.json"
     capsys.readouterr()
     for temperature, lossless in (("0", True), ("1", None)):  # greedy: checked against the target's own decode
-        args = ["spec-eval", "--target", str(target_dir), "--draft", str(a), "--gamma", "5", "--temperature",
+        args = [*SPEC_EVAL, "--target", str(target_dir), "--draft", str(a), "--gamma", "5", "--temperature",
                 temperature, "--num-prompts", "2", "--prompt-len", "8", "--max-new-tokens", "12", "--json", str(out)]
         assert main(args) == 0
         report = json.loads(out.read_text())

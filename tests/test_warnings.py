@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from tests.helpers import draft_args
+from tests.helpers import SPEC_EVAL, draft_args
 from treadle.cli import main
 
 EAGLE = ("--draft.kind=eagle3", "--draft.vocab_size=200", "--draft.ttt_steps=2")
@@ -39,7 +39,7 @@ def test_a_draft_step_and_spec_eval_warn_nothing(shards, target_dir, eagle3_targ
     with no_warnings():
         assert main(draft_args(shards, target_dir, run, *SHORT, *extra)) == 0
     out = tmp_path / "spec.json"
-    common = ["spec-eval", "--target", str(target_dir), "--draft", str(run), "--num-prompts", "1", "--prompt-len", "8",
+    common = [*SPEC_EVAL, "--target", str(target_dir), "--draft", str(run), "--num-prompts", "1", "--prompt-len", "8",
               "--max-new-tokens", "8", "--json", str(out)]
     for flags in ([], ["--tree", "2,1", "--temperature", "1"], ["--tree", "dynamic:2,2,3"],
                   ["--tree", "dynamic:2,2,2", "--temperature", "1"]):
