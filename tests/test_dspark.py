@@ -422,7 +422,8 @@ def test_dspark_run_trains_resumes_exports_imports_and_decodes(shards, eagle3_ta
     assert json.loads(out.read_text())["lossless"] is True
     assert main([*base, "--temperature", "1"]) == 0
     assert json.loads(out.read_text())["lossless"] is None
-    assert main([*base[:4], str(spec), *base[5:]]) == 0  # spec-eval reads the speculators export as the same draft
+    at = base.index("--draft") + 1  # spec-eval reads the speculators export as the same draft
+    assert main([*base[:at], str(spec), *base[at + 1:]]) == 0
     assert json.loads(out.read_text())["lossless"] is True and json.loads(out.read_text())["tau"] == got["tau"]
     assert main(["spec-eval", "--target", str(target_dir), "--draft", "prompt-lookup", "--num-prompts", "1",
                  "--confidence-threshold", "0.5"]) == 2
