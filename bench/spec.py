@@ -43,7 +43,8 @@ with ``mtp``'s probe: the same step).
 
 ``--suite frontier`` benches the block drafts that top the 2026 comparisons against EAGLE-3 on one contract (issue 41):
 ``eagle3``, ``dflash``, ``dflash2``, ``dspark``, ``lilicorr`` and, once the registry has them, issue 50's ``dspine``
-and ``xpress`` (``FRONTIER``: the suite's default list follows ``registry.KINDS``), each trained on the same target-regenerated data
+and ``xpress`` (``FRONTIER``: the suite's default list follows ``registry.KINDS``), each trained on the same
+target-regenerated data
 (train-split prompts answered by the bench target itself, at ``--regen-temperature``, T = 1 in this suite: its greedy
 text loops), with the same budget (``--train-seconds`` of wall or CPU time, sized by the probes as above), the same
 loss (kl against the target) and the same draft length: 7 tokens per round, the DSpark paper's Table 1 setting (chain,
@@ -71,6 +72,7 @@ and ``--reuse-trained`` decodes with the drafters an earlier invocation trained.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import platform
 import random
@@ -613,7 +615,8 @@ def frontier_table(rows: list[dict]) -> None:
         # the draft's decode cost a round in target steps: its forwards a round (a chain: 7; a block: 1) x c
         forwards = any_row.get("draft_forwards_per_round") or any_row["gamma"]
         cpu = f" ({any_row['cpu_s']:.0f})" if any_row.get("cpu_s") else ""
-        print(f"| {name} | {any_row['trainable_params'] / 1e6:.2f}M | {any_row['steps']} | {any_row['train_s']:.0f}{cpu} | "
+        print(f"| {name} | {any_row['trainable_params'] / 1e6:.2f}M | {any_row['steps']} | "
+              f"{any_row['train_s']:.0f}{cpu} | "
               f"{tau(greedy)} | {tau(t1)} | {ratio} | {any_row['cost_ratio']:.3f} | {forwards:.1f} | "
               f"{forwards * any_row['cost_ratio']:.2f} | "
               f"{_cells(greedy and greedy['acceptance_conditional'])} | {_cells(t1 and t1['acceptance_conditional'])} | "
@@ -745,37 +748,45 @@ def main() -> int:
                                                 "expected_accepted", "tau_by_position", "draft_forwards_per_round",
                                                 "tokens_per_s_spec", "tokens_per_s_target", "speedup", "lossless")}})
 
-    rows = merged(args, rows, retrained)
-    print(f"\nspec bench: target {args.target}; " + "; ".join(
-          f"{who}: distinct-1/2/3 {r['distinct_1']:.2f} / {r['distinct_2']:.2f} / {r['distinct_3']:.2f}, "
-          f"lookup tau {r['lookup_tau']:.2f}" for who, r in (("its greedy outputs", loops["target"]),
-                                                              ("its T = 1 samples", loops["target_t1"]),
-                                                              ("the real continuations", loops["real"]))))
-    budget = f"{args.steps} steps" if args.steps else f"{args.train_seconds:.0f} {args.budget} s"
-    print(f"gamma {args.gamma}, "
-          f"tree {','.join(map(str, TREE))}, dynamic tree {DYNAMIC}, {args.prompts} held-out prompts x {args.max_new_tokens} new tokens; "
-          f"{budget} of training per drafter (8 x 256 tokens per step); "
-          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| drafter | mode | gamma | trainable params | steps | probe s/step | train s | tau | acceptance (conditional, "
-          "k=1..) | sum_k prod acc | tau by output position (per 64 tokens) | draft fwd / round | spec tok/s | "
-          "target tok/s | speedup | c | projected | c (8B) | projected (8B) | lossless |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        acc = ", ".join(f"{a:.2f}" if a is not None else "n/a" for a in r["acceptance_conditional"])
-        lossless = "n/a (sampled)" if r["lossless"] is None else r["lossless"]
-        by_position = ", ".join(f"{t:.2f}" for t in r.get("tau_by_position") or [])
-        forwards = r.get("draft_forwards_per_round")
-        print(f"| {r['drafter']} | {r['mode']} | {r.get('gamma', args.gamma)} | {r['trainable_params'] / 1e6:.2f}M | "
-              f"{r['steps']} | {r.get('probe_step_s') or 0:.3f} | {r['train_s']:.0f} | {r['tau']:.2f} | {acc} | "
-              f"{r.get('expected_accepted') or 0:.2f} | {by_position} | {'-' if forwards is None else f'{forwards:.1f}'} | "
-              f"{r['tokens_per_s_spec']:.0f} | {r['tokens_per_s_target']:.0f} | "
-              f"{r['speedup']:.2f}x | {r['cost_ratio']:.3f} | {r['projected_speedup']:.2f}x | {r['cost_ratio_8b']:.3f} | "
-              f"{r['projected_speedup_8b']:.2f}x | {lossless} |")
-    if args.suite == "frontier":
-        frontier_table(rows)
-    (args.out / "results.json").write_text(json.dumps({"settings": settings(args), "target_loops": loops,
-                                                       "rows": rows}, indent=2) + "\n")
-    return 0 if all(r["lossless"] is not False for r in rows) else 1
+    # Invocations decoding side by side with the same --out (one per recipe) merge their rows in turn.
+    with open(args.out / "results.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = merged(args, rows, retrained)
+        print(f"\nspec bench: target {args.target}; " + "; ".join(
+              f"{who}: distinct-1/2/3 {r['distinct_1']:.2f} / {r['distinct_2']:.2f} / {r['distinct_3']:.2f}, "
+              f"lookup tau {r['lookup_tau']:.2f}" for who, r in (("its greedy outputs", loops["target"]),
+                                                                  ("its T = 1 samples", loops["target_t1"]),
+                                                                  ("the real continuations", loops["real"]))))
+        budget = f"{args.steps} steps" if args.steps else f"{args.train_seconds:.0f} {args.budget} s"
+        print(f"gamma {args.gamma}, tree {','.join(map(str, TREE))}, dynamic tree {DYNAMIC}, "
+              f"{args.prompts} held-out prompts x {args.max_new_tokens} new tokens; "
+              f"{budget} of training per drafter (8 x 256 tokens per step); "
+              f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads")
+        print("| drafter | mode | gamma | trainable params | steps | probe s/step | train s | tau | "
+              "acceptance (conditional, k=1..) | sum_k prod acc | tau by output position (per 64 tokens) | "
+              "draft fwd / round | spec tok/s | "
+              "target tok/s | speedup | c | projected | c (8B) | projected (8B) | lossless |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            acc = ", ".join(f"{a:.2f}" if a is not None else "n/a" for a in r["acceptance_conditional"])
+            lossless = "n/a (sampled)" if r["lossless"] is None else r["lossless"]
+            by_position = ", ".join(f"{t:.2f}" for t in r.get("tau_by_position") or [])
+            forwards = r.get("draft_forwards_per_round")
+            print(f"| {r['drafter']} | {r['mode']} | {r.get('gamma', args.gamma)} | "
+                  f"{r['trainable_params'] / 1e6:.2f}M | "
+                  f"{r['steps']} | {r.get('probe_step_s') or 0:.3f} | {r['train_s']:.0f} | {r['tau']:.2f} | {acc} | "
+                  f"{r.get('expected_accepted') or 0:.2f} | {by_position} | "
+                  f"{'-' if forwards is None else f'{forwards:.1f}'} | "
+                  f"{r['tokens_per_s_spec']:.0f} | {r['tokens_per_s_target']:.0f} | "
+                  f"{r['speedup']:.2f}x | {r['cost_ratio']:.3f} | {r['projected_speedup']:.2f}x | "
+                  f"{r['cost_ratio_8b']:.3f} | "
+                  f"{r['projected_speedup_8b']:.2f}x | {lossless} |")
+        if args.suite == "frontier":
+            frontier_table(rows)
+        (args.out / "results.json").write_text(json.dumps({"settings": settings(args), "target_loops": loops,
+                                                           "rows": rows}, indent=2) + "\n")
+        return 0 if all(r["lossless"] is not False for r in rows) else 1
 
 
 if __name__ == "__main__":
