@@ -752,9 +752,10 @@ def main() -> int:
     with open(args.out / "results.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         rows = merged(args, rows, retrained)
+        f2 = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731  (a reused run's loop check may be unset)
         print(f"\nspec bench: target {args.target}; " + "; ".join(
-              f"{who}: distinct-1/2/3 {r['distinct_1']:.2f} / {r['distinct_2']:.2f} / {r['distinct_3']:.2f}, "
-              f"lookup tau {r['lookup_tau']:.2f}" for who, r in (("its greedy outputs", loops["target"]),
+              f"{who}: distinct-1/2/3 {f2(r['distinct_1'])} / {f2(r['distinct_2'])} / {f2(r['distinct_3'])}, "
+              f"lookup tau {f2(r['lookup_tau'])}" for who, r in (("its greedy outputs", loops["target"]),
                                                                   ("its T = 1 samples", loops["target_t1"]),
                                                                   ("the real continuations", loops["real"]))))
         budget = f"{args.steps} steps" if args.steps else f"{args.train_seconds:.0f} {args.budget} s"
