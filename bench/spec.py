@@ -42,18 +42,25 @@ fine-tunes it on regenerated data with kl and the recursive unroll ("after"; its
 with ``mtp``'s probe: the same step).
 
 ``--suite frontier`` benches the block drafts that top the 2026 comparisons against EAGLE-3 on one contract (issue 41):
-``eagle3``, ``dflash``, ``dflash2``, ``dspark`` and ``lilicorr``, each trained on the same target-regenerated data
+``eagle3``, ``dflash``, ``dflash2``, ``dspark``, ``lilicorr`` and, once the registry has them, issue 50's ``dspine``
+and ``xpress`` (``FRONTIER``: the suite's default list follows ``registry.KINDS``), each trained on the same
+target-regenerated data
 (train-split prompts answered by the bench target itself, at ``--regen-temperature``, T = 1 in this suite: its greedy
 text loops), with the same budget (``--train-seconds`` of wall or CPU time, sized by the probes as above), the same
 loss (kl against the target) and the same draft length: 7 tokens per round, the DSpark paper's Table 1 setting (chain,
 T = 1, block and TTT length 7; ModelOpt PR #2342's matched table uses block 16, too long for this tiny target).
-So DSpark's block is 7 (every slot drafts), DFlash's, DFlash2's and LiLiCorr's 8 (the anchor + 7 mask slots),
+So DSpark's block is 7 (every slot drafts), DFlash's, DFlash2's, LiLiCorr's, DSpine's and XPress' 8 (the anchor + 7
+mask slots),
 EAGLE-3 unrolls 7 steps in training and drafts a chain of 7; the block drafts all have 2 layers and 32 anchors per
 256-token row, their slots weighed exp(-k / 4). Each decodes a greedy chain and a T = 1 chain of 7, and a second
 table gives per drafter tau greedy and at T = 1, tau at T = 1 over EAGLE-3's (the issue's goal: 1.25x), acceptance by
 position within the block and the expected acceptance length. ``lilicorr-conv`` (not in the suite's list) is
 LiLiCorr on DFlash2's convolving backbone. ``--target-steps`` trains the suite's target that many steps instead of
 its config's (a shorter bench target for a short session; point ``--target`` at a directory of its own).
+With ``--budget cpu`` every recipe is probed in CPU seconds a step (one training thread, ``model.dtype`` pinned to
+bf16 so that no run measures its own precision); a kind added to a table later is sized against the earlier ones by
+naming one of them first with ``--reuse-trained`` (``--only dflash,dspine,xpress --reuse-trained``): that one is
+probed again and every new probe scaled by its recorded / current step cost (``load_scale``).
 ``--quick`` is a smoke run of the whole pipeline in a few minutes (a 30-step target, 3 training steps per drafter,
 2 prompts x 16 tokens): it checks that every recipe trains, exports and decodes losslessly, not which one is best.
 
@@ -65,6 +72,7 @@ and ``--reuse-trained`` decodes with the drafters an earlier invocation trained.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import platform
 import random
@@ -83,6 +91,7 @@ from treadle.config import load_config
 from treadle.corpus import corpus_files, split_of
 from treadle.drafts.dflash.drafter import DFlashDrafter
 from treadle.drafts.dflash.model import load_dflash
+from treadle.drafts.registry import KINDS
 from treadle.drafts.registry import drafter as exported_drafter
 from treadle.drafts.eagle3.model import load_eagle3
 from treadle.drafts.glide.layout import load_glide
@@ -135,9 +144,13 @@ COST_8B = {
     # LiLiCorr at 8B: DFlash's, plus a 2-layer correlator over 7 x 8 candidates (counted as two width-d attention +
     # MLP blocks: an upper bound, the PR's correlator is narrower).
     "lilicorr": 2 * _LAYER_8B + 5 * _D * _D + _D * _V + 2 * (4 * _D * _D + 2 * 4 * _D * _D),
-    # XPress at 8B: DFlash's, plus the refiner's two d -> 256 projections and its 256 x V readout, read once per
-    # Jacobi pass (6; the predecessor table is one row per slot).
-    "xpress": 2 * _LAYER_8B + 5 * _D * _D + _D * _V + 2 * _D * 256 + 6 * 256 * _V,
+    # DSpine at 8B: DFlash's, plus the transfer codes (rank 1024 over the vocabulary: the 16 candidates' rows of a
+    # slot and its predecessor's, read per slot) and the message projections (d -> 512 -> d) of the injection.
+    "dspine": 2 * _LAYER_8B + 5 * _D * _D + _D * _V + 7 * 17 * 1024 + 2 * _D * 512,
+    # XPress at 8B: DFlash's, plus the refiner (rank-256 bottleneck d -> 256, a SwiGLU MLP 256 -> 512 -> 256, the
+    # rank-256 readout over the vocabulary), read once per Jacobi pass: 6 passes a round (counted here, as one
+    # forward of the backbone: the rows' draft forwards a round stay the backbone's one).
+    "xpress": 2 * _LAYER_8B + 5 * _D * _D + _D * _V + 6 * (_D * 256 + 3 * 256 * 512 + 256 * _V),
     # An independent draft for an 8B target: a Llama-3.2-1B-like model (16 layers of d 2048, tied 128k head).
     "lm": 16 * (2048 * (2 * 2048 + 2 * 512) + 3 * 2048 * 8192) + 2048 * _V,
     # An MTP module at 8B: eh_proj (2d -> d), one decoder layer of the target's (counted dense: a shipped MoE one
@@ -292,7 +305,10 @@ RECIPES = [
            lambda run, target: exported_drafter(run / "draft", target), "lilicorr", gamma=FRONTIER_GAMMA),
     Recipe("lilicorr-conv", _block_args("lilicorr", DFLASH_BLOCK, "--draft.conv_group_size=16"),
            lambda run, target: exported_drafter(run / "draft", target), "lilicorr", gamma=FRONTIER_GAMMA),
-    # XPress (issue 50): DFlash's backbone and the causal refiner, 6 Jacobi passes (speculators' recipe).
+    # Issue 50's two: DSpine (DFlash's backbone with adjacent causal injection, 16 candidates a slot: SpecForge's
+    # default) and XPress (DFlash's backbone and speculators' refiner, 6 Jacobi passes a round), block 8 as DFlash.
+    Recipe("dspine", _block_args("dspine", DFLASH_BLOCK),
+           lambda run, target: exported_drafter(run / "draft", target), "dspine", gamma=FRONTIER_GAMMA),
     Recipe("xpress", _block_args("xpress", DFLASH_BLOCK),
            lambda run, target: exported_drafter(run / "draft", target), "xpress", gamma=FRONTIER_GAMMA),
     Recipe("lm", _lm_args, lambda run, target: ModelDrafter(load_causal_lm(run / "hf", "lm draft"), name="lm"), "lm"),
@@ -317,6 +333,10 @@ MODES = {
     "tree-t1": dict(tree=TREE, temperature=1.0),
     "dynamic-t1": dict(tree=DYNAMIC, temperature=1.0),
 }
+# The frontier suite's drafters: EAGLE-3 and every block kind this treadle has (registry.KINDS): a kind merged later
+# (issue 50's dspine, xpress) joins the suite's default list by itself.
+FRONTIER = ",".join(name for name in ("eagle3", "dflash", "dflash2", "dspark", "lilicorr", "dspine", "xpress")
+                    if name in KINDS)
 # --suite: the bench's target and recipes. spec: the Llama bench target and every drafter kind it takes (the
 # default); mtp: a GLM-4-MoE bench target (MTP heads need a family with an MTP layout) with MTP heads beside GLIDE.
 # An MTP drafter decodes chains only (a tree falls back to a chain of its depth), so that suite's modes are chains.
@@ -328,7 +348,7 @@ SUITES = {
     # frontier: every block kind and EAGLE-3 on one contract (the module docstring): regenerated data for all,
     # sampled at T = 1, chains of 7 greedy and at T = 1.
     "frontier": dict(target_config=BENCH_TARGET, target="runs/bench-target", out="runs/bench-spec-frontier",
-                     only="eagle3,dflash,dflash2,dspark,lilicorr,xpress", modes="chain,t1", gamma=FRONTIER_GAMMA,
+                     only=FRONTIER, modes="chain,t1", gamma=FRONTIER_GAMMA,
                      regen_all=True, regen_temperature=1.0),
 }
 # What a flag is when neither it nor the suite nor --quick sets it.
@@ -348,10 +368,12 @@ def regenerate(args) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(Path(args.target), "--target"))
     windows = train_windows(tokenizer, args.regen_prompts, args.prompt_len)
     args.out.mkdir(parents=True, exist_ok=True)
-    prompts.write_text("".join(json.dumps({"prompt": tokenizer.decode(w)}) + "\n" for w in windows))
+    text = "".join(json.dumps({"prompt": tokenizer.decode(w)}) + "\n" for w in windows)
+    if not prompts.is_file() or prompts.read_text() != text:  # left alone when unchanged: another invocation with
+        prompts.write_text(text)  # the same --out may be reading it (--train-only runs side by side)
     # Resumable: a finished file is only read back (every row skipped), an interrupted one is continued.
     subprocess.run([sys.executable, "-m", "treadle", "generate", "--model", str(args.target), "--prompts", str(prompts),
-                    "--out", str(out), "--max-new-tokens", str(args.regen_new_tokens), "--batch-size", "32",
+                    "--out", str(out), "--max-new-tokens", str(args.regen_new_tokens), "--batch-size", "64",
                     "--temperature", str(args.regen_temperature)], check=True)
     return out
 
@@ -385,12 +407,18 @@ def _train(args, recipe: Recipe, name: str, steps: int, eval_every: int) -> obje
     shutil.rmtree(out, ignore_errors=True)  # each bench run trains from scratch
     common = [
         f"--train.output_dir={out}", f"--train.max_steps={steps}", "--train.micro_batch_size=8",
-        "--data.seq_len=256", f"--train.threads={1 if args.budget == 'cpu' else 2}", f"--train.log_every={max(1, steps // 4)}",
+        "--data.seq_len=256", f"--train.threads={1 if args.budget == 'cpu' else 2}",
+        # about 20 loss points a run: enough to see whether the loss has flattened (metrics.jsonl)
+        f"--train.log_every={max(1, steps // 20)}",
         f"--train.eval_every={eval_every}", "--train.eval_batches=4", "--schedule.warmup_proportion=0.1",
         "--optim.lr=3e-3", "--checkpoint.resume=none", "--checkpoint.every_minutes=0",
         # compile = auto would decide per run length: off for the short probe, maybe on for the real run, whose
         # step time would then not be the one the budget was sized with.
         "--model.compile=false",
+        # dtype = auto measures bf16 against fp32 per run on a loaded machine (not cached there): two kinds, or a
+        # probe and its run, could then train at different precisions and step costs. bf16 (autocast over fp32
+        # weights) is what auto picks on this bench's CPUs when quiet.
+        "--model.dtype=bf16",
     ]
     return run_training(load_config(None, common + recipe.train_args(args)), live=False)
 
@@ -410,6 +438,24 @@ def probe(args, recipe: Recipe) -> float:
         cpu.append(time.process_time() - start)
         shutil.rmtree(args.out / f"{recipe.name}-probe", ignore_errors=True)
     return (cpu[1] - cpu[0]) / args.probe_steps
+
+
+def load_scale(args, names: list[str], recipes: dict) -> float:
+    """Recorded over current step cost of a drafter trained by an earlier invocation (the first of ``names`` reused
+    with ``--reuse-trained``), probed again now: the factor that puts this invocation's probes on the earlier ones'
+    footing. CPU seconds a step still rise with the load (caches and cores shared), so drafters added to a table
+    later (``--only dflash,dspine,xpress --reuse-trained``: dflash the reference) get the budget the earlier ones got.
+    1.0 when no drafter is reused."""
+    for name in names:
+        record = args.out / f"{name}.train.json"
+        if args.reuse_trained and record.is_file() and recipes[name].train_args and not recipes[name].imports:
+            recorded = json.loads(record.read_text()).get("probe_step_s")
+            if recorded:
+                now = probe(args, recipes[name])
+                print(f"load reference {name}: {recorded:.3f} {args.budget} s/step when trained, {now:.3f} now: "
+                      f"probes scaled by {recorded / now:.2f}", file=sys.stderr, flush=True)
+                return recorded / now
+    return 1.0
 
 
 def train(args, recipe: Recipe, step_s: float) -> dict:
@@ -442,7 +488,7 @@ def draft_step_params(recipe: Recipe, drafter, target) -> int:
         return sum(p.numel() for p in drafter.model.draft_model.parameters()) + target.get_output_embeddings().weight.numel()
     if recipe.family == "eagle3":
         return sum(p.numel() for p in drafter.model.draft_model.parameters())  # own head; the embedding is one row
-    if recipe.family in ("dflash", "dflash2", "dspark", "lilicorr", "xpress"):
+    if recipe.family in ("dflash", "dflash2", "dspark", "lilicorr", "dspine", "xpress"):
         # its layers and fc (and the kind's own heads), and the target's head it scores the block with
         return sum(p.numel() for p in drafter.model.draft_model.parameters()) + target.get_output_embeddings().weight.numel()
     if recipe.family == "lm":
@@ -551,10 +597,10 @@ def frontier_table(rows: list[dict]) -> None:
     1 + sum_k prod_{i<=k} acc_i (tokens a round, the bonus included) and tau at T = 1 over EAGLE-3's."""
     by = {(r["drafter"], r["mode"]): r for r in rows}
     base = by.get(("eagle3", "t1"))
-    print("\n| drafter | steps | train s | tau greedy | tau T = 1 | T = 1 vs EAGLE-3 | acceptance by block position, "
-          "greedy (k=1..) | acceptance by block position, T = 1 | expected acceptance length, greedy / T = 1 | "
-          "lossless |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| drafter | params | steps | train s (CPU) | tau greedy | tau T = 1 | T = 1 vs EAGLE-3 | c | draft fwd / "
+          "round | cost / round | acceptance by block position, greedy (k=1..) | acceptance by block position, T = 1 | "
+          "expected acceptance length, greedy / T = 1 | lossless |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in dict.fromkeys(r["drafter"] for r in rows):
         greedy, t1 = by.get((name, "chain")), by.get((name, "t1"))
         any_row = greedy or t1
@@ -566,7 +612,13 @@ def frontier_table(rows: list[dict]) -> None:
             return "-" if r is None or r.get("expected_accepted") is None else f"{1 + r['expected_accepted']:.2f}"
 
         ratio = f"{t1['tau'] / base['tau']:.2f}x" if t1 and base else "-"
-        print(f"| {name} | {any_row['steps']} | {any_row['train_s']:.0f} | {tau(greedy)} | {tau(t1)} | {ratio} | "
+        # the draft's decode cost a round in target steps: its forwards a round (a chain: 7; a block: 1) x c
+        forwards = any_row.get("draft_forwards_per_round") or any_row["gamma"]
+        cpu = f" ({any_row['cpu_s']:.0f})" if any_row.get("cpu_s") else ""
+        print(f"| {name} | {any_row['trainable_params'] / 1e6:.2f}M | {any_row['steps']} | "
+              f"{any_row['train_s']:.0f}{cpu} | "
+              f"{tau(greedy)} | {tau(t1)} | {ratio} | {any_row['cost_ratio']:.3f} | {forwards:.1f} | "
+              f"{forwards * any_row['cost_ratio']:.2f} | "
               f"{_cells(greedy and greedy['acceptance_conditional'])} | {_cells(t1 and t1['acceptance_conditional'])} | "
               f"{length(greedy)} / {length(t1)} | {greedy['lossless'] if greedy else '-'} |")
 
@@ -581,8 +633,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--suite", choices=list(SUITES), default="spec",
                         help="spec: the Llama bench target and its drafters; mtp: MTP heads beside GLIDE on a GLM-4-MoE "
-                             "bench target (configs/bench-target-mtp.toml); frontier: the block drafts (dflash, "
-                             "dflash2, dspark, lilicorr) and eagle3 on one contract, 7 drafts a round, all on "
+                             "bench target (configs/bench-target-mtp.toml); frontier: the block drafts (" + FRONTIER +
+                             ") on one contract, 7 drafts a round, all on "
                              "regenerated data (--target, --out, --only, --modes, --gamma default to the suite's)")
     parser.add_argument("--target-steps", type=int,
                         help="train the suite's target this many steps instead of its config's (name a --target of "
@@ -617,6 +669,9 @@ def main() -> int:
                         help="only print the loop check of these models (e.g. exported checkpoints of a target)")
     parser.add_argument("--reuse-trained", action="store_true",
                         help="decode with drafters an earlier invocation trained (same --out) instead of retraining")
+    parser.add_argument("--train-only", action="store_true",
+                        help="train (and record) the drafters, decode none: several invocations with the same --out "
+                             "can train recipes side by side, one --reuse-trained invocation decodes them all")
     args = parser.parse_args()
     suite = SUITES[args.suite]
     args.target_config = suite["target_config"]
@@ -650,7 +705,8 @@ def main() -> int:
     probed = [recipes[name].probe_as or name for name in names
               if recipes[name].train_args and not recipes[name].imports
               and not (args.reuse_trained and (args.out / f"{name}.train.json").is_file())]
-    step_s = {name: probe(args, recipes[name]) for name in dict.fromkeys(probed)}
+    scale = load_scale(args, names, recipes) if probed else 1.0
+    step_s = {name: probe(args, recipes[name]) * scale for name in dict.fromkeys(probed)}
     for name in names:
         recipe, record = recipes[name], args.out / f"{name}.train.json"
         if recipe.imports:
@@ -667,6 +723,8 @@ def main() -> int:
             trained[name] = {"trainable_params": 0, "train_s": 0.0, "wall_s": 0.0, "steps": 0,
                              "train_tokens_per_s": None, "run": None}
 
+    if args.train_only:
+        return 0
     target, tokenizer, prompts, loops = loops_of(args, Path(args.target))
     target_params = params_read(target)
     rows = []
@@ -690,37 +748,46 @@ def main() -> int:
                                                 "expected_accepted", "tau_by_position", "draft_forwards_per_round",
                                                 "tokens_per_s_spec", "tokens_per_s_target", "speedup", "lossless")}})
 
-    rows = merged(args, rows, retrained)
-    print(f"\nspec bench: target {args.target}; " + "; ".join(
-          f"{who}: distinct-1/2/3 {r['distinct_1']:.2f} / {r['distinct_2']:.2f} / {r['distinct_3']:.2f}, "
-          f"lookup tau {r['lookup_tau']:.2f}" for who, r in (("its greedy outputs", loops["target"]),
-                                                              ("its T = 1 samples", loops["target_t1"]),
-                                                              ("the real continuations", loops["real"]))))
-    budget = f"{args.steps} steps" if args.steps else f"{args.train_seconds:.0f} {args.budget} s"
-    print(f"gamma {args.gamma}, "
-          f"tree {','.join(map(str, TREE))}, dynamic tree {DYNAMIC}, {args.prompts} held-out prompts x {args.max_new_tokens} new tokens; "
-          f"{budget} of training per drafter (8 x 256 tokens per step); "
-          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| drafter | mode | gamma | trainable params | steps | probe s/step | train s | tau | acceptance (conditional, "
-          "k=1..) | sum_k prod acc | tau by output position (per 64 tokens) | draft fwd / round | spec tok/s | "
-          "target tok/s | speedup | c | projected | c (8B) | projected (8B) | lossless |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        acc = ", ".join(f"{a:.2f}" if a is not None else "n/a" for a in r["acceptance_conditional"])
-        lossless = "n/a (sampled)" if r["lossless"] is None else r["lossless"]
-        by_position = ", ".join(f"{t:.2f}" for t in r.get("tau_by_position") or [])
-        forwards = r.get("draft_forwards_per_round")
-        print(f"| {r['drafter']} | {r['mode']} | {r.get('gamma', args.gamma)} | {r['trainable_params'] / 1e6:.2f}M | "
-              f"{r['steps']} | {r.get('probe_step_s') or 0:.3f} | {r['train_s']:.0f} | {r['tau']:.2f} | {acc} | "
-              f"{r.get('expected_accepted') or 0:.2f} | {by_position} | {'-' if forwards is None else f'{forwards:.1f}'} | "
-              f"{r['tokens_per_s_spec']:.0f} | {r['tokens_per_s_target']:.0f} | "
-              f"{r['speedup']:.2f}x | {r['cost_ratio']:.3f} | {r['projected_speedup']:.2f}x | {r['cost_ratio_8b']:.3f} | "
-              f"{r['projected_speedup_8b']:.2f}x | {lossless} |")
-    if args.suite == "frontier":
-        frontier_table(rows)
-    (args.out / "results.json").write_text(json.dumps({"settings": settings(args), "target_loops": loops,
-                                                       "rows": rows}, indent=2) + "\n")
-    return 0 if all(r["lossless"] is not False for r in rows) else 1
+    # Invocations decoding side by side with the same --out (one per recipe) merge their rows in turn.
+    with open(args.out / "results.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = merged(args, rows, retrained)
+        f2 = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731  (a reused run's loop check may be unset)
+        print(f"\nspec bench: target {args.target}; " + "; ".join(
+              f"{who}: distinct-1/2/3 {f2(r['distinct_1'])} / {f2(r['distinct_2'])} / {f2(r['distinct_3'])}, "
+              f"lookup tau {f2(r['lookup_tau'])}" for who, r in (("its greedy outputs", loops["target"]),
+                                                                  ("its T = 1 samples", loops["target_t1"]),
+                                                                  ("the real continuations", loops["real"]))))
+        budget = f"{args.steps} steps" if args.steps else f"{args.train_seconds:.0f} {args.budget} s"
+        print(f"gamma {args.gamma}, tree {','.join(map(str, TREE))}, dynamic tree {DYNAMIC}, "
+              f"{args.prompts} held-out prompts x {args.max_new_tokens} new tokens; "
+              f"{budget} of training per drafter (8 x 256 tokens per step); "
+              f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads")
+        print("| drafter | mode | gamma | trainable params | steps | probe s/step | train s | tau | "
+              "acceptance (conditional, k=1..) | sum_k prod acc | tau by output position (per 64 tokens) | "
+              "draft fwd / round | spec tok/s | "
+              "target tok/s | speedup | c | projected | c (8B) | projected (8B) | lossless |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            acc = ", ".join(f"{a:.2f}" if a is not None else "n/a" for a in r["acceptance_conditional"])
+            lossless = "n/a (sampled)" if r["lossless"] is None else r["lossless"]
+            by_position = ", ".join(f"{t:.2f}" for t in r.get("tau_by_position") or [])
+            forwards = r.get("draft_forwards_per_round")
+            print(f"| {r['drafter']} | {r['mode']} | {r.get('gamma', args.gamma)} | "
+                  f"{r['trainable_params'] / 1e6:.2f}M | "
+                  f"{r['steps']} | {r.get('probe_step_s') or 0:.3f} | {r['train_s']:.0f} | {r['tau']:.2f} | {acc} | "
+                  f"{r.get('expected_accepted') or 0:.2f} | {by_position} | "
+                  f"{'-' if forwards is None else f'{forwards:.1f}'} | "
+                  f"{r['tokens_per_s_spec']:.0f} | {r['tokens_per_s_target']:.0f} | "
+                  f"{r['speedup']:.2f}x | {r['cost_ratio']:.3f} | {r['projected_speedup']:.2f}x | "
+                  f"{r['cost_ratio_8b']:.3f} | "
+                  f"{r['projected_speedup_8b']:.2f}x | {lossless} |")
+        if args.suite == "frontier":
+            frontier_table(rows)
+        (args.out / "results.json").write_text(json.dumps({"settings": settings(args), "target_loops": loops,
+                                                           "rows": rows}, indent=2) + "\n")
+        return 0 if all(r["lossless"] is not False for r in rows) else 1
 
 
 if __name__ == "__main__":
