@@ -221,7 +221,7 @@ class Trainer:
 
     def _owed(self) -> list[tuple[Callback, list[Path]]]:
         """The end-of-run outputs a finished run lacks (a kill after its final checkpoint, before its export landed):
-        rank 0's verdict, callback by callback, on every rank (writing one may be collective)."""
+        missing on any rank is missing on all, callback by callback (writing one may be collective)."""
         owed = []
         for cb in self.callbacks:
             missing = cb.owed(self)
