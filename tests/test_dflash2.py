@@ -14,7 +14,8 @@ from treadle.cli import main
 from treadle.drafts.dflash.model import DFlashDraft, DFlashModel
 from treadle.drafts.dflash2 import layout
 from treadle.drafts.dflash2.drafter import DFlash2Drafter
-from treadle.drafts.dflash2.model import DFlash2Draft, DFlash2Model, load_dflash2
+from treadle.drafts.dflash2.kind import DFLASH2
+from treadle.drafts.dflash2.model import DFlash2Draft, DFlash2Model
 from treadle.drafts.targets import capture_features
 from treadle.errors import UserError
 from treadle.models.hf import greedy_continuations
@@ -216,7 +217,6 @@ def test_the_export_is_what_vllms_dflash2_loader_reads(tmp_path):
     kernel_projection [2 * taps * d / conv_group_size, d]; the selector's codebooks [vocab, rank] and
     hidden_projection [rank, d]; DFlash's names otherwise; no embedding, head or auto_map. Read back: the same draft;
     a tensor missing, a required key missing or another logit transform is refused in one line."""
-    from treadle.drafts.dflash2.kind import DFLASH2
 
     model = dflash2(layers=3)
     draft = model.draft_model
@@ -248,18 +248,18 @@ def test_the_export_is_what_vllms_dflash2_loader_reads(tmp_path):
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
     save_file({"model." + k: v for k, v in tensors.items()}, str(directory / "model.safetensors"))
-    again = load_dflash2(directory, model.target).draft_model
+    again = DFLASH2.load(directory, model.target).draft_model
     assert again.conv_shape == (2, 8) and again.selector.top_k == 4 and again.block_size == 6
     assert all(torch.equal(again.state_dict()[k], v) for k, v in weights.items())
     for bad, match in ((dict(dc, selector_rank=None), "dflash_config.selector_rank = None"),
                        (dict(dc, output_multiplier=0.5), "output_multiplier = 0.5 but the target's")):
         (directory / "config.json").write_text(json.dumps({**config, "dflash_config": bad}))
         with pytest.raises(UserError, match=match):
-            load_dflash2(directory, model.target)
+            DFLASH2.load(directory, model.target)
     (directory / "config.json").write_text(json.dumps(config))
     save_file({k: v for k, v in tensors.items() if "mlp_conv" not in k}, str(directory / "model.safetensors"))
     with pytest.raises(UserError, match="missing"):
-        load_dflash2(directory, model.target)
+        DFLASH2.load(directory, model.target)
 
 
 def test_a_softcapped_targets_transform_is_written_where_vllm_reads_it():

@@ -83,9 +83,14 @@ class DFlashDrafter:
     @torch.inference_mode()
     def propose(self, context_ids: torch.Tensor, state: TargetState, gamma: int, sampler: Sampler) -> Proposal:
         if gamma > self.block_size - 1:
-            raise ValueError(f"gamma {gamma} exceeds what one DFlash forward proposes (block_size - 1 = "
+            raise ValueError(f"gamma {gamma} exceeds what one {self.name} forward proposes (block_size - 1 = "
                              f"{self.block_size - 1}); accepted: --gamma <= {self.block_size - 1}")
         self._absorb(context_ids, state)
+        return self.draw(context_ids, gamma, sampler)
+
+    def draw(self, context_ids: torch.Tensor, gamma: int, sampler: Sampler) -> Proposal:
+        """Slots 1..gamma of the block anchored at the last token, the context rows absorbed: each slot's own
+        distribution (a kind that walks its slots, each after the token before it, overrides this)."""
         logits = self.block_logits(context_ids)[:gamma]
         if sampler.greedy:
             return Proposal(logits.argmax(-1).tolist())

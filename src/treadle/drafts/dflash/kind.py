@@ -1,4 +1,5 @@
-"""DFlash as a draft kind (drafts/kind.py): its model, objective, drafter and layout behind one object."""
+"""DFlash as a draft kind (drafts/kind.py), and ``BlockKind``: what every block draft on DFlash's backbone (DFlash2,
+DSpark, DSpine, LiLiCorr, XPress) does through DFlash's functions with its own classes and layout."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from treadle.drafts.dflash.objective import DFlashObjective, dflash_setup
 from treadle.drafts.kind import DraftKind
 
 
-class DFlash(DraftKind):
-    """DFlash's kind. A kind built on its backbone that differs only in its classes and layout (DSpark) subclasses it
-    and names them."""
+class BlockKind(DraftKind):
+    """A block draft on DFlash's backbone: built, loaded, set up, decoded and exported by DFlash's functions with the
+    kind's ``model_class``, ``objective_class``, ``drafter_class`` and ``layout``. A kind on the backbone subclasses
+    this, names its classes, and overrides only what differs (DSpine's build, DSpark's stages)."""
 
     settings = settings
     model_class = DFlashModel  # what build_dflash / load_dflash make
@@ -43,10 +45,14 @@ class DFlash(DraftKind):
         return dflash_layout.drafts_per_block(config)
 
     def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
-        """Always the layout vLLM and SGLang load; DFlash's is z-lab's DFlashDraftModel one (dflash/layout.py:
-        config.json a Qwen3 config with dflash_config, ``model.safetensors`` under z-lab's names, no embedding or
-        head)."""
+        """Always the kind's ``layout``, the one its engines load (vLLM's, SGLang's): DFlash's is z-lab's
+        DFlashDraftModel (dflash/layout.py: config.json a Qwen3 config with dflash_config, ``model.safetensors``
+        under z-lab's names, no embedding or head)."""
         return self.layout.export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
+
+
+class DFlash(BlockKind):
+    """DFlash's kind: the block kind that also ships transformers' remote code."""
 
     def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
                     target_dir: Path | None = None) -> None:

@@ -535,8 +535,8 @@ def draft_from_layout(draft_dir, target, where: str, draft_class=None) -> DFlash
     from treadle.models.finite import check_tensors
 
     draft_class = draft_class or DFlashDraft
-    table = draft_class.speculators  # a speculators-format draft read as the layout, for a kind speculators has
-    config = draft_class.layout.read_config(draft_dir, *([table] if table else []))
+    # draft_class.speculators: a speculators-format draft read as the layout, for a kind speculators has
+    config = draft_class.layout.read_config(draft_dir, draft_class.speculators)
     if config is None:
         raise UserError(f"{where} {draft_dir} is not a {draft_class.layout_name()}")
     if "target" in config:

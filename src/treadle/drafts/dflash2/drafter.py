@@ -14,7 +14,7 @@ import torch
 
 from treadle.drafts.dflash.drafter import DFlashDrafter
 from treadle.drafts.dflash2.model import DFlash2Model
-from treadle.speculative.decode import Proposal, TargetState
+from treadle.speculative.decode import Proposal
 from treadle.speculative.sampling import Sampler
 
 
@@ -23,12 +23,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     model: DFlash2Model
 
-    @torch.inference_mode()
-    def propose(self, context_ids: torch.Tensor, state: TargetState, gamma: int, sampler: Sampler) -> Proposal:
-        if gamma > self.block_size - 1:
-            raise ValueError(f"gamma {gamma} exceeds what one DFlash2 forward proposes (block_size - 1 = "
-                             f"{self.block_size - 1}); accepted: --gamma <= {self.block_size - 1}")
-        self._absorb(context_ids, state)
+    def draw(self, context_ids: torch.Tensor, gamma: int, sampler: Sampler) -> Proposal:
         hidden = self.block_hidden(context_ids)[0, :gamma]
         tokens, qs = self.model.walk(hidden, self.model.draft_logits(hidden), int(context_ids[0, -1]),
                                      sampler.draw)

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treadle.data.packed import IGNORE_INDEX
-from treadle.drafts.dflash.model import DFlashDraft, DFlashLayer, DFlashModel, DFlashOutput, build_dflash, load_dflash
+from treadle.drafts.dflash.model import DFlashDraft, DFlashLayer, DFlashModel, DFlashOutput
 from treadle.drafts.dflash2 import layout as dflash2_layout
 from treadle.drafts.dflash2 import settings
 from treadle.drafts.dflash2 import speculators as dflash2_speculators
@@ -281,11 +281,3 @@ class DFlash2Model(DFlashModel):
             qs.append(q)
             previous = token
         return tokens, qs
-
-
-def build_dflash2(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
-    return build_dflash(cfg, data_vocab, data_tokenizer_fingerprint, empty, DFlash2Model)
-
-
-def load_dflash2(draft_dir, target) -> DFlash2Model:
-    return load_dflash(draft_dir, target, DFlash2Model)

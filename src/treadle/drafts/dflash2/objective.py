@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from treadle.drafts.dflash.objective import DFlashObjective, dflash_setup
+from treadle.drafts.dflash.objective import DFlashObjective
 from treadle.drafts.dflash2 import settings
 
 
@@ -27,7 +27,3 @@ class DFlash2Objective(DFlashObjective):
     def row_loss(self, out, token: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, dict]:
         loss, _ = super().row_loss(out, token + self.selector_weight * out.selector_ce, w)
         return loss, {"selector_ce": out.selector_ce.detach().sum()}
-
-
-def dflash2_setup(cfg, model) -> DFlash2Objective:
-    return dflash_setup(cfg, model, DFlash2Objective)

@@ -1,11 +1,11 @@
-"""DSpark as a draft kind (drafts/kind.py): DFlash's (drafts/dflash/kind.py) with DSpark's model, objective,
-drafter and layout."""
+"""DSpark as a draft kind (drafts/kind.py): the block kind (drafts/dflash/kind.py) with DSpark's model, objective,
+drafter and layout, and the stages of a target that shipped them (dspark/v4.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from treadle.drafts.dflash.kind import DFlash
+from treadle.drafts.dflash.kind import BlockKind
 from treadle.drafts.dspark import layout as dspark_layout
 from treadle.drafts.dspark import settings
 from treadle.drafts.dspark import speculators as dspark_speculators
@@ -18,7 +18,7 @@ from treadle.drafts.dspark.objective import DSparkObjective
 STITCHED = "stitched"  # a stages run's export: the target checkpoint with the trained stages put back
 
 
-class DSpark(DFlash):
+class DSpark(BlockKind):
     settings = settings
     model_class = DSparkModel
     objective_class = DSparkObjective

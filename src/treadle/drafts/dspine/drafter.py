@@ -13,7 +13,7 @@ import torch
 
 from treadle.drafts.dflash.drafter import DFlashDrafter
 from treadle.drafts.dspine.model import DSpineModel
-from treadle.speculative.decode import Proposal, TargetState
+from treadle.speculative.decode import Proposal
 from treadle.speculative.sampling import Sampler
 
 
@@ -22,12 +22,7 @@ class DSpineDrafter(DFlashDrafter):
 
     model: DSpineModel
 
-    @torch.inference_mode()
-    def propose(self, context_ids: torch.Tensor, state: TargetState, gamma: int, sampler: Sampler) -> Proposal:
-        if gamma > self.block_size - 1:
-            raise ValueError(f"gamma {gamma} exceeds what one DSpine forward proposes (block_size - 1 = "
-                             f"{self.block_size - 1}); accepted: --gamma <= {self.block_size - 1}")
-        self._absorb(context_ids, state)
+    def draw(self, context_ids: torch.Tensor, gamma: int, sampler: Sampler) -> Proposal:
         hidden = self.block_hidden(context_ids)[0, :gamma]
         before = self.model.spine[0][0, 0, 1 : gamma + 1]
         tokens, qs = self.model.walk(hidden, before, int(context_ids[0, -1]), sampler.draw)

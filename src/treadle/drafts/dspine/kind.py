@@ -1,38 +1,25 @@
-"""DSpine as a draft kind (drafts/kind.py): its model, objective, drafter and layout behind one object."""
+"""DSpine as a draft kind (drafts/kind.py): the block kind (drafts/dflash/kind.py) with DSpine's model, objective,
+drafter and layout; a new draft also gets its transfer codes from the target's head (``build_dspine``)."""
 
 from __future__ import annotations
 
+from treadle.drafts.dflash.kind import BlockKind
 from treadle.drafts.dspine import layout, settings
 from treadle.drafts.dspine.drafter import DSpineDrafter
-from treadle.drafts.dspine.model import build_dspine, load_dspine
-from treadle.drafts.dspine.objective import dspine_setup
-from treadle.drafts.kind import DraftKind
+from treadle.drafts.dspine.model import DSpineModel, build_dspine
+from treadle.drafts.dspine.objective import DSpineObjective
 
 
-class DSpine(DraftKind):
+class DSpine(BlockKind):
     settings = settings
-    read_config = staticmethod(layout.read_config)
+    model_class = DSpineModel
+    objective_class = DSpineObjective
+    drafter_class = DSpineDrafter
+    layout = layout  # SpecForge's DSpineDraftModel layout (dspine/layout.py)
+    speculators = None  # speculators 0.9.0 has no DSpine class
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_dspine(cfg, data_vocab, data_tokenizer_fingerprint, empty)
-
-    def load(self, draft_dir, target):
-        return load_dspine(draft_dir, target)
-
-    def setup(self, cfg, model, datasets):
-        return dspine_setup(cfg, model)
-
-    def drafter(self, model):
-        return DSpineDrafter(model)
-
-    def max_gamma(self, config: dict) -> int | None:
-        from treadle.drafts.dflash.layout import drafts_per_block
-
-        return drafts_per_block(config)
-
-    def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
-        """Always SpecForge's DSpineDraftModel layout (dspine/layout.py)."""
-        return layout.export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
 
 
 DSPINE = DSpine()

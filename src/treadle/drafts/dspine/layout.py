@@ -20,6 +20,8 @@ block_size}`` in z-lab's layer convention, the same backbone tensors, no embeddi
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from treadle.drafts.dflash import layout as dflash_layout
@@ -46,8 +48,10 @@ def is_layout(config: dict) -> bool:
     return ARCHITECTURE in (config.get("architectures") or ()) and "dflash_config" in config
 
 
-def read_config(draft_dir) -> dict | None:
-    return layout_config(draft_dir, is_layout, "dspine")
+def read_config(draft_dir, speculators: ModuleType | None = None) -> dict | None:
+    """The config.json of a DSpine draft in this layout, or None (``speculators``: the kind's table, None today:
+    speculators 0.9.0 has no class for the kind)."""
+    return layout_config(draft_dir, is_layout, "dspine", speculators)
 
 
 def dspine_config(draft) -> dict:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treadle.data.packed import IGNORE_INDEX
-from treadle.drafts.dflash.model import DFlashDraft, DFlashModel, DFlashOutput, build_dflash, load_dflash
+from treadle.drafts.dflash.model import DFlashDraft, DFlashModel, DFlashOutput, build_dflash
 from treadle.drafts.dspine import layout as dspine_layout
 from treadle.drafts.dspine import settings
 from treadle.drafts.glide.model import init_linears
@@ -314,7 +314,3 @@ def build_dspine(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, e
     if cfg.init is None:
         init_transfer(model, target_dir)
     return model, target_dir, ident
-
-
-def load_dspine(draft_dir, target) -> DSpineModel:
-    return load_dflash(draft_dir, target, DSpineModel)

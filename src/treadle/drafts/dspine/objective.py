@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from treadle.drafts.dflash.objective import DFlashObjective, dflash_setup
+from treadle.drafts.dflash.objective import DFlashObjective
 from treadle.drafts.dspine import settings
 
 
@@ -32,7 +32,3 @@ class DSpineObjective(DFlashObjective):
         side = {"spine_l1": out.spine_l1.detach().sum(), "refinement": out.refinement.detach().sum(),
                 "alignment": out.alignment.detach().sum(), "candidate_coverage": out.covered.sum().double()}
         return (per_slot * w).sum((1, 2)), side
-
-
-def dspine_setup(cfg, model) -> DSpineObjective:
-    return dflash_setup(cfg, model, DSpineObjective)

@@ -44,12 +44,7 @@ class LiLiCorrDrafter(DFlashDrafter):
         start, pair = model.lattice(hidden, ids, log_probs, self.anchor.view(1, 1, -1), valid)
         return ids[0, 0], start[0, 0], pair[0, 0]
 
-    @torch.inference_mode()
-    def propose(self, context_ids: torch.Tensor, state: TargetState, gamma: int, sampler: Sampler) -> Proposal:
-        if gamma > self.block_size - 1:
-            raise ValueError(f"gamma {gamma} exceeds what one LiLiCorr forward proposes (block_size - 1 = "
-                             f"{self.block_size - 1}); accepted: --gamma <= {self.block_size - 1}")
-        self._absorb(context_ids, state)
+    def draw(self, context_ids: torch.Tensor, gamma: int, sampler: Sampler) -> Proposal:
         ids, start, pair = self.lattice(context_ids, gamma)
         if sampler.greedy:
             pick = greedy_walk(start[None], pair[None])[0]

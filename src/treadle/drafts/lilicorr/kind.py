@@ -1,13 +1,14 @@
-"""LiLiCorr as a draft kind (drafts/kind.py): a block-draft backbone (drafts/dflash/) and its correlator, built,
-loaded and trained through DFlash's hooks (``build_dflash`` / ``load_dflash`` with ``LiLiCorrModel``)."""
+"""LiLiCorr as a draft kind (drafts/kind.py): the block kind (drafts/dflash/kind.py) with LiLiCorr's model (a
+block-draft backbone and its correlator), objective, drafter and layout; ``draft.init`` also takes a DFlash or
+DFlash2 draft as the backbone (``build``)."""
 
 from __future__ import annotations
 
-from treadle.drafts.dflash.model import DFlashModel, build_dflash, check_init_keys, load_dflash
+from treadle.drafts.dflash.kind import BlockKind
+from treadle.drafts.dflash.model import DFlashModel, build_dflash, check_init_keys
 from treadle.drafts.dflash2 import layout as dflash2_layout
 from treadle.drafts.dflash2.model import DFlash2Model
-from treadle.drafts.dflash.objective import dflash_setup
-from treadle.drafts.kind import DraftKind, init_dir
+from treadle.drafts.kind import init_dir
 from treadle.drafts.lilicorr import layout, settings
 from treadle.drafts.lilicorr.drafter import LiLiCorrDrafter
 from treadle.drafts.lilicorr.model import LiLiCorrModel, build_draft
@@ -35,30 +36,16 @@ def build(cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: b
     return model, target_dir, ident
 
 
-class LiLiCorr(DraftKind):
+class LiLiCorr(BlockKind):
     settings = settings
-    read_config = staticmethod(layout.read_config)
+    model_class = LiLiCorrModel
+    objective_class = LiLiCorrObjective
+    drafter_class = LiLiCorrDrafter
+    layout = layout  # the LiLiCorrDraftModel layout vLLM loads (lilicorr/layout.py)
+    speculators = None  # speculators 0.9.0 has no LiLiCorr class
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build(cfg, data_vocab, data_tokenizer_fingerprint, empty)
-
-    def load(self, draft_dir, target):
-        return load_dflash(draft_dir, target, LiLiCorrModel)
-
-    def setup(self, cfg, model, datasets):
-        return dflash_setup(cfg, model, LiLiCorrObjective)
-
-    def drafter(self, model):
-        return LiLiCorrDrafter(model)
-
-    def max_gamma(self, config: dict) -> int | None:
-        from treadle.drafts.dflash.layout import drafts_per_block
-
-        return drafts_per_block(config)
-
-    def export(self, draft, weights: dict, target_config, torch_dtype, dtype: str, meta: dict) -> tuple[dict, dict]:
-        """Always the LiLiCorrDraftModel layout vLLM loads (lilicorr/layout.py)."""
-        return layout.export(draft, weights, target_config, torch_dtype, {**draft.export_config(), **meta})
 
 
 LILICORR = LiLiCorr()

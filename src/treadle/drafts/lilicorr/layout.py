@@ -24,6 +24,8 @@ is checked both ways, as for DFlash: a name left over or missing is refused.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from pathlib import Path
 
 from treadle.drafts.kind import layout_config
@@ -44,8 +46,10 @@ def is_layout(config: dict) -> bool:
     return ARCHITECTURE in (config.get("architectures") or ()) and "dflash_config" in config
 
 
-def read_config(draft_dir) -> dict | None:
-    return layout_config(draft_dir, is_layout, "lilicorr")
+def read_config(draft_dir, speculators: ModuleType | None = None) -> dict | None:
+    """The config.json of a LiLiCorr draft in this layout, or None (``speculators``: the kind's table, None today:
+    speculators 0.9.0 has no class for the kind)."""
+    return layout_config(draft_dir, is_layout, "lilicorr", speculators)
 
 
 def split(weights: dict) -> tuple[dict, dict]:

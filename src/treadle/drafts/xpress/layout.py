@@ -17,6 +17,8 @@ speculators' ``XPressSpeculator`` layout instead (xpress/speculators.py), and ``
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from treadle.drafts.dflash import layout as dflash_layout
 from treadle.drafts.dflash.model import check_feature_layers
 from treadle.drafts.kind import layout_config
@@ -41,9 +43,10 @@ def is_layout(config: dict) -> bool:
     return ARCHITECTURE in (config.get("architectures") or ()) and "dflash_config" in config
 
 
-def read_config(draft_dir) -> dict | None:
-    """config.json of an XPress draft in either layout (vLLM's or speculators'), or None."""
-    return layout_config(draft_dir, lambda c: is_layout(c) or speculators.is_layout(c), "xpress")
+def read_config(draft_dir, table: ModuleType | None = None) -> dict | None:
+    """config.json of an XPress draft in either layout (vLLM's or speculators'), or None. ``table``: as the other
+    block layouts' (drafts/kind.py ``layout_config``), None here: this layout reads speculators' config itself."""
+    return layout_config(draft_dir, lambda c: is_layout(c) or speculators.is_layout(c), "xpress", table)
 
 
 def layout_name() -> str:
