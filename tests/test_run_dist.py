@@ -222,10 +222,12 @@ DSPARK = ["--draft.kind=dspark", "--draft.block_size=5", "--draft.num_layers=2",
 LILICORR = ["--draft.kind=lilicorr", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4",
             "--draft.anchors=4", "--draft.candidates=4"]
 DRAFT_ENGINES["dspark-zero3"] = DRAFT_ENGINES["zero3"] + DSPARK
-# DSpine on ZeRO-3: its injection gates gathered by their own forwards; its transfer codes (a buffer computed from the
-# target's head when the draft is new) read from the target's files, the target being built empty there.
+# DSpine on both: on ZeRO-3 its injection gates gathered by their own forwards, its transfer codes (a buffer computed
+# from the target's head when the draft is new) read from the target's files, the target being built empty there; on
+# fsdp2 the injection module (every layer's gates and readouts) in the root unit, the codes a buffer every rank holds.
 DSPINE = ["--draft.kind=dspine", "--draft.block_size=6", "--draft.num_layers=2", "--draft.gamma=4", "--draft.anchors=4",
           "--draft.candidates=4"]
+DRAFT_ENGINES["dspine-fsdp2"] = DRAFT_ENGINES["fsdp2"] + DSPINE
 DRAFT_ENGINES["dspine-zero3"] = DRAFT_ENGINES["zero3"] + DSPINE
 DRAFT_ENGINES["lilicorr-fsdp2"] = DRAFT_ENGINES["fsdp2"] + LILICORR
 # XPress on both (its refiner in the root unit on fsdp2; on ZeRO-3 gathered by its own forwards, the Jacobi passes'
@@ -302,7 +304,7 @@ def _checkpoint_tensor_names(step_dir) -> list[str]:
 
 def test_draft_runs_at_world_size_2_on_fsdp2_zero3_and_context_parallel(shards, target_dir, eagle3_target_dir,
                                                                          tmp_path):
-    res = run_distributed(_draft_runs, world_size=2, timeout=360, shards=shards, target_dir=target_dir,
+    res = run_distributed(_draft_runs, world_size=2, timeout=600, shards=shards, target_dir=target_dir,
                           eagle3_target_dir=eagle3_target_dir, out=tmp_path)[0]
     one = {kind: tmp_path / f"one-{kind}" for kind in ONE_PROCESS}
     for kind, extra in ONE_PROCESS.items():
