@@ -24,7 +24,7 @@ class BlockKind(DraftKind):
     objective_class = DFlashObjective
     drafter_class = DFlashDrafter
     layout = dflash_layout  # whose ``export`` writes the consumers' layout
-    speculators = dflash_speculators  # `treadle export --to speculators`, draft.init of that format
+    # ``speculators``: DraftKind's None unless the kind names its own table (a kind never inherits DFlash's)
 
     def read_config(self, draft_dir) -> dict | None:
         return self.layout.read_config(draft_dir, self.speculators)
@@ -53,6 +53,8 @@ class BlockKind(DraftKind):
 
 class DFlash(BlockKind):
     """DFlash's kind: the block kind that also ships transformers' remote code."""
+
+    speculators = dflash_speculators  # `treadle export --to speculators`, draft.init of that format
 
     def write_extra(self, directory: Path, weights: dict, config: dict | None = None,
                     target_dir: Path | None = None) -> None:

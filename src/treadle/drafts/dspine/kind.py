@@ -16,7 +16,6 @@ class DSpine(BlockKind):
     objective_class = DSpineObjective
     drafter_class = DSpineDrafter
     layout = layout  # SpecForge's DSpineDraftModel layout (dspine/layout.py)
-    speculators = None  # speculators 0.9.0 has no DSpine class
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build_dspine(cfg, data_vocab, data_tokenizer_fingerprint, empty)

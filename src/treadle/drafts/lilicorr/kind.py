@@ -42,7 +42,6 @@ class LiLiCorr(BlockKind):
     objective_class = LiLiCorrObjective
     drafter_class = LiLiCorrDrafter
     layout = layout  # the LiLiCorrDraftModel layout vLLM loads (lilicorr/layout.py)
-    speculators = None  # speculators 0.9.0 has no LiLiCorr class
 
     def build(self, cfg, data_vocab: int, data_tokenizer_fingerprint: str | None, empty: bool = False):
         return build(cfg, data_vocab, data_tokenizer_fingerprint, empty)
